@@ -1,0 +1,134 @@
+"""The ``plan`` command: profile, solve, simulate, inspect, diff, hardware.
+
+Each verb's work lives in its own module (imported only when that verb runs, so ``plan
+inspect`` never pays for importing torch). This file only parses arguments and turns a
+``UserError`` into one line on stderr and the documented exit code:
+0 done, 2 bad input, 3 no plan fits the budgets, 130 interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import UserError
+
+EPILOG = {
+    "profile": "example: plan profile gpt2-small --batch 8 --seq 1024 --device meta --hardware a100-80g",
+    "solve": "example: plan solve profiles/gpt2-xl-b8-s1024.json --gpu-mem 36G --cpu-mem 512G --hardware a100-80g",
+    "simulate": "example: plan simulate plans/gpt2-xl-b8-s1024-36G.json --json",
+    "inspect": "example: plan inspect plans/gpt2-xl-b8-s1024-36G.json --plot plan.png",
+    "diff": "example: plan diff plans/a-80G.json plans/a-36G.json",
+    "hardware": "example: plan hardware --nvme-dir /tmp/tierplan-probe -o profiles/hardware/this-host.yaml",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports usage errors as one line with exit code 2 (no usage dump)."""
+
+    def error(self, message):
+        raise UserError(f"{self.prog}: {message} (see '{self.prog} --help')")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="plan", description="Plan activation checkpointing, offloading and "
+                "transfer timing for a training step that must fit in memory.")
+    sub = p.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
+
+    def verb(name, help_):
+        return sub.add_parser(name, help=help_, description=help_, epilog=EPILOG[name],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    q = verb("profile", "Record per-unit memory, FLOPs and times of a model at one shape.")
+    q.add_argument("model", help="built-in name (gpt2-small, llama3-8b, ...), a model YAML, "
+                   "or package.module:function returning (module, inputs)")
+    q.add_argument("--batch", required=True, help="batch size (positive integer)")
+    q.add_argument("--seq", required=True, help="sequence length (positive integer)")
+    q.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="compute dtype (default: the model's own; bf16 for built-ins)")
+    q.add_argument("--device", choices=["meta", "cpu", "cuda"], default="meta",
+                   help="meta: shapes/bytes/FLOPs without allocating, times estimated; "
+                   "cpu/cuda: also measure times (default: meta)")
+    q.add_argument("--hardware", default="cpu-host", help="spec name or YAML (default: cpu-host)")
+    q.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    q.add_argument("--blocks", default=None, help="attribute path of the block list, e.g. "
+                   "transformer.h (default: found automatically)")
+    q.add_argument("--repeats", type=int, default=5, help="timed repeats per unit (cpu/cuda)")
+    q.add_argument("-o", "--output", default=None, help="output file (default: profiles/<name>.json)")
+
+    q = verb("solve", "Choose per-unit activation placement and transfer timing under budgets.")
+    q.add_argument("profile", help="profile JSON written by 'plan profile'")
+    q.add_argument("--gpu-mem", required=True, help="GPU memory budget, e.g. 80G")
+    q.add_argument("--cpu-mem", default=None, help="host memory budget (0 or omitted on "
+                   "unified-memory specs such as cpu-host)")
+    q.add_argument("--nvme-mem", default="0", help="NVMe budget (default 0: no NVMe tier)")
+    q.add_argument("--nvme-dir", default=None, help="directory for NVMe offload files "
+                   "(created if missing, left as found)")
+    q.add_argument("--hardware", default=None, help="spec name or YAML (default: the profile's)")
+    q.add_argument("--solver", choices=["cbc", "highs"], default="cbc")
+    q.add_argument("--time-limit", type=float, default=60.0, help="solver time limit, seconds")
+    q.add_argument("--gap", type=float, default=0.01, help="relative optimality gap to stop at")
+    q.add_argument("--policy", choices=["optimal", "keep-all", "recompute-all", "sqrt",
+                                        "offload-all", "remat-only"], default="optimal")
+    q.add_argument("-o", "--output", default=None, help="output file (default: plans/<profile>-<gpu>.json)")
+
+    q = verb("simulate", "Replay a plan event by event: step time, peaks, stream busy time.")
+    q.add_argument("plan")
+    q.add_argument("--json", action="store_true", help="print one JSON object")
+
+    q = verb("inspect", "Explain a plan (or a profile): per-unit table, totals, binding constraints.")
+    q.add_argument("plan", help="plan or profile JSON")
+    q.add_argument("--plot", default=None, metavar="FILE.png", help="draw memory per tier and the streams")
+    q.add_argument("--report", default=None, metavar="REPORT.json",
+                   help="a runtime report to show measured beside predicted")
+    q.add_argument("--json", action="store_true")
+
+    q = verb("diff", "Compare two plans: changed decisions, predicted time and peaks.")
+    q.add_argument("a")
+    q.add_argument("b")
+    q.add_argument("--json", action="store_true")
+
+    q = verb("hardware", "Measure this host and write a hardware spec.")
+    q.add_argument("--nvme-dir", default=None, help="where to probe disk bandwidth (default: a temp dir)")
+    q.add_argument("--size", default="1G", help="bytes written and read by the disk probe")
+    q.add_argument("-o", "--output", default=None, help="output YAML (default: print it)")
+    return p
+
+
+def _dispatch(args) -> int:
+    if args.verb == "profile":
+        from .profiler import cli_profile as run
+    elif args.verb == "solve":
+        from .solve import cli_solve as run
+    elif args.verb == "simulate":
+        from .simulate import cli_simulate as run
+    elif args.verb == "inspect":
+        from .inspect import cli_inspect as run
+    elif args.verb == "diff":
+        from .diff import cli_diff as run
+    elif args.verb == "hardware":
+        from .measure import cli_hardware as run
+    else:
+        raise AssertionError(args.verb)
+    return run(args) or 0
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if not args.verb:
+            parser.print_help()
+            return 2
+        return _dispatch(args)
+    except UserError as e:
+        print(f"plan: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("plan: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
