@@ -1,0 +1,44 @@
+"""FLOP formulas that ``torch.utils.flop_counter`` lacks, registered in its table.
+
+``FlopCounterMode`` counts the CUDA flash/efficient/cuDNN attention kernels but has no entry for
+the CPU flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu``), which is what
+``scaled_dot_product_attention`` runs on CPU without dropout: without these entries every
+attention FLOP of a CPU profile would be silently dropped.
+
+``op_flops(func, args, kwargs, out)`` is the lookup the profiler's dispatch mode uses; it applies
+exactly the formulas ``FlopCounterMode`` would.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils import flop_counter as fc
+
+aten = torch.ops.aten
+
+
+def _register():
+    cpu_fwd = aten._scaled_dot_product_flash_attention_for_cpu
+    cpu_bwd = aten._scaled_dot_product_flash_attention_for_cpu_backward
+    if cpu_fwd not in fc.flop_registry:
+        @fc.register_flop_formula(cpu_fwd)
+        def _cpu_flash_fwd(query_shape, key_shape, value_shape, *args, out_shape=None, **kw):
+            # NB: causal masking is not discounted, as for the CUDA kernels in flop_counter.
+            return fc.sdpa_flop_count(query_shape, key_shape, value_shape)
+    if cpu_bwd not in fc.flop_registry:
+        @fc.register_flop_formula(cpu_bwd)
+        def _cpu_flash_bwd(grad_out_shape, query_shape, key_shape, value_shape, *args,
+                           out_shape=None, **kw):
+            # The CPU flash backward recomputes the score matrix like the CUDA one, so it costs
+            # the same five matmuls flop_counter charges the CUDA kernels.
+            return fc.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+_register()
+
+
+def op_flops(func, args, kwargs, out) -> int:
+    """FLOPs of one aten call, by the formulas of ``torch.utils.flop_counter`` (0 if none)."""
+    formula = fc.flop_registry.get(func._overloadpacket)
+    if formula is None:
+        return 0
+    return int(formula(*args, **(kwargs or {}), out_val=out))

@@ -1,0 +1,892 @@
+"""``plan profile``: per-unit bytes, FLOPs and times of one training step of a model.
+
+Units are ``embedding`` (everything before the first block), each block (by qualified name)
+and ``head`` (everything after the last block, the loss included).
+
+How one profile is taken (the same code on ``meta``, ``cpu`` and ``cuda``):
+
+1. One forward of the whole model runs under ``_Tracker``, a TorchDispatchMode that sees every
+   aten call: it charges FLOPs (``torch.utils.flop_counter``'s formulas, plus ours in
+   ``planner.flops``), allocations (each output storage once, freed when its last tensor dies,
+   through ``weakref.finalize``) and parameter use to the unit running. A
+   ``saved_tensors_hooks`` pair records every storage autograd saves, per unit.
+2. Each block is replaced for that forward by a wrapper. The first block of each kind (same
+   class, parameters and input shapes) runs alone: its inputs are detached into fresh leaves,
+   its forward and then its backward run at once under the tracker, so its saved bytes,
+   workspace and backward FLOPs are its own. Later blocks of the same kind run under no_grad
+   without instrumentation and reuse the record: depth costs one meta forward per block.
+   A small autograd function (``_Bridge``) joins each block's output to its inputs in the main
+   graph, so the backward of ``head`` and ``embedding`` runs for real afterwards.
+3. On ``meta``, ``scaled_dot_product_attention`` would fall to the math kernel (O(s^2) saved
+   bytes) whatever the target; ``_TargetAttention`` calls the aten kernel the target runs
+   instead (flash/efficient on CUDA, what ``_fused_sdp_choice`` picks on CPU).
+4. Times: on ``meta``, the sum over aten calls of max(FLOPs / rate, bytes / bandwidth) with the
+   hardware spec's rates; on ``cpu``/``cuda``, measured (warm-up, median of ``repeats``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import statistics
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map
+
+from . import PROFILES_DIR
+from .blocks import find_blocks, structure_hash
+from .errors import UserError
+from .flops import op_flops
+from .formats import PROFILE_SCHEMA, HardwareSpec, Profile, UnitRecord, write_json_atomic
+
+aten = torch.ops.aten
+EMBEDDING, HEAD = "embedding", "head"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+# ----------------------------------------------------------------------------- static state
+
+def static_bytes_per_param(param_dtype: torch.dtype, optimizer: str) -> tuple[int, int, int]:
+    """(weight, grad, optimizer-state) bytes per trainable parameter.
+
+    Mixed precision for 16-bit weights keeps an fp32 master copy (4 bytes); AdamW adds two fp32
+    moments (8 bytes): 2 + 2 + 12 = 16 bytes per parameter (Rajbhandari et al. 2020, ZeRO,
+    Sec. 3.1: "16 bytes of memory per parameter"). fp32 AdamW: 4 + 4 + 8. SGD (no momentum):
+    only the fp32 master for 16-bit weights.
+    """
+    w = torch.empty((), dtype=param_dtype).element_size()
+    master = 4 if w < 4 and param_dtype.is_floating_point else 0
+    moments = 8 if optimizer == "adamw" else 0
+    return w, w, master + moments
+
+
+# ----------------------------------------------------------------------------- attention
+
+def _sdpa_args(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+               enable_gqa=False):
+    return q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa
+
+
+class _TargetAttention(TorchFunctionMode):
+    """Routes ``F.scaled_dot_product_attention`` to the kernel the target hardware runs.
+
+    With ``emulate`` (a meta profile) the target's aten kernel is called explicitly, since on
+    meta PyTorch would decompose into the math kernel. Otherwise the call runs unchanged and only
+    the kernel PyTorch picks is recorded. ``kernels`` collects what was assumed.
+    """
+
+    def __init__(self, target: str, emulate: bool):
+        super().__init__()
+        self.target, self.emulate = target, emulate
+        self.kernels: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        q, k, v, mask, p, causal, scale, gqa = _sdpa_args(*args, **kwargs)
+        if self.target == "cuda":
+            kind = self._cuda_choice(q, k, mask)
+        else:
+            kind = self._cpu_choice(q, k, v, mask, p, causal, scale, gqa)
+        self.kernels.add(kind)
+        if not self.emulate:
+            return func(*args, **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return self._call(kind, q, k, v, mask, p, causal, scale, gqa)
+
+    @staticmethod
+    def _cuda_choice(q, k, mask) -> str:
+        # FlashAttention-2 takes fp16/bf16, head dims up to 256 (multiples of 8) and no explicit
+        # mask; otherwise PyTorch uses the memory-efficient kernel (xFormers), which takes fp32
+        # and additive masks. Both save O(s) bytes (output and log-sum-exp), never s^2.
+        d = q.shape[-1]
+        if q.dtype in (torch.float16, torch.bfloat16) and d <= 256 and d % 8 == 0 and mask is None:
+            return "flash"
+        return "efficient"
+
+    @staticmethod
+    def _cpu_choice(q, k, v, mask, p, causal, scale, gqa) -> str:
+        # Ask PyTorch's CPU selector with tiny CPU tensors of the same dtypes, heads and head
+        # dims: its rules depend on those, on dropout, the mask and grad mode, not on lengths.
+        def small(t):
+            return torch.empty((1,) * (t.dim() - 3) + (t.shape[-3], 1, t.shape[-1]),
+                               dtype=t.dtype, requires_grad=t.requires_grad)
+        m = None
+        if mask is not None:
+            m = torch.empty((1,) * mask.dim(), dtype=mask.dtype)
+        choice = torch._fused_sdp_choice(small(q), small(k), small(v), m, p, causal,
+                                         scale=scale, enable_gqa=gqa)
+        return "cpu-flash" if choice == 1 else "math"
+
+    @staticmethod
+    def _call(kind, q, k, v, mask, p, causal, scale, gqa):
+        if kind == "cpu-flash":
+            return aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, p, causal, attn_mask=mask, scale=scale)[0]
+        if kind == "math":
+            return aten._scaled_dot_product_attention_math(
+                q, k, v, mask, p, causal, None, scale=scale, enable_gqa=gqa)[0]
+        if kind == "flash":
+            return aten._scaled_dot_product_flash_attention(q, k, v, p, causal, False,
+                                                            scale=scale)[0]
+        if k.shape[-3] != q.shape[-3]:
+            # NB: the efficient kernel takes no grouped KV heads; PyTorch expands them first.
+            r = q.shape[-3] // k.shape[-3]
+            k, v = k.repeat_interleave(r, dim=-3), v.repeat_interleave(r, dim=-3)
+        return aten._scaled_dot_product_efficient_attention(
+            q, k, v, mask, q.requires_grad or k.requires_grad, p, causal, scale=scale)[0]
+
+
+# ----------------------------------------------------------------------------- tracking
+
+def _storage_key(t) -> int | None:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
+
+
+def _storage_nbytes(t) -> int:
+    return int(t.untyped_storage().nbytes())
+
+
+@dataclasses.dataclass
+class _Phase:
+    """What one unit did in its forward or backward."""
+    flops: int = 0
+    seconds: float = 0.0      # roofline estimate
+    cur: int = 0              # bytes allocated in this phase and still alive
+    peak: int = 0
+    events: list = dataclasses.field(default_factory=list)   # (key, +/-bytes) for the peak
+
+
+@dataclasses.dataclass
+class _Unit:
+    name: str
+    kind: str
+    fwd: _Phase = dataclasses.field(default_factory=_Phase)
+    bwd: _Phase = dataclasses.field(default_factory=_Phase)
+    saved: dict = dataclasses.field(default_factory=dict)   # storage ident -> (bytes, producer)
+    params: list = dataclasses.field(default_factory=list)
+    input_key: int | None = None
+    input_bytes: int = 0
+    output_bytes: int = 0
+
+
+class _Tracker(TorchDispatchMode):
+    """Charges every aten call's FLOPs, allocations and parameter use to the current unit."""
+
+    def __init__(self, param_keys: dict, static_keys: set, hardware: HardwareSpec, dtype: str):
+        super().__init__()
+        self.param_keys = param_keys          # storage key -> [params]
+        self.static_keys = static_keys        # storages of parameters and buffers
+        self.rate = hardware.flops_per_s(dtype)
+        self.bw = float(hardware.memory_bandwidth) or 1.0
+        self.cpu_on_meta = False              # meta profile of a CPU target
+        self.unit: _Unit | None = None
+        self.phase: str = "fwd"
+        self.paused = 0
+        # Storage keys (StorageImpl addresses) are reused once freed, so each allocation also
+        # gets a serial number that names it for good.
+        self.live: dict = {}                  # storage key -> [bytes, refs, unit, phase, serial]
+        self.producer: dict = {}              # serial -> unit name
+        self.serial = 0
+        self.param_unit: dict = {}            # id(param) -> unit name (first use)
+
+    # -- the bookkeeping
+    def _ph(self) -> _Phase | None:
+        if self.unit is None or self.paused:
+            return None
+        return self.unit.fwd if self.phase == "fwd" else self.unit.bwd
+
+    def _release(self, key):
+        entry = self.live.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] > 0:
+            return
+        del self.live[key]
+        nbytes, _, unit, phase, serial = entry
+        if unit is self.unit and phase == self.phase and not self.paused:
+            ph = self._ph()
+            ph.cur -= nbytes
+            ph.events.append((serial, -nbytes))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is aten._local_scalar_dense.default and args[0].device.type == "meta":
+            # NB: a meta tensor has no value. Models ask for one to pick a code path, and their
+            # boolean questions are "is everything ordinary?" (Hugging Face's mask code asks
+            # whether all positions are unpacked, whether the padding mask is all ones): answer
+            # True, and 0 for numbers, the plain path a batch of full sequences takes.
+            return True if args[0].dtype == torch.bool else \
+                (0.0 if args[0].is_floating_point() else 0)
+        out = func(*args, **kwargs)
+        if self.cpu_on_meta and func is aten.native_layer_norm.default \
+                and args[0].dtype in (torch.float16, torch.bfloat16):
+            # The meta kernel returns mean/rstd in fp32, as the CUDA kernel does; the CPU
+            # kernel keeps them in the input's dtype (layer_norm_cpu: param_scalar_type).
+            out = (out[0], out[1].to(args[0].dtype), out[2].to(args[0].dtype))
+        ph = self._ph()
+        if ph is None:
+            return out
+        unit = self.unit
+        in_keys, moved = set(), 0
+        for a in tree_flatten((args, kwargs))[0]:
+            if isinstance(a, torch.Tensor):
+                key = _storage_key(a)
+                if key is None:
+                    continue
+                for p in self.param_keys.get(key, ()):
+                    self.param_unit.setdefault(id(p), unit.name)
+                if key not in in_keys:
+                    in_keys.add(key)
+                    moved += a.numel() * a.element_size()
+        flops = op_flops(func, args, kwargs, out)
+        ph.flops += flops
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = _storage_key(t)
+            if key is None:
+                continue
+            if key not in in_keys:   # a view of an input moves no bytes
+                moved += t.numel() * t.element_size()
+            entry = self.live.get(key)
+            if entry is None:
+                if key in self.static_keys or key in in_keys:
+                    continue
+                nbytes = _storage_nbytes(t)
+                self.serial += 1
+                entry = self.live[key] = [nbytes, 0, unit, self.phase, self.serial]
+                self.producer[self.serial] = unit.name
+                ph.cur += nbytes
+                ph.peak = max(ph.peak, ph.cur)
+                ph.events.append((self.serial, nbytes))
+            entry[1] += 1
+            weakref.finalize(t, self._release, key)
+        ph.seconds += max(flops / self.rate, moved / self.bw)
+        return out
+
+    def ident(self, t):
+        """A name for ``t``'s storage valid for the whole profile, and its producing unit."""
+        key = _storage_key(t)
+        entry = self.live.get(key)
+        if entry is None:
+            return ("untracked", key), None
+        return entry[4], entry[2].name
+
+    # -- saved tensors
+    def pack(self, t):
+        if self.unit is not None and not self.paused:
+            key = _storage_key(t)
+            if key is not None and key not in self.static_keys:
+                ident, producer = self.ident(t)
+                self.unit.saved.setdefault(ident, (_storage_nbytes(t), producer))
+        return t
+
+    @staticmethod
+    def unpack(t):
+        return t
+
+    def set(self, unit: _Unit | None, phase: str = "fwd"):
+        self.unit, self.phase = unit, phase
+
+
+class _Paused:
+    def __init__(self, tracker):
+        self.tracker = tracker
+
+    def __enter__(self):
+        self.tracker.paused += 1
+
+    def __exit__(self, *exc):
+        self.tracker.paused -= 1
+
+
+class _Bridge(torch.autograd.Function):
+    """Joins a block's outputs (computed apart) to its grad-requiring inputs in the main graph.
+
+    Backward returns zeros of each input's shape: the block's real backward already ran when it
+    was profiled; the main graph only needs a gradient to reach ``embedding``'s backward.
+    """
+
+    @staticmethod
+    def forward(ctx, hook, n_in, *tensors):
+        ctx.hook = hook
+        ctx.shapes = [(t.shape, t.dtype, t.device) for t in tensors[:n_in]]
+        return tuple(t.view_as(t) for t in tensors[n_in:])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.hook()
+        return (None, None, *(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.shapes),
+                *(None for _ in grads))
+
+
+# ----------------------------------------------------------------------------- timing
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median(xs):
+    return float(statistics.median(xs)) if xs else 0.0
+
+
+# ----------------------------------------------------------------------------- the profile
+
+def _sig(x):
+    """Hashable signature of a block's inputs: tensor shapes/dtypes, other values by type."""
+    leaves, spec = tree_flatten(x)
+    out = []
+    for a in leaves:
+        if isinstance(a, torch.Tensor):
+            out.append(("T", tuple(a.shape), str(a.dtype), a.requires_grad, a.device.type))
+        elif isinstance(a, (int, float, bool, str, type(None))):
+            out.append(a)
+        else:
+            out.append(type(a).__name__)
+    return str(spec), tuple(out)
+
+
+def _block_kind(block):
+    return (type(block).__qualname__,
+            tuple((n, tuple(p.shape), str(p.dtype), p.requires_grad)
+                  for n, p in block.named_parameters()),
+            tuple((n, tuple(b.shape), str(b.dtype)) for n, b in block.named_buffers()),
+            block.training)
+
+
+def _leaves(x) -> list:
+    """Tensors in ``x``, looking inside dataclasses and Hugging Face ModelOutputs too."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        x = [getattr(x, f.name) for f in dataclasses.fields(x)]
+    elif hasattr(x, "to_tuple"):
+        x = x.to_tuple()
+    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
+
+
+def _tensor_bytes(x) -> int:
+    seen, total = set(), 0
+    for t in _leaves(x):
+        if isinstance(t, torch.Tensor):
+            key = _storage_key(t)
+            if key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _first_tensor(x):
+    leaves = _leaves(x)
+    return leaves[0] if leaves else None
+
+
+def _loss_of(out):
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    t = _first_tensor(out)
+    if t is None:
+        raise UserError("the model's output has neither .loss nor a tensor; return a loss or "
+                        "logits from its forward")
+    return t.float().sum()
+
+
+def _call(model, inputs):
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def profile_module(model, inputs, *, name: str, hardware: HardwareSpec, dtype: str | None = None,
+                   optimizer: str = "adamw", blocks_path: str | None = None, repeats: int = 5,
+                   config: dict | None = None, batch: int = 0, seq: int = 0,
+                   progress=None) -> Profile:
+    """Profile an already-built ``model`` on ``inputs`` (a dict of keyword arguments or a tuple).
+
+    The device is the parameters' device (``meta``, ``cpu`` or ``cuda``); ``hardware`` is the
+    target the estimate and the attention kernel are for.
+    """
+    if optimizer not in ("adamw", "sgd"):
+        raise UserError(f"--optimizer {optimizer!r}: use adamw or sgd")
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    blocks_path, blocks = find_blocks(model, blocks_path)
+    block_names = [n for n, _ in blocks]
+    if dtype is None:
+        dtype = _DTYPE_NAMES.get(next((p.dtype for p in model.parameters()
+                                       if p.is_floating_point()), torch.float32), "fp32")
+    measure = device.type != "meta"
+    target = "cuda" if hardware.device == "cuda" else "cpu"
+    if measure and device.type != target:
+        raise UserError(f"--device {device.type} cannot measure times for --hardware "
+                        f"{hardware.name} (a {hardware.device} spec); use --device meta or a "
+                        f"{device.type} spec such as cpu-host")
+
+    params = list(dict.fromkeys(model.parameters()))     # tied parameters once
+    param_keys: dict = {}
+    for p in params:
+        param_keys.setdefault(_storage_key(p), []).append(p)
+    static_keys = set(param_keys) | {_storage_key(b) for b in model.buffers()}
+    tracker = _Tracker(param_keys, static_keys, hardware, dtype)
+    attention = _TargetAttention(target, emulate=not measure)
+    tracker.cpu_on_meta = target == "cpu" and not measure
+
+    units = {EMBEDDING: _Unit(EMBEDDING, "embedding")}
+    units.update({n: _Unit(n, "block") for n in block_names})
+    units[HEAD] = _Unit(HEAD, "head")
+    kinds: dict = {}          # block kind + input signature -> representative name
+    rep_of: dict = {}         # block name -> representative block name
+    timing: dict = {}         # unit name -> (fwd samples, bwd samples, measured peak)
+    marks: dict = {}          # main-graph timestamps for embedding/head timing
+    jobs: list = []           # representative blocks to time once the instrumented pass is over
+
+    def note(i, what):
+        if progress:
+            progress(i, len(blocks) + 2, what)
+
+    def wrapper_for(index, bname, block, orig):
+        def wrapped(*args, **kwargs):
+            u = units[bname]
+            if index == 0:
+                _sync(device)
+                marks["emb_fwd_end"] = time.perf_counter()
+            main_in = _first_tensor((args, kwargs))
+            key = (_block_kind(block), _sig((args, kwargs)))
+            grad_in = [t for t in tree_flatten((args, kwargs))[0]
+                       if isinstance(t, torch.Tensor) and t.requires_grad]
+            if key in kinds or marks.get("timing"):
+                if not marks.get("timing"):
+                    rep_of[bname] = kinds[key]
+                with _Paused(tracker), torch.no_grad():
+                    out = orig(*args, **kwargs)
+            else:
+                kinds[key] = bname
+                rep_of[bname] = bname
+                note(index + 1, bname)
+                out = _profile_isolated(u, orig, args, kwargs, tracker, device, timing)
+                if measure:
+                    jobs.append((u, orig, args, kwargs))
+            main_out = _first_tensor(out)
+            if not marks.get("timing"):
+                u.input_key = tracker.ident(main_in)[0] if main_in is not None else None
+                u.input_bytes = _tensor_bytes(main_in)
+                u.output_bytes = _tensor_bytes(out)
+                if index == len(blocks) - 1 and main_out is not None:
+                    units[HEAD].input_key = tracker.ident(main_out)[0]
+            tracker.set(units[HEAD] if index == len(blocks) - 1 else None)
+            if index == len(blocks) - 1:
+                _sync(device)
+                marks["head_fwd_start"] = time.perf_counter()
+            flat, spec = tree_flatten(out)
+            pos = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor)
+                   and t.is_floating_point()]
+            if grad_in and pos and torch.is_grad_enabled():
+                def hook(index=index):
+                    _sync(device)
+                    if index == len(blocks) - 1:
+                        marks["head_bwd_end"] = time.perf_counter()
+                    tracker.set(None)
+                    if index == 0:
+                        marks["emb_bwd_start"] = time.perf_counter()
+                        tracker.set(units[EMBEDDING], "bwd")
+                with _Paused(tracker):
+                    joined = _Bridge.apply(hook, len(grad_in), *grad_in, *[flat[i] for i in pos])
+                for i, t in zip(pos, joined):
+                    flat[i] = t
+                out = spec.unflatten(flat)
+            return out
+        return wrapped
+
+    originals = []
+    was_training = model.training
+    grad_flags = [(p, p.requires_grad) for p in params]
+    try:
+        for i, (bname, block) in enumerate(blocks):
+            orig = block.forward
+            originals.append((block, "forward" in block.__dict__, block.__dict__.get("forward")))
+            block.forward = wrapper_for(i, bname, block, orig)
+        model.train()
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(0)
+            # The instrumented step: embedding and head in the main graph, blocks apart.
+            note(0, EMBEDDING)
+            with attention, tracker, torch.autograd.graph.saved_tensors_hooks(tracker.pack,
+                                                                             tracker.unpack):
+                tracker.set(units[EMBEDDING])
+                out = _call(model, inputs)
+                loss = _loss_of(out)
+                tracker.set(None)
+            units[HEAD].output_bytes = _tensor_bytes(out)
+            units[EMBEDDING].input_bytes = _tensor_bytes(inputs)
+            first = units[block_names[0]]
+            units[HEAD].input_bytes = units[block_names[-1]].output_bytes
+            units[EMBEDDING].output_bytes = first.input_bytes
+            note(len(blocks) + 1, HEAD)
+            with attention, tracker:
+                tracker.set(units[HEAD], "bwd")
+                loss.backward()
+                tracker.set(None)
+            grad_idents = {tracker.ident(p.grad)[0] for p in params if p.grad is not None}
+            del out, loss
+            if measure:
+                for u, fn, args, kwargs in jobs:
+                    _time_block(u, fn, args, kwargs, device, repeats, timing)
+                jobs.clear()
+                _time_ends(model, inputs, device, repeats, marks, timing, tracker)
+    finally:
+        for block, had, fwd in originals:
+            if had:
+                block.forward = fwd
+            else:
+                del block.forward
+        model.train(was_training)
+        for p, flag in grad_flags:
+            p.grad = None
+            p.requires_grad_(flag)
+
+    return _assemble(model, units, rep_of, block_names, blocks, blocks_path, tracker, timing,
+                     attention, params, grad_idents, hardware, dtype, optimizer, name, config, batch, seq,
+                     device, measure)
+
+
+def _leaf_copy(args, kwargs):
+    """The block's inputs as fresh leaves (same storages), so its graph stands alone."""
+    return tree_map(lambda t: t.detach().requires_grad_(t.requires_grad)
+                    if isinstance(t, torch.Tensor) else t, (args, kwargs))
+
+
+def _profile_isolated(u: _Unit, fn, args, kwargs, tracker, device, timing):
+    """Forward then backward of one block on fresh leaves, under the tracker."""
+    a, k = _leaf_copy(args, kwargs)
+    tracker.set(u, "fwd")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        start_mem = torch.cuda.memory_allocated(device)
+    with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
+        out = fn(*a, **k)
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    with _Paused(tracker):
+        grads = [torch.ones_like(t) for t in outs]
+    tracker.set(u, "bwd")
+    if outs:
+        torch.autograd.backward(outs, grads)
+    tracker.set(None)
+    peak = None
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) - start_mem
+    result = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
+    del out, outs
+    if peak is not None:
+        timing[u.name] = ([], [], peak)
+    return result
+
+
+def _time_block(u: _Unit, fn, args, kwargs, device, repeats, timing):
+    """Forward and backward seconds of one block: a warm-up, then the median of ``repeats``.
+
+    Runs outside every profiling mode, so the instrumentation costs nothing here.
+    """
+    fs, bs = [], []
+    with _disable_current_modes():
+        for r in range(repeats + 1):           # the first run warms up
+            a, k = _leaf_copy(args, kwargs)
+            _sync(device)
+            t0 = time.perf_counter()
+            o = fn(*a, **k)
+            _sync(device)
+            t1 = time.perf_counter()
+            outs = [t for t in tree_flatten(o)[0] if isinstance(t, torch.Tensor)
+                    and t.requires_grad]
+            if outs:
+                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+            _sync(device)
+            t2 = time.perf_counter()
+            if r:
+                fs.append(t1 - t0)
+                bs.append(t2 - t1)
+            del o, outs
+    timing[u.name] = (fs, bs, timing.get(u.name, (None, None, None))[2])
+
+
+def _time_ends(model, inputs, device, repeats, marks, timing, tracker):
+    """Time ``embedding`` and ``head`` in the full step; blocks run under no_grad meanwhile."""
+    samples = {EMBEDDING: ([], []), HEAD: ([], [])}
+    marks["timing"] = True
+    try:
+        with _Paused(tracker):
+            for r in range(repeats + 1):
+                _sync(device)
+                t0 = time.perf_counter()
+                out = _call(model, inputs)
+                loss = _loss_of(out)
+                _sync(device)
+                t1 = time.perf_counter()
+                loss.backward()
+                _sync(device)
+                t2 = time.perf_counter()
+                if r and {"emb_fwd_end", "head_fwd_start"} <= set(marks):
+                    samples[EMBEDDING][0].append(marks["emb_fwd_end"] - t0)
+                    samples[HEAD][0].append(t1 - marks["head_fwd_start"])
+                    samples[HEAD][1].append(marks.get("head_bwd_end", t2) - t1)
+                    samples[EMBEDDING][1].append(t2 - marks.get("emb_bwd_start", t2))
+                del out, loss
+    finally:
+        marks["timing"] = False
+    for n, (fs, bs) in samples.items():
+        timing[n] = (fs, bs, None)
+
+
+def _assemble(model, units, rep_of, block_names, blocks, blocks_path, tracker, timing, attention,
+              params, grad_idents, hardware, dtype, optimizer, name, config, batch, seq, device, measure):
+    # Parameters: charged to the first unit that used them (tied weights once); a parameter
+    # of a reused block is charged to that block, as the representative's was.
+    owner: dict = {}
+    block_of_param = {}
+    for bname, block in blocks:
+        for p in block.parameters():
+            block_of_param.setdefault(id(p), bname)
+    for p in params:
+        owner[id(p)] = block_of_param.get(id(p)) or tracker.param_unit.get(id(p), EMBEDDING)
+    per_unit = {n: [0, 0, 0, 0] for n in units}           # count, weight, grad, optimizer
+    for p in params:
+        c = per_unit[owner[id(p)]]
+        n = p.numel()
+        w, g, o = static_bytes_per_param(p.dtype, optimizer)
+        c[0] += n
+        c[1] += n * w
+        if p.requires_grad:
+            c[2] += n * g
+            c[3] += n * o
+
+    order = [EMBEDDING] + block_names + [HEAD]
+    index = {n: i for i, n in enumerate(order)}
+    records = []
+    for n in order:
+        src = units[rep_of.get(n, n)]
+        u = units[n]
+        # Shared: saved storages another unit made that are not this unit's main input (the
+        # hidden state), e.g. rotary tables or masks the model hands to every block.
+        shared, shared_from = 0, None
+        for ident, (nbytes, prod) in src.saved.items():
+            if prod is not None and prod != src.name and ident != src.input_key:
+                shared += nbytes
+                shared_from = shared_from or prod
+        saved = sum(b for b, _ in src.saved.values())
+        saved_new = sum(b for b, prod in src.saved.values() if prod == src.name)
+        fwd_ws = max(0, _peak(src.fwd) - saved_new)
+        bwd_ws = _peak(src.bwd, exclude=grad_idents)
+        fs, bs, peak = timing.get(src.name, ([], [], None))
+        if measure:
+            fwd_s, bwd_s, samples = _median(fs), _median(bs), len(fs)
+        else:
+            fwd_s, bwd_s, samples = src.fwd.seconds, src.bwd.seconds, 0
+        count, w, g, o = per_unit[n]
+        records.append(UnitRecord(
+            name=n, kind=u.kind, param_bytes=w, grad_bytes=g, optimizer_bytes=o,
+            input_bytes=int(src.input_bytes if u.kind == "block" else u.input_bytes),
+            output_bytes=int(src.output_bytes if u.kind == "block" else u.output_bytes),
+            saved_bytes=int(saved), workspace_bytes=int(max(fwd_ws, bwd_ws)),
+            fwd_flops=int(src.fwd.flops), bwd_flops=int(src.bwd.flops),
+            fwd_s=float(fwd_s), bwd_s=float(bwd_s), shared_saved_bytes=int(shared),
+            shared_from=shared_from, param_count=int(count), samples=samples,
+            measured_peak_bytes=None if peak is None else int(peak)))
+
+    n_params = sum(p.numel() for p in params)
+    static = sum(r.static_bytes for r in records)
+    trainable = [p for p in params if p.requires_grad]
+    bpp = sum(static_bytes_per_param(p.dtype, optimizer)) if not params else \
+        round(static / max(1, n_params))
+    # NB: the optimizer reads and writes its whole state once per step (weights, grads, master,
+    # moments): roughly 2 x static bytes over memory bandwidth, a memory-bound loop.
+    optimizer_s = 2.0 * static / float(hardware.memory_bandwidth or 1.0)
+    # NB: a fused/per-tensor AdamW keeps fp32 temporaries of one tensor at a time (two of them:
+    # the update and the denominator); a foreach AdamW would hold them for a whole group.
+    largest = max((p.numel() for p in trainable), default=0)
+    opt_ws = 2 * 4 * largest if optimizer == "adamw" else 4 * largest
+    kernels = sorted(attention.kernels)
+    model_section = {
+        "name": name, "config": config or {}, "batch": int(batch), "seq": int(seq),
+        "dtype": dtype, "param_count": int(n_params), "structure_hash": structure_hash(blocks),
+        "blocks_path": blocks_path,
+        "attention": "+".join(kernels) if kernels else "none (no scaled_dot_product_attention call)",
+        "optimizer": optimizer, "bytes_per_param": int(bpp),
+        "unique_blocks": len({rep_of.get(n, n) for n in block_names}),
+    }
+    return Profile(schema=PROFILE_SCHEMA, model=model_section, device=device.type,
+                   timing="measured" if measure else "estimated", hardware=hardware.to_dict(),
+                   layers=records, optimizer_s=float(optimizer_s),
+                   optimizer_workspace_bytes=int(opt_ws))
+
+
+def _peak(ph: _Phase, exclude: set = frozenset()) -> int:
+    """Peak of the bytes allocated in a phase and alive, leaving out ``exclude`` storages
+    (parameter gradients: they are the static ``grad_bytes``, not workspace)."""
+    cur = peak = 0
+    for key, delta in ph.events:
+        if key in exclude:
+            continue
+        cur += delta
+        peak = max(peak, cur)
+    return peak
+
+
+# ----------------------------------------------------------------------------- resolving MODEL
+
+def _positive_int(value, what) -> int:
+    try:
+        v = int(str(value))
+    except ValueError:
+        raise UserError(f"--{what} '{value}' is not an integer; give a positive integer, "
+                        f"e.g. --{what} 8") from None
+    if v <= 0:
+        raise UserError(f"--{what} {v}: must be a positive integer, e.g. --{what} 8")
+    return v
+
+
+def _load_factory(spec: str):
+    mod_name, _, fn_name = spec.partition(":")
+    if not mod_name or not fn_name:
+        raise UserError(f"model '{spec}': write package.module:function")
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)          # as 'python -m' would: modules of the current folder
+    try:
+        module = importlib.import_module(mod_name)
+    except Exception as e:   # noqa: BLE001 -- any import failure is the user's module
+        raise UserError(f"model '{spec}': cannot import module '{mod_name}' "
+                        f"({type(e).__name__}: {e}); check the name and PYTHONPATH") from None
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise UserError(f"model '{spec}': module '{mod_name}' has no function '{fn_name}'")
+    return fn
+
+
+def _move(model, device, dtype) -> None:
+    """``model.to(device, dtype)`` keeping tied parameters tied.
+
+    Moving to meta builds a new Parameter per module (no shallow copy across device types), which
+    would untie a language model's head from its embedding; re-tie them afterwards.
+    """
+    refs: dict = {}
+    for mod in model.modules():
+        for n, p in mod._parameters.items():
+            if p is not None:
+                refs.setdefault(id(p), []).append((mod, n))
+    if dtype is not None:
+        model.to(dtype)
+    model.to(device)
+    for group in refs.values():
+        first = group[0][0]._parameters[group[0][1]]
+        for mod, n in group[1:]:
+            mod._parameters[n] = first
+
+
+def resolve_model(model_spec: str, batch: int, seq: int, dtype: str | None, device: str):
+    """MODEL -> (module on ``device``, inputs on ``device``, name, config, dtype name)."""
+    from .models import build_model, load_config, make_inputs
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is available here; use --device meta "
+                        "(estimated times) or --device cpu")
+    if dtype is not None and dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r}: use bf16, fp16 or fp32")
+    is_file = Path(model_spec).suffix in (".yaml", ".yml")
+    if ":" in model_spec and not is_file:
+        fn = _load_factory(model_spec)
+        try:
+            result = fn(batch, seq)
+        except Exception as e:   # noqa: BLE001 -- the factory is user code
+            raise UserError(f"model '{model_spec}': the factory raised {type(e).__name__}: {e}; "
+                            "fix it or check --batch/--seq") from None
+        if not (isinstance(result, tuple) and len(result) == 2
+                and isinstance(result[0], torch.nn.Module)):
+            raise UserError(f"model '{model_spec}': the factory must return (module, inputs), "
+                            f"got {type(result).__name__}")
+        model, inputs = result
+        _move(model, device, DTYPES[dtype] if dtype else None)
+        inputs = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, inputs)
+        name = model_spec.split(":")[-1]
+        config = {"factory": model_spec}
+        if hasattr(model, "config") and hasattr(model.config, "to_dict"):
+            config["model_config"] = {k: v for k, v in model.config.to_dict().items()
+                                      if isinstance(v, (int, float, str, bool, type(None)))}
+        dtype = dtype or _DTYPE_NAMES.get(next((p.dtype for p in model.parameters()
+                                                if p.is_floating_point()), torch.float32), "fp32")
+        return model, inputs, name, config, dtype
+    cfg = load_config(model_spec)
+    if seq > cfg["max_seq"]:
+        raise UserError(f"--seq {seq} exceeds {cfg['name']}'s context of {cfg['max_seq']} "
+                        "tokens; give --seq of at most that")
+    dtype = dtype or cfg["dtype"]
+    model = build_model(cfg, dtype=dtype, device=device)
+    inputs = make_inputs(cfg, batch, seq, device=device)
+    return model, inputs, cfg["name"], cfg, dtype
+
+
+def profile_model(model_spec: str, batch: int, seq: int, *, dtype=None, device="meta",
+                  hardware: HardwareSpec, optimizer="adamw", blocks_path=None, repeats=5,
+                  progress=None) -> Profile:
+    """Profile MODEL (built-in name, model YAML or ``package.module:function``) at one shape."""
+    batch = _positive_int(batch, "batch")
+    seq = _positive_int(seq, "seq")
+    if int(repeats) < 1:
+        raise UserError(f"--repeats {repeats}: give at least 1")
+    model, inputs, name, config, dtype = resolve_model(model_spec, batch, seq, dtype, device)
+    return profile_module(model, inputs, name=name, hardware=hardware, dtype=dtype,
+                          optimizer=optimizer, blocks_path=blocks_path, repeats=int(repeats),
+                          config=config, batch=batch, seq=seq, progress=progress)
+
+
+def default_output(profile: Profile) -> Path:
+    m = profile.model
+    return PROFILES_DIR / f"{m['name']}-b{m['batch']}-s{m['seq']}.json"
+
+
+def cli_profile(args) -> int:
+    from .hardware import load_hardware
+    from .sizes import fmt_bytes
+
+    batch = _positive_int(args.batch, "batch")
+    seq = _positive_int(args.seq, "seq")
+    hardware = load_hardware(args.hardware)
+    progress = None
+    if sys.stderr.isatty():
+        def progress(i, n, what):
+            print(f"\rprofiling {i + 1}/{n}: {what:<40}", end="", file=sys.stderr, flush=True)
+    prof = profile_model(args.model, batch, seq, dtype=args.dtype, device=args.device,
+                         hardware=hardware, optimizer=args.optimizer, blocks_path=args.blocks,
+                         repeats=getattr(args, "repeats", 5), progress=progress)
+    if progress:
+        print(file=sys.stderr)
+    m = prof.model
+    blocks = [u for u in prof.layers if u.kind == "block"]
+    print(f"blocks: {len(blocks)} at '{m['blocks_path']}' ({blocks[0].name} .. {blocks[-1].name}), "
+          f"{m['unique_blocks']} profiled, the rest reused")
+    print(f"attention kernel assumed: {m['attention']} (target {prof.hardware['name']})")
+    print(f"parameters: {m['param_count']:,}; static state {fmt_bytes(prof.static_bytes)} "
+          f"({m['bytes_per_param']} B/param, {m['optimizer']}); saved activations "
+          f"{fmt_bytes(sum(u.saved_bytes for u in prof.layers))}")
+    out = Path(args.output) if args.output else default_output(prof)
+    write_json_atomic(out, prof.to_dict())
+    print(out)
+    return 0

@@ -1,0 +1,224 @@
+"""The profiler: exact FLOPs and bytes, meta == cpu, saved bytes against saved_tensors_hooks,
+static state, dedup of identical blocks, the CLI's errors."""
+import json
+import resource
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from planner.cli import main
+from planner.formats import load_profile
+from planner.hardware import load_hardware
+from planner.models import build_model, make_inputs
+from planner.profiler import profile_model, profile_module, static_bytes_per_param
+
+CPU = load_hardware("cpu-host")
+A100 = load_hardware("a100-80g")
+BYTE_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "input_bytes", "output_bytes",
+               "saved_bytes", "shared_saved_bytes", "workspace_bytes", "fwd_flops", "bwd_flops")
+
+
+def gpt_cfg(h, heads, dropout=0.0, layers=2):
+    return {"name": f"gpt-h{h}", "family": "gpt", "n_layers": layers, "d_model": h,
+            "n_heads": heads, "vocab_size": 512, "max_seq": 256, "dropout": dropout}
+
+
+def profile_cfg(cfg, b, s, hardware, dtype="bf16", device="meta"):
+    model = build_model(cfg, dtype=dtype, device=device)
+    inputs = make_inputs(cfg, b, s, device=device)
+    return profile_module(model, inputs, name=cfg["name"], hardware=hardware, dtype=dtype,
+                          config=cfg, batch=b, seq=s)
+
+
+@pytest.mark.parametrize("b,s,h,heads", [(1, 128, 256, 4), (2, 64, 128, 2), (3, 32, 512, 8),
+                                         (1, 256, 64, 1)])
+def test_gpt_block_flops_narayanan(b, s, h, heads):
+    # Narayanan et al. 2021, Sec. 5.1: a GPT block's forward is 24 b s h^2 + 4 b s^2 h FLOPs.
+    expected = 24 * b * s * h * h + 4 * b * s * s * h
+    # CPU target with dropout: the math kernel; every matmul's backward is two matmuls: 2x.
+    prof = profile_cfg(gpt_cfg(h, heads, dropout=0.1), b, s, CPU)
+    assert prof.model["attention"] == "math"
+    for u in prof.layers[1:-1]:
+        assert abs(u.fwd_flops - expected) <= 0.01 * expected
+        assert u.fwd_flops == expected          # biases and norms are not matmul FLOPs
+        assert u.bwd_flops == 2 * u.fwd_flops
+    # CUDA target: flash attention; its backward recomputes Q K^T (2 b s^2 h more).
+    prof = profile_cfg(gpt_cfg(h, heads), b, s, A100)
+    assert prof.model["attention"] == "flash"
+    for u in prof.layers[1:-1]:
+        assert u.fwd_flops == expected
+        assert u.bwd_flops == 2 * expected + 2 * b * s * s * h
+
+
+def test_cpu_flash_attention_flops_counted():
+    # llama-tiny without dropout runs the CPU flash kernel, which flop_counter lacks.
+    prof = profile_model("llama-tiny", 2, 32, device="meta", hardware=CPU)
+    assert prof.model["attention"] == "cpu-flash"
+    b, s, d, f, kv = 2, 32, 64, 176, 32   # kv = 2 KV heads x head dim 16
+    mm = 2 * b * s * (d * d + 2 * d * kv + d * d) + 2 * b * s * 3 * d * f
+    attn = 4 * b * s * s * d
+    blk = prof.layers[1]
+    assert blk.fwd_flops == mm + attn
+    assert blk.bwd_flops == 2 * mm + 2.5 * attn
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny", "examples.hf_models:gpt2",
+                                  "examples.hf_models:llama"])
+def test_meta_and_cpu_agree_on_every_byte(name, monkeypatch):
+    if ":" in name:
+        pytest.importorskip("transformers")
+    meta = profile_model(name, 2, 32, device="meta", hardware=CPU, repeats=1)
+    cpu = profile_model(name, 2, 32, device="cpu", hardware=CPU, repeats=1)
+    assert meta.model["attention"] == cpu.model["attention"]
+    assert [u.name for u in meta.layers] == [u.name for u in cpu.layers]
+    for m, c in zip(meta.layers, cpu.layers):
+        for f in BYTE_FIELDS:
+            assert getattr(m, f) == getattr(c, f), (m.name, f)
+    assert cpu.timing == "measured" and all(u.samples == 1 and u.fwd_s > 0 for u in cpu.layers)
+    assert meta.timing == "estimated" and all(u.samples == 0 and u.fwd_s > 0 for u in meta.layers)
+
+
+def _independent_saved(model, inputs, blocks):
+    """Saved bytes per unit measured with saved_tensors_hooks on real tensors, each storage once
+    per unit, parameters and buffers excluded; units switched by forward hooks."""
+    static = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    static |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    cur = ["embedding"]
+    saved = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in static:
+            saved.setdefault(cur[0], {})[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    handles = []
+    for i, (name, blk) in enumerate(blocks):
+        handles.append(blk.register_forward_pre_hook(lambda m, a, n=name: cur.__setitem__(0, n)))
+        if i == len(blocks) - 1:
+            handles.append(blk.register_forward_hook(lambda m, a, o: cur.__setitem__(0, "head")))
+    torch.manual_seed(0)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(**inputs)
+    for h in handles:
+        h.remove()
+    out.loss.backward()
+    return {k: sum(v.values()) for k, v in saved.items()}
+
+
+@pytest.mark.parametrize("factory", ["gpt2", "llama"])
+def test_saved_bytes_match_saved_tensor_hooks(factory):
+    pytest.importorskip("transformers")
+    import examples.hf_models as hf
+    from planner.blocks import find_blocks
+    model, inputs = getattr(hf, factory)(2, 64)
+    _, blocks = find_blocks(model)
+    truth = _independent_saved(model, inputs, blocks)
+    model, inputs = getattr(hf, factory)(2, 64)
+    prof = profile_module(model, inputs, name=factory, hardware=CPU, repeats=1)
+    assert len(prof.layers) == len(blocks) + 2
+    for u in prof.layers:
+        assert abs(u.saved_bytes - truth[u.name]) <= 0.02 * truth[u.name], u.name
+    if factory == "llama":
+        # the rotary cos/sin tables come from the embedding unit and are read by every layer
+        blk = prof.layers[1]
+        assert blk.shared_from == "embedding"
+        assert blk.shared_saved_bytes == 2 * 64 * 16 * 4      # cos and sin, [1, s, hd] fp32
+
+
+def test_flash_saved_bytes_linear_in_seq():
+    # CUDA flash attention saves q, k, v, output and log-sum-exp: no s^2 term (plus its
+    # fixed-size RNG state).
+    a, b, c = (profile_model("llama-tiny", 2, s, device="meta", hardware=A100).layers[1]
+               for s in (32, 64, 128))
+    assert c.saved_bytes - b.saved_bytes == 2 * (b.saved_bytes - a.saved_bytes)
+    # The CPU math kernel (GPT with dropout) keeps probabilities and the dropout mask: s^2.
+    a = profile_model("gpt-tiny", 1, 64, device="meta", hardware=CPU).layers[1]
+    b = profile_model("gpt-tiny", 1, 128, device="meta", hardware=CPU).layers[1]
+    assert b.saved_bytes > 2 * a.saved_bytes
+
+
+@pytest.mark.parametrize("dtype,opt,per_param", [("bf16", "adamw", 16), ("fp32", "adamw", 16),
+                                                 ("bf16", "sgd", 8), ("fp32", "sgd", 8)])
+def test_static_state(dtype, opt, per_param):
+    assert sum(static_bytes_per_param({"bf16": torch.bfloat16, "fp32": torch.float32}[dtype],
+                                      opt)) == per_param
+    prof = profile_model("gpt-tiny", 1, 16, dtype=dtype, device="meta", hardware=CPU,
+                         optimizer=opt)
+    n = sum(p.numel() for p in build_model("gpt-tiny", device="meta").parameters())
+    assert prof.model["param_count"] == n == sum(u.param_count for u in prof.layers)
+    assert prof.static_bytes == per_param * n
+    assert prof.model["bytes_per_param"] == per_param
+    # the tied token embedding / lm_head is charged once, to the embedding
+    assert prof.layers[0].param_count == 512 * 64 + 256 * 64
+    assert prof.layers[-1].param_count == 2 * 64           # final LayerNorm only
+
+
+def test_identical_blocks_profiled_once():
+    prof = profile_model("gpt2-xl", 1, 128, device="meta", hardware=A100)
+    blocks = [u for u in prof.layers if u.kind == "block"]
+    assert len(blocks) == 48 and prof.model["unique_blocks"] == 1
+    first = blocks[0].to_dict()
+    for u in blocks[1:]:
+        assert {k: v for k, v in u.to_dict().items() if k != "name"} == \
+            {k: v for k, v in first.items() if k != "name"}
+
+
+def test_gpt3_175b_meta_in_a_subprocess(tmp_path):
+    out = tmp_path / "g3.json"
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    r = subprocess.run([sys.executable, "-m", "planner.cli", "profile", "gpt3-175b", "--batch",
+                        "1", "--seq", "2048", "--dtype", "bf16", "--device", "meta",
+                        "--hardware", "a100-80g", "-o", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == str(out)
+    rss_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    assert max(rss_kib, before) < 2 * 1024 * 1024         # under 2 GB: nothing allocated
+    prof = load_profile(out)
+    assert sum(u.kind == "block" for u in prof.layers) == 96
+    b, s, h = 1, 2048, 12288
+    assert prof.layers[1].fwd_flops == 24 * b * s * h * h + 4 * b * s * s * h
+    assert prof.model["param_count"] == 174_604_259_328
+
+
+def test_cli_writes_profile(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["profile", "gpt-tiny", "--batch", "2", "--seq", "16", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "blocks: 3 at 'blocks'" in text and text.strip().endswith(str(out))
+    d = json.loads(out.read_text())
+    assert list(d)[0] <= "schema" and d["schema"] == "tierplan.profile/1"
+    prof = load_profile(out)
+    assert [u.name for u in prof.layers] == ["embedding", "blocks.0", "blocks.1", "blocks.2",
+                                             "head"]
+    for key in ("name", "config", "batch", "seq", "dtype", "param_count", "structure_hash",
+                "blocks_path", "attention", "optimizer", "bytes_per_param"):
+        assert key in prof.model
+
+
+BAD = [
+    (["profile", "gpt5-huge", "--batch", "1", "--seq", "8"], "gpt5-huge"),
+    (["profile", "no_such_pkg.mod:fn", "--batch", "1", "--seq", "8"], "cannot import"),
+    (["profile", "badfactory:boom", "--batch", "1", "--seq", "8"], "raised"),
+    (["profile", "badfactory:missing", "--batch", "1", "--seq", "8"], "no function"),
+    (["profile", "gpt-tiny", "--batch", "0", "--seq", "8"], "--batch"),
+    (["profile", "gpt-tiny", "--batch", "x", "--seq", "8"], "--batch"),
+    (["profile", "gpt-tiny", "--batch", "1", "--seq", "-3"], "--seq"),
+    (["profile", "gpt-tiny", "--batch", "1", "--seq", "100000"], "context"),
+    (["profile", "gpt-tiny", "--batch", "1", "--seq", "8", "--hardware", "tpu9"], "tpu9"),
+    (["profile", "gpt-tiny", "--batch", "1", "--seq", "8", "--dtype", "int4"], "dtype"),
+]
+
+
+@pytest.mark.parametrize("argv,needle", BAD)
+def test_cli_errors_exit_2_one_line(argv, needle, tmp_path, monkeypatch, capsys):
+    (tmp_path / "badfactory.py").write_text(
+        "def boom(batch, seq):\n    raise ValueError('no weights here')\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert needle in err
