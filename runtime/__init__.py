@@ -1,0 +1,14 @@
+"""tierplan's runtime: replay a plan inside an ordinary PyTorch training loop.
+
+    handle = apply_plan(model, "plans/gpt-tiny-cpu-host.json")
+    ...train...
+    print(handle.report()); handle.remove()
+
+Never imports pulp; reads plans through ``planner.formats``.
+"""
+from .apply import Handle, InputTooLargeError, PlanMismatchError, UnsupportedModelError, apply_plan
+from .recompute import RecomputeMismatch
+from .report import Report, StepRecord
+
+__all__ = ["apply_plan", "Handle", "Report", "StepRecord", "PlanMismatchError",
+           "InputTooLargeError", "UnsupportedModelError", "RecomputeMismatch"]

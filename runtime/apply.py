@@ -1,0 +1,627 @@
+"""``apply_plan``: replay a plan inside an ordinary PyTorch training loop.
+
+The runtime decides nothing. For every block it reads the plan's decision (``keep``,
+``recompute`` with a checkpoint tier, ``cpu``, ``nvme``) and, for every prefetch, the compute
+event at whose start the plan issues it. It acts through two things only: each block's
+``forward`` is wrapped (an instance attribute, removed again by ``remove()``) so that the block
+runs under ``torch.autograd.graph.saved_tensors_hooks``, and the model's ``forward`` is wrapped to
+check the input size and to delimit a forward pass. With gradients off, both wrappers call
+straight through.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+import weakref
+from pathlib import Path
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.autograd.graph import saved_tensors_hooks
+
+from planner.blocks import find_blocks, structure_hash
+from planner.errors import UserError
+from planner.formats import Activation, Plan, Stream, Tier, UnitKind, load_plan
+
+from .offload import Counters, Mover
+from .recompute import Placeholder, Segment
+from .report import LINKS, Report, StepRecord, malloc_trim, read_status, reset_hwm
+
+
+class PlanMismatchError(UserError, ValueError):
+    """The plan does not fit this model or this input (one line: what differs, what to do)."""
+
+
+class InputTooLargeError(PlanMismatchError):
+    """An input is larger than the plan's batch or sequence length."""
+
+
+class UnsupportedModelError(UserError, ValueError):
+    """A combination the runtime does not support yet (torch.compile, DDP/FSDP, own checkpointing)."""
+
+
+_ACTIVE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # model -> Handle
+
+
+# ----------------------------------------------------------------------------- argument helpers
+
+def _find_hidden(args, kwargs):
+    """Where the hidden state is: the first tensor argument, else ``hidden_states``, else the
+    first tensor keyword argument."""
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            return ("a", i), a
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return ("k", "hidden_states"), kwargs["hidden_states"]
+    for k, v in kwargs.items():
+        if isinstance(v, torch.Tensor):
+            return ("k", k), v
+    return None, None
+
+
+def _hidden_of(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        for o in out:
+            if isinstance(o, torch.Tensor):
+                return o
+    raise PlanMismatchError(f"a block returned {type(out).__name__}; tierplan needs a tensor or a "
+                            "tuple whose first tensor is the hidden state")
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape
+                      and a.stride() == b.stride() and a.dtype == b.dtype)
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _model_input(args, kwargs):
+    for key in ("input_ids", "inputs_embeds"):
+        if isinstance(kwargs.get(key), torch.Tensor):
+            return key, kwargs[key]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return "input", a
+    for k, v in kwargs.items():
+        if isinstance(v, torch.Tensor):
+            return k, v
+    return None, None
+
+
+# ----------------------------------------------------------------------------- refusals
+
+def _refuse_unsupported(model) -> None:
+    if hasattr(model, "_orig_mod") or type(model).__name__ == "OptimizedModule":
+        raise UnsupportedModelError(
+            "the model is torch.compile'd; tierplan does not support torch.compile yet: apply the "
+            "plan to the uncompiled model")
+    for name, m in model.named_modules():
+        cls = {c.__name__ for c in type(m).__mro__}
+        where = f" ({name})" if name else ""
+        if cls & {"DistributedDataParallel", "DataParallel", "FullyShardedDataParallel",
+                  "FSDPModule"}:
+            raise UnsupportedModelError(
+                f"the model{where} is wrapped in {type(m).__name__}; tierplan does not support "
+                "DDP/FSDP yet: apply the plan to the unwrapped module")
+        if "CheckpointWrapper" in cls:
+            raise UnsupportedModelError(
+                f"module{where} is wrapped for activation checkpointing; remove the wrapper: the "
+                "plan decides what is recomputed")
+        if getattr(m, "_compiled_call_impl", None) is not None:
+            raise UnsupportedModelError(
+                f"module{where} was compiled with .compile(); tierplan does not support "
+                "torch.compile yet")
+        if getattr(m, "gradient_checkpointing", False) is True:
+            raise UnsupportedModelError(
+                f"module{where} has its own gradient checkpointing switched on; turn it off "
+                "(model.gradient_checkpointing_disable()): the plan decides what is recomputed")
+    # transformers >= 5 renamed the flag and warns on the old name: read the new one first.
+    flag = next((a for a in ("is_activation_checkpointing", "is_gradient_checkpointing")
+                 if hasattr(type(model), a)), None)
+    if flag and getattr(model, flag, False) is True:
+        raise UnsupportedModelError(
+            "the model has gradient checkpointing switched on; turn it off "
+            "(model.gradient_checkpointing_disable()): the plan decides what is recomputed")
+
+
+# ----------------------------------------------------------------------------- one forward pass
+
+class _Pass:
+    """What one forward pass (with gradients) left for its backward."""
+
+    def __init__(self, idx: int):
+        self.idx = idx
+        self.groups: dict = {}          # ("act"|"ck", unit name) -> offload Group
+        self.segments: list[Segment] = []
+        self.seg: Segment | None = None
+        self.prev_out = None
+        self.side_ptrs: set = set()
+
+    def discard(self):
+        for g in self.groups.values():
+            g.discard()
+        for s in self.segments:
+            s.discard()
+        self.groups = {}
+        self.segments = []
+
+
+class _Keep:
+    """Counts what a kept unit saves (the runtime's own resident-bytes figure); moves nothing."""
+
+    __slots__ = ("r", "n", "bytes", "seen")
+
+    def __init__(self, r):
+        self.r, self.n, self.bytes, self.seen = r, 0, 0, set()
+
+    def pack(self, t):
+        if self.r.is_static(t):
+            return t
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr not in self.seen:
+            self.seen.add(ptr)
+            nb = st.nbytes()
+            self.bytes += nb
+            self.r.counters.add("act", nb)
+        self.n += 1
+        return [t]
+
+    def unpack(self, x):
+        if type(x) is not list:
+            return x
+        self.n -= 1
+        if self.n == 0 and self.bytes:
+            self.r.counters.add("act", -self.bytes)
+            self.bytes = 0
+        return x[0]
+
+
+class _Offload:
+    """A ``cpu``/``nvme`` unit: every saved tensor except parameters, buffers and shared side
+    inputs goes to its group; identical views are sent once."""
+
+    __slots__ = ("r", "group", "keys")
+
+    def __init__(self, r, group):
+        self.r, self.group, self.keys = r, group, {}
+
+    def pack(self, t):
+        if self.r.is_static(t):
+            return ("ref", t)
+        key = (_storage_ptr(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        hit = self.keys.get(key)
+        if hit is None:
+            # Hold the tensor until the block's forward ends: its address cannot be reused by
+            # another tensor meanwhile, so equal keys mean the same bytes (the plan counts A_i
+            # in full while F:i runs, so this costs nothing it did not plan for).
+            hit = self.keys[key] = (self.group.put(t), t)
+        s = hit[0]
+        s.refs += 1
+        return (self, s)
+
+    def unpack(self, x):
+        if x[0] == "ref":
+            return x[1]
+        s = x[1]
+        t = self.group.get(s)
+        s.refs -= 1
+        if s.refs == 0:
+            self.group.release(s)
+        return t
+
+
+class _SegUnit:
+    __slots__ = ("seg", "u")
+
+    def __init__(self, seg, u):
+        self.seg, self.u = seg, u
+
+    def pack(self, t):
+        return self.seg.pack(self.u, t)
+
+    def unpack(self, x):
+        if type(x) is tuple:
+            return x[1]
+        assert isinstance(x, Placeholder)
+        return x.seg.unpack(x)
+
+
+# ----------------------------------------------------------------------------- the runner
+
+class _Runner:
+    def __init__(self, model, plan: Plan, plan_path: str | None, blocks, nvme_dir, trim: bool):
+        self.model = model
+        self.plan = plan
+        self.plan_path = plan_path
+        self.block_names = [n for n, _ in blocks]
+        self.blocks = [m for _, m in blocks]
+        dec = {d.name: d for d in plan.layers}
+        self.decisions = [dec[n] for n in self.block_names]
+        p0 = next(model.parameters(), None)
+        self.device = p0.device if p0 is not None else torch.device("cpu")
+        self.counters = Counters()
+        self.mover = Mover(self.device, nvme_dir, self.counters)
+        self.static_ptrs: set = set()
+        self.pass_: _Pass | None = None
+        self.n_passes = 0
+        self._recomputing = False
+        # compute event id -> [(kind, unit)] whose prefetch the plan issues at its start
+        self.issue_map: dict[str, list[tuple[str, str]]] = {}
+        for stream in (Stream.NVME, Stream.H2D):
+            for e in plan.events(stream):
+                if e.issue and e.op in ("read", "prefetch"):
+                    kind = "ck" if e.id.startswith("ck") else "act"
+                    self.issue_map.setdefault(e.issue, []).append((kind, e.units[0]))
+        self.predicted_moved = {link: 0 for link in LINKS}
+        op_link = {"offload": "d2h", "prefetch": "h2d", "write": "nvme_write", "read": "nvme_read"}
+        for evs in plan.schedule.values():
+            for e in evs:
+                if e.op in op_link:
+                    self.predicted_moved[op_link[e.op]] += e.bytes
+        # step measurement
+        self.step_open = False
+        self.step_t0 = 0.0
+        self.step_passes = 0
+        self.step_base = None
+        self.step_static = 0
+        self.optimizers: "weakref.WeakSet" = weakref.WeakSet()
+        self.param_ids = {id(p) for p in model.parameters()}
+        self.hwm_ok = True
+        self.trim = trim
+        self.report = Report(
+            plan_path=plan_path, policy=str(plan.policy), device=self.device.type,
+            hardware=str(plan.hardware.get("name")), batch=int(plan.model.get("batch", 0)),
+            seq=int(plan.model.get("seq", 0)), predicted=dict(plan.predicted),
+            predicted_moved=self.predicted_moved)
+        self.wrapped: list[tuple] = []
+
+    # -- helpers the segments use
+    def is_static(self, t: torch.Tensor) -> bool:
+        return _storage_ptr(t) in self.static_ptrs
+
+    def strip_hidden(self, args, kwargs, loc):
+        if loc[0] == "a":
+            a = list(args)
+            a[loc[1]] = None
+            return tuple(a), dict(kwargs)
+        k = dict(kwargs)
+        k[loc[1]] = None
+        return tuple(args), k
+
+    def put_hidden(self, args, kwargs, loc, x):
+        if loc[0] == "a":
+            a = list(args)
+            a[loc[1]] = x
+            return tuple(a), kwargs
+        k = dict(kwargs)
+        k[loc[1]] = x
+        return args, k
+
+    hidden_of = staticmethod(_hidden_of)
+
+    @contextlib.contextmanager
+    def recomputing(self):
+        prev, self._recomputing = self._recomputing, True
+        try:
+            yield
+        finally:
+            self._recomputing = prev
+
+    def trigger(self, p: _Pass, event_id: str):
+        """The compute event ``event_id`` starts: issue the prefetches the plan put there."""
+        for kind, name in self.issue_map.get(event_id, ()):
+            g = p.groups.get((kind, name))
+            if g is not None:
+                g.prefetch()
+
+    # -- wrappers
+    def wrap(self):
+        for i, b in enumerate(self.blocks):
+            self._wrap(b, functools.partial(self._block_forward, i))
+        self._wrap(self.model, self._model_forward)
+
+    def _wrap(self, mod, fn):
+        had = "forward" in mod.__dict__
+        orig = mod.forward
+        self.wrapped.append((mod, had, mod.__dict__.get("forward")))
+
+        @functools.wraps(orig)
+        def forward(*args, **kwargs):
+            return fn(orig, *args, **kwargs)
+        mod.forward = forward
+
+    def unwrap(self):
+        for mod, had, prev in reversed(self.wrapped):
+            if had:
+                mod.forward = prev
+            else:
+                del mod.forward
+        self.wrapped = []
+
+    def _model_forward(self, orig, *args, **kwargs):
+        if self._recomputing or not torch.is_grad_enabled():
+            return orig(*args, **kwargs)
+        self._check_input(args, kwargs)
+        if not self.step_open:
+            self._begin_step()
+        self.step_passes += 1
+        p = _Pass(self.n_passes)
+        self.n_passes += 1
+        ptrs = {_storage_ptr(t) for t in self.model.parameters()}
+        ptrs.update(_storage_ptr(t) for t in self.model.buffers())
+        self.static_ptrs = ptrs
+        self.pass_ = p
+        self.trigger(p, "F:embedding")
+        try:
+            return orig(*args, **kwargs)
+        except BaseException:
+            p.discard()   # an exception (or Ctrl-C) inside the forward: nothing is left behind
+            raise
+        finally:
+            self.pass_ = None
+
+    def _check_input(self, args, kwargs):
+        key, t = _model_input(args, kwargs)
+        if t is None or t.dim() == 0:
+            return
+        pb, ps = int(self.plan.model.get("batch", 0)), int(self.plan.model.get("seq", 0))
+        b = t.shape[0]
+        s = t.shape[1] if t.dim() >= 2 else None
+        if (pb and b > pb) or (ps and s is not None and s > ps):
+            raise InputTooLargeError(
+                f"input '{key}' has batch {b} x seq {s}, larger than the plan's batch {pb} x seq "
+                f"{ps} ({self.plan_path or 'plan'}); split the batch or re-plan with --batch {b} "
+                f"--seq {s}")
+
+    def _block_forward(self, i, orig, *args, **kwargs):
+        p = self.pass_
+        if p is None or self._recomputing or not torch.is_grad_enabled():
+            return orig(*args, **kwargs)
+        name = self.block_names[i]
+        d = self.decisions[i]
+        loc, hidden = _find_hidden(args, kwargs)
+        if hidden is None:
+            raise PlanMismatchError(f"block {name} was called without a tensor argument; tierplan "
+                                    "needs the hidden state as its first tensor argument")
+        if self.mover.cuda:
+            self.mover.poll()
+        self.trigger(p, "F:" + name)
+        # Shared side inputs (masks, rotary tables, encoder outputs) are kept by reference.
+        for a in list(args) + list(kwargs.values()):
+            if isinstance(a, torch.Tensor) and a is not hidden:
+                self.static_ptrs.add(_storage_ptr(a))
+        if i == 0 and hidden.requires_grad and "B:embedding" in self.issue_map:
+            hidden.register_hook(lambda g, p=p: self.trigger(p, "B:embedding"))
+
+        act = d.activation
+        if act is Activation.KEEP:
+            h = _Keep(self)
+            p.seg = None
+        elif act is Activation.RECOMPUTE:
+            if d.checkpoint is Tier.NONE:
+                if p.seg is None or p.prev_out is None or not _same(hidden, p.prev_out):
+                    raise PlanMismatchError(
+                        f"block {name} has checkpoint 'none', but its input is not the output of "
+                        f"the block before it; this model is not a chain there: re-plan with a "
+                        f"checkpoint tier for {name}")
+            else:
+                p.seg = Segment(self, p, i, [], d.checkpoint.value)
+                p.segments.append(p.seg)
+            if kwargs.get("use_cache") is True:
+                raise PlanMismatchError(
+                    f"block {name} is recomputed but was called with use_cache=True; set "
+                    "model.config.use_cache = False for training")
+            p.seg.names.append(name)
+            u = p.seg.begin_unit(args, kwargs, loc, hidden)
+            h = _SegUnit(p.seg, u)
+        else:
+            g = self.mover.group(act.value, name)
+            p.groups[("act", name)] = g
+            h = _Offload(self, g)
+            p.seg = None
+        try:
+            with saved_tensors_hooks(h.pack, h.unpack):
+                out = orig(*args, **kwargs)
+        finally:
+            if type(h) is _Offload:
+                h.keys = None    # drop the forward's references (see _Offload.pack)
+        hid = _hidden_of(out)
+        p.prev_out = hid
+        if hid.requires_grad and ("B:" + name) in self.issue_map:
+            hid.register_hook(lambda g, p=p, n=name: self.trigger(p, "B:" + n))
+        if i == len(self.blocks) - 1:
+            # The head runs in the model's own code: its forward starts, and its backward is
+            # next, right after the last block's forward; that is the earliest point we see.
+            self.trigger(p, "F:head")
+            self.trigger(p, "B:head")
+        return out
+
+    # -- steps
+    def _static_bytes(self) -> int:
+        seen, n = set(), 0
+
+        def add(t):
+            nonlocal n
+            st = t.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                n += st.nbytes()
+        for prm in self.model.parameters():
+            add(prm)
+            if prm.grad is not None:
+                add(prm.grad)
+        for opt in list(self.optimizers):
+            for state in opt.state.values():
+                for v in state.values():
+                    if isinstance(v, torch.Tensor) and v.device == self.device:
+                        add(v)
+        return n
+
+    def _begin_step(self):
+        self.step_static = self._static_bytes()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.step_base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            if self.trim:
+                malloc_trim()
+            self.hwm_ok = reset_hwm() and self.hwm_ok
+            self.step_base = read_status().get("VmRSS")
+        self.counters.reset_step()
+        self.step_passes = 0
+        self.step_open = True
+        self.step_t0 = time.perf_counter()
+
+    def on_optimizer_step(self, opt, args, kwargs):
+        if not self.step_open:
+            return
+        if opt not in self.optimizers:
+            if not any(id(q) in self.param_ids for g in opt.param_groups for q in g["params"]):
+                return
+            self.optimizers.add(opt)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t1 = time.perf_counter()
+        c = self.counters
+        stall = c.stall_s
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+            self.mover.poll()
+            for a, b in self.mover.stall_events:
+                stall += a.elapsed_time(b) / 1e3
+            self.mover.stall_events = []
+        else:
+            hwm = read_status().get("VmHWM")
+            peak = hwm - self.step_base if hwm is not None and self.step_base is not None else None
+        with c.lock:
+            rec = StepRecord(step_s=t1 - self.step_t0, passes=self.step_passes,
+                             peak_gpu_bytes=peak, peak_cpu_bytes=c.peak_host,
+                             peak_nvme_bytes=c.peak_nvme, peak_activation_bytes=c.peak_act,
+                             static_bytes=self.step_static, base_bytes=self.step_base,
+                             moved=dict(c.moved), stall_s=stall)
+        self.report.steps.append(rec)
+        self.report.hwm_reset = self.hwm_ok
+        self.step_open = False
+
+    def close(self):
+        if self.pass_ is not None:
+            self.pass_.discard()
+            self.pass_ = None
+        self.mover.close()
+
+
+# ----------------------------------------------------------------------------- public API
+
+class Handle:
+    """What ``apply_plan`` returns: ``report()`` and ``remove()``."""
+
+    def __init__(self, runner: _Runner, hook):
+        self._r = runner
+        self._hook = hook
+        self._removed = False
+
+    @property
+    def plan(self) -> Plan:
+        return self._r.plan
+
+    def report(self) -> Report:
+        """Measured steps so far beside the plan's prediction."""
+        return self._r.report
+
+    def remove(self) -> None:
+        """Undo everything: the model's and blocks' ``forward`` as they were, no hooks left, the
+        offload files and the directories the runtime created deleted."""
+        if self._removed:
+            return
+        self._removed = True
+        self._hook.remove()
+        self._r.unwrap()
+        self._r.close()
+        _ACTIVE.pop(self._r.model, None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+
+
+def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
+               nvme_dir: str | Path | None = None, trim_heap: bool = True) -> Handle:
+    """Make ``model`` train under ``plan``; return a handle with ``report()`` and ``remove()``.
+
+    Raises ``PlanMismatchError`` (a ``ValueError``) when the plan's blocks differ from the
+    model's (names, count, structure hash), ``UnsupportedModelError`` for torch.compile'd,
+    DDP/FSDP-wrapped or self-checkpointing models. On a CPU device, ``trim_heap`` gives freed
+    heap pages back to the kernel before each step so that the measured RSS rise is the step's
+    own (docs/runtime.md); it costs the page faults of touching that memory again, so turn it
+    off when timing matters more than the memory figure.
+    """
+    if model in _ACTIVE:
+        raise PlanMismatchError("a plan is already applied to this model; call handle.remove() "
+                                "first")
+    _refuse_unsupported(model)
+    plan_path = None
+    if not isinstance(plan, Plan):
+        plan_path = str(plan)
+        plan = load_plan(plan)
+    src = plan_path or "the plan"
+    blocks_path = plan.model.get("blocks_path")
+    try:
+        _, blocks = find_blocks(model, blocks_path)
+    except UserError as e:
+        raise PlanMismatchError(f"{src}: {e}") from None
+    want = [u.name for u in plan.units if u.kind == UnitKind.BLOCK.value]
+    names = [n for n, _ in blocks]
+    if len(names) != len(want):
+        raise PlanMismatchError(f"{src} is for {len(want)} blocks but the model has {len(names)} "
+                                f"({blocks_path or 'found'}); profile and solve for this model")
+    if names != want:
+        bad = next(i for i, (a, b) in enumerate(zip(names, want)) if a != b)
+        raise PlanMismatchError(f"{src} names block {bad} {want[bad]!r} but the model's is "
+                                f"{names[bad]!r}; profile and solve for this model")
+    h = structure_hash(blocks)
+    if plan.model.get("structure_hash") != h:
+        raise PlanMismatchError(f"{src} has structure hash {plan.model.get('structure_hash')} but "
+                                f"the model's blocks hash to {h} (different widths or layers); "
+                                "profile and solve for this model")
+    for u, d in zip(plan.units, plan.layers):
+        if u.kind != UnitKind.BLOCK.value and d.activation is not Activation.KEEP:
+            raise PlanMismatchError(f"{src}: unit {u.name} ({u.kind}) must be 'keep' in this "
+                                    "version; regenerate the plan")
+    p0 = next(model.parameters(), None)
+    dev = p0.device.type if p0 is not None else "cpu"
+    plan_dev = plan.hardware.get("device")
+    if plan_dev and plan_dev != dev:
+        raise PlanMismatchError(f"{src} is for {plan_dev} hardware ({plan.hardware.get('name')}) "
+                                f"but the model is on {dev}; solve with a {dev} hardware spec")
+    prev = None
+    nvme_needed = False
+    for u, d in zip(plan.units, plan.layers):
+        if d.activation is Activation.RECOMPUTE and d.checkpoint is Tier.NONE and (
+                prev is None or prev.activation is not Activation.RECOMPUTE):
+            raise PlanMismatchError(f"{src}: {u.name} has checkpoint 'none' but does not follow "
+                                    "a recompute unit; regenerate the plan")
+        if d.activation is Activation.NVME or d.checkpoint is Tier.NVME:
+            nvme_needed = True
+        if (d.activation is Activation.CPU or d.checkpoint is Tier.CPU) and dev != "cuda":
+            raise PlanMismatchError(f"{src}: {u.name} offloads to host memory, which needs a CUDA "
+                                    "device; use a cpu-host plan (nvme) on a CPU")
+        prev = d
+    nvme = str(nvme_dir) if nvme_dir is not None else plan.nvme_dir
+    if nvme_needed and not nvme:
+        raise PlanMismatchError(f"{src} offloads to nvme but names no directory; pass "
+                                "apply_plan(..., nvme_dir=DIR) or solve with --nvme-dir DIR")
+    runner = _Runner(model, plan, plan_path, blocks, nvme, trim_heap)
+    runner.wrap()
+    hook = register_optimizer_step_post_hook(runner.on_optimizer_step)
+    handle = Handle(runner, hook)
+    _ACTIVE[model] = handle
+    return handle

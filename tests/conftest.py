@@ -1,0 +1,70 @@
+"""Shared test helpers.
+
+``plan_for(model, layers_or_policy, batch, seq, ...)`` builds a real ``Plan`` (schedule and
+prediction from ``planner.plans.make_plan``) for a torch model without profiling it: the units
+are the model's real blocks (names, structure hash) with plausible byte and time figures, so
+tests of the runtime's mechanics do not depend on the profiler.
+"""
+from __future__ import annotations
+
+import pytest
+
+
+def _units_for(model, batch, seq, blocks_path=None):
+    from planner.blocks import find_blocks, structure_hash
+    from planner.formats import UnitRecord
+
+    path, blocks = find_blocks(model, blocks_path)
+    p0 = next(model.parameters())
+    elt = p0.element_size()
+    d = p0.shape[-1] if p0.dim() > 1 else 64
+    x = batch * seq * d * elt
+
+    def unit(name, kind, params):
+        pb = sum(p.numel() * p.element_size() for p in params)
+        return UnitRecord(name=name, kind=kind, param_bytes=pb, grad_bytes=pb,
+                          optimizer_bytes=2 * pb, input_bytes=x, output_bytes=x,
+                          saved_bytes=16 * x, workspace_bytes=4 * x, fwd_flops=10**6,
+                          bwd_flops=2 * 10**6, fwd_s=1e-3, bwd_s=2e-3)
+
+    in_blocks = {id(p) for _, b in blocks for p in b.parameters()}
+    rest = [p for p in model.parameters() if id(p) not in in_blocks]
+    units = [unit("embedding", "embedding", rest[:1])]
+    units += [unit(n, "block", list(b.parameters())) for n, b in blocks]
+    units += [unit("head", "head", rest[1:])]
+    return path, structure_hash(blocks), units
+
+
+def plan_for(model, layers, batch, seq, *, hardware="cpu-host", nvme_dir=None,
+             blocks_path=None, name="test-model", prefetch_issue=None):
+    """A Plan for ``model``: ``layers`` is a policy name (keep-all, recompute-all, sqrt,
+    offload-all) or a list of ``(activation, checkpoint)`` per block ("keep", None),
+    ("recompute", "gpu"|"nvme"|"none"), ("nvme", None)."""
+    from planner.baselines import baseline_layers
+    from planner.formats import Activation, LayerDecision, Profile, Tier
+    from planner.hardware import load_hardware
+    from planner.plans import make_plan
+
+    hw = load_hardware(hardware)
+    path, h, units = _units_for(model, batch, seq, blocks_path)
+    prof = Profile(model={"name": name, "batch": batch, "seq": seq, "dtype": "fp32",
+                          "structure_hash": h, "blocks_path": path},
+                   device="meta", timing="estimated", hardware=hw.to_dict(), layers=units)
+    if isinstance(layers, str):
+        decisions = baseline_layers(layers, units, hw)
+    else:
+        assert len(layers) == len(units) - 2
+        decisions = [LayerDecision("embedding", Activation.KEEP)]
+        for u, (act, ck) in zip(units[1:-1], layers):
+            decisions.append(LayerDecision(u.name, Activation(act),
+                                           Tier(ck) if ck is not None else None))
+        decisions.append(LayerDecision("head", Activation.KEEP))
+    budgets = {"gpu_bytes": hw.memory_bytes, "cpu_bytes": 0, "nvme_bytes": hw.nvme_bytes}
+    return make_plan(prof, None, hw, budgets, layers if isinstance(layers, str) else "optimal",
+                     decisions, prefetch_issue=prefetch_issue,
+                     nvme_dir=str(nvme_dir) if nvme_dir else None)
+
+
+@pytest.fixture
+def make_plan_for():
+    return plan_for
