@@ -1,0 +1,249 @@
+"""``plan solve``: budgets in, a plan that the simulator says fits out.
+
+Every plan is simulated before it is written and one that breaks a budget never is. For the
+``optimal`` policy the baselines are simulated too: the best that fits warm-starts the MILP,
+and the MILP's plan is written only if it is at least as fast (in the simulator) as that
+baseline; otherwise the baseline's decisions are written and the solver status says so.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import PLANS_DIR
+from .errors import NoFitError, UserError
+from .formats import Plan, Policy, Profile, load_profile, write_json_atomic
+from .formulation import Budgets, Infeasible, Options, run_solver, Formulation, GB
+from .sizes import fmt_bytes, fmt_seconds, parse_size
+
+# How often an optimistic MILP plan (overflowing in the simulator) is re-solved with the GPU
+# budget tightened by the overflow before we give up (exit 3).
+MAX_TIGHTEN = 3
+
+
+@dataclass
+class SolveOutcome:
+    """The written plan and what was tried on the way (for benches and tests)."""
+
+    plan: Plan
+    milp_objective: float | None
+    baselines: dict          # policy -> (step_s, fits, peak_gpu_bytes)
+    fallback: str | None     # baseline written instead of the MILP's plan, if any
+    attempts: int
+
+
+def _simulate(plan):
+    from .simulate import simulate
+    return simulate(plan)
+
+
+def _make(profile, path, hw, budgets, policy, layers, issue=None, info=None, nvme_dir=None):
+    from .plans import make_plan
+    return make_plan(profile, path, hw, budgets, policy, layers, prefetch_issue=issue,
+                     solver_info=info, nvme_dir=nvme_dir)
+
+
+def _budget_dict(b: Budgets) -> dict:
+    return {"gpu_bytes": b.gpu_bytes, "cpu_bytes": b.cpu_bytes, "nvme_bytes": b.nvme_bytes}
+
+
+def _size(n: int) -> str:
+    return f"{fmt_bytes(n)} ({n} B)"
+
+
+def check_static(profile: Profile, budgets: Budgets) -> None:
+    """Parameters, gradients and optimizer state stay on the GPU in this version."""
+    static = profile.static_bytes + int(profile.optimizer_workspace_bytes)
+    if static > budgets.gpu_bytes:
+        raise NoFitError(
+            f"static state (weights, grads, optimizer) needs {_size(static)} > --gpu-mem "
+            f"{_size(budgets.gpu_bytes)}; parameter offloading is not supported yet",
+            budget="gpu", needed_bytes=static)
+
+
+def evaluate_baselines(profile, path, hw, budgets: Budgets, policies, nvme_dir=None) -> dict:
+    """policy -> (plan, SimResult) for each baseline that is valid on ``hw``."""
+    from .baselines import baseline_layers
+    out = {}
+    for pol in policies:
+        try:
+            layers = baseline_layers(pol, profile.layers, hw)
+            plan = _make(profile, path, hw, _budget_dict(budgets), pol, layers, nvme_dir=nvme_dir)
+        except UserError:
+            continue
+        out[pol] = (plan, _simulate(plan))
+    return out
+
+
+def _no_fit(profile, path, hw, budgets: Budgets, options: Options, solver, time_limit,
+            tried: dict) -> NoFitError:
+    """Name the short budget and the smallest value that fits, checked in the simulator."""
+    best = None   # (peak gpu bytes, source)
+    for pol, (plan, r) in tried.items():
+        if r.peak_cpu_bytes <= budgets.cpu_bytes and r.peak_nvme_bytes <= budgets.nvme_bytes:
+            if best is None or r.peak_gpu_bytes < best[0]:
+                best = (r.peak_gpu_bytes, pol)
+    f = Formulation(profile.layers, hw, budgets, profile.optimizer_s,
+                    profile.optimizer_workspace_bytes,
+                    dataclasses.replace(options, minimise="gpu"))
+    try:
+        res = run_solver(f, solver, time_limit, 1e-3)
+        plan = _make(profile, path, hw, _budget_dict(budgets), "optimal", res.layers,
+                     res.prefetch_issue)
+        r = _simulate(plan)
+        if r.peak_cpu_bytes <= budgets.cpu_bytes and r.peak_nvme_bytes <= budgets.nvme_bytes:
+            if best is None or r.peak_gpu_bytes < best[0]:
+                best = (r.peak_gpu_bytes, "optimal")
+    except (Infeasible, UserError):
+        pass
+    tiers = f"--cpu-mem {_size(budgets.cpu_bytes)} and --nvme-mem {_size(budgets.nvme_bytes)}"
+    if best is None:
+        return NoFitError(f"no plan fits --gpu-mem {_size(budgets.gpu_bytes)} with {tiers}; "
+                          "raise --gpu-mem", budget="gpu")
+    return NoFitError(f"no plan fits --gpu-mem {_size(budgets.gpu_bytes)} with {tiers}: the "
+                      f"smallest --gpu-mem that fits is {_size(best[0])}", budget="gpu",
+                      needed_bytes=best[0])
+
+
+def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: str = "optimal",
+                  *, solver: str = "cbc", time_limit: float | None = 60.0, gap: float = 0.01,
+                  nvme_dir: str | None = None, progress: bool = False,
+                  options: Options | None = None) -> SolveOutcome:
+    """The plan ``plan solve`` writes: fits in the simulator, or ``NoFitError``."""
+    from .baselines import BASELINES
+    policy = getattr(policy, "value", policy)
+    check_static(profile, budgets)
+    bd = _budget_dict(budgets)
+
+    if policy not in (Policy.OPTIMAL.value, Policy.REMAT_ONLY.value):
+        tried = evaluate_baselines(profile, profile_path, hw, budgets, [policy], nvme_dir)
+        if policy not in tried:
+            raise UserError(f"--policy {policy}: not valid on the hardware spec {hw.name!r}")
+        plan, r = tried[policy]
+        if not r.fits:
+            raise NoFitError(f"the {policy} plan does not fit: {r.budget_violations[0]}; "
+                             f"raise that budget to at least its peak, or use --policy optimal",
+                             budget=r.budget_violations[0].split(":")[0])
+        return SolveOutcome(plan, None, {policy: (r.step_s, r.fits, r.peak_gpu_bytes)}, None, 0)
+
+    remat = policy == Policy.REMAT_ONLY.value
+    opts = options or Options()
+    if remat:
+        opts = dataclasses.replace(opts, allow_offload=False)
+    pols = [p.value for p in BASELINES]
+    if remat:
+        pols = [p for p in pols if p != Policy.OFFLOAD_ALL.value]
+    tried = evaluate_baselines(profile, profile_path, hw, budgets, pols, nvme_dir)
+    fitting = {p: v for p, v in tried.items() if v[1].fits}
+    best = min(fitting, key=lambda p: fitting[p][1].step_s) if fitting else None
+    warm = fitting[best][0].layers if best else None
+
+    model_budgets = budgets
+    cand, res, attempts = None, None, 0
+    while attempts <= MAX_TIGHTEN:
+        attempts += 1
+        try:
+            res = run_solver(Formulation(profile.layers, hw, model_budgets, profile.optimizer_s,
+                                         profile.optimizer_workspace_bytes, opts),
+                             solver, time_limit, gap, warm, progress)
+        except Infeasible:
+            break
+        info = res.solver_info()
+        if model_budgets.gpu_bytes != budgets.gpu_bytes:
+            info["status"] += f" (gpu budget tightened to {model_budgets.gpu_bytes} B)"
+        plan = _make(profile, profile_path, hw, bd, policy, res.layers, res.prefetch_issue,
+                     info, nvme_dir)
+        r = _simulate(plan)
+        if r.fits:
+            cand = (plan, r)
+            break
+        over = r.peak_gpu_bytes - budgets.gpu_bytes
+        if over <= 0:   # a host/NVMe overflow: tightening the GPU budget would not help
+            break
+        model_budgets = dataclasses.replace(
+            model_budgets, gpu_bytes=model_budgets.gpu_bytes - over - 1)
+
+    summary = {p: (v[1].step_s, v[1].fits, v[1].peak_gpu_bytes) for p, v in tried.items()}
+    if cand is not None and (best is None or cand[1].step_s <= fitting[best][1].step_s * (1 + 1e-9)):
+        return SolveOutcome(cand[0], res.objective, summary, None, attempts)
+    if best is not None:
+        bplan, br = fitting[best]
+        why = ("MILP plan simulated slower" if cand is not None else
+               "MILP plan did not fit in the simulator" if res is not None else "MILP infeasible")
+        info = {"name": solver, "status": f"fallback:{best} ({why})", "objective": br.step_s,
+                "gap": res.gap if res else None, "solve_s": res.solve_s if res else 0.0,
+                "variables": res.variables if res else 0,
+                "constraints": res.constraints if res else 0}
+        plan = dataclasses.replace(bplan, policy=policy, solver=info)
+        return SolveOutcome(plan, res.objective if res else None, summary, best, attempts)
+    raise _no_fit(profile, profile_path, hw, budgets, opts, solver, time_limit, tried)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def _warn(msg: str) -> None:
+    print(f"plan: warning: {msg}", file=sys.stderr)
+
+
+def parse_budgets(args, hw) -> Budgets:
+    """Sizes from the command line, checked against the spec (docs: sizes, unified memory)."""
+    gpu = parse_size(args.gpu_mem, "--gpu-mem")
+    nvme = parse_size(args.nvme_mem if args.nvme_mem is not None else "0", "--nvme-mem")
+    if hw.unified_memory:
+        cpu = parse_size(args.cpu_mem, "--cpu-mem") if args.cpu_mem is not None else 0
+        if cpu != 0:
+            raise UserError(f"--cpu-mem {args.cpu_mem}: the spec {hw.name!r} has unified memory "
+                            "(no separate host tier); give --cpu-mem 0 or leave it out")
+    else:
+        cpu = (parse_size(args.cpu_mem, "--cpu-mem") if args.cpu_mem is not None
+               else int(hw.host_memory_bytes))
+    if gpu == 0:
+        raise UserError("--gpu-mem 0: the GPU must hold at least the static state; give a size "
+                        "such as 80G")
+    if gpu > hw.memory_bytes:
+        _warn(f"--gpu-mem {args.gpu_mem} is more than the {fmt_bytes(hw.memory_bytes)} of {hw.name}")
+    if not hw.unified_memory and cpu > hw.host_memory_bytes:
+        _warn(f"--cpu-mem {args.cpu_mem} is more than the {fmt_bytes(hw.host_memory_bytes)} "
+              f"host memory of {hw.name}")
+    if hw.nvme_bytes and nvme > hw.nvme_bytes:
+        _warn(f"--nvme-mem {args.nvme_mem} is more than the {fmt_bytes(hw.nvme_bytes)} NVMe "
+              f"of {hw.name}")
+    return Budgets(gpu, cpu, nvme)
+
+
+def summary_line(plan: Plan) -> str:
+    p, b = plan.predicted, plan.budgets
+    ratio = p["step_s"] / p["compute_s"] if p["compute_s"] else float("nan")
+    return (f"{plan.policy}: step {fmt_seconds(p['step_s'])} = {ratio:.3f}x compute-only "
+            f"({fmt_seconds(p['compute_s'])}); peaks GPU {fmt_bytes(p['peak_gpu_bytes'])} / "
+            f"{fmt_bytes(b['gpu_bytes'])}, host {fmt_bytes(p['peak_cpu_bytes'])} / "
+            f"{fmt_bytes(b['cpu_bytes'])}, NVMe {fmt_bytes(p['peak_nvme_bytes'])} / "
+            f"{fmt_bytes(b['nvme_bytes'])}")
+
+
+def cli_solve(args) -> int:
+    profile = load_profile(args.profile)
+    if args.hardware:
+        from .hardware import load_hardware
+        hw = load_hardware(args.hardware)
+    else:
+        hw = profile.hardware_spec
+    budgets = parse_budgets(args, hw)
+    if args.time_limit is not None and args.time_limit <= 0:
+        raise UserError(f"--time-limit {args.time_limit}: give a positive number of seconds")
+    if args.gap < 0:
+        raise UserError(f"--gap {args.gap}: give a relative gap of 0 or more, e.g. 0.01")
+    nvme_dir = args.nvme_dir or os.path.join(tempfile.gettempdir(), "tierplan-nvme")
+    out = solve_profile(profile, args.profile, hw, budgets, args.policy, solver=args.solver,
+                        time_limit=args.time_limit, gap=args.gap, nvme_dir=nvme_dir,
+                        progress=sys.stderr.isatty())
+    path = Path(args.output) if args.output else (
+        PLANS_DIR / f"{Path(args.profile).stem}-{str(args.gpu_mem).strip()}.json")
+    write_json_atomic(path, out.plan.to_dict())
+    print(path)
+    print(summary_line(out.plan))
+    return 0

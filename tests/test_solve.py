@@ -1,0 +1,116 @@
+"""``plan solve`` through ``planner.cli.main``: exit codes, messages, written plans."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from planner.cli import main
+from planner.formats import load_plan, write_json_atomic
+from planner.hardware import load_hardware
+from planner.simulate import simulate
+from planner.synthetic import uniform_profile
+
+H200 = load_hardware("h200")
+A100 = load_hardware("a100-80g")
+
+
+@pytest.fixture
+def prof(tmp_path):
+    p = uniform_profile(8, H200, jitter=0.02)
+    path = tmp_path / "syn.json"
+    write_json_atomic(path, p.to_dict())
+    blocks = sum(u.activation_bytes for u in p.layers if u.kind == "block")
+    fixed = (p.static_bytes + p.layers[0].activation_bytes + p.layers[-1].activation_bytes
+             + max(u.workspace_bytes for u in p.layers))
+    return path, p, int(fixed + blocks / 2)
+
+
+def test_solve_writes_a_plan_that_fits(prof, tmp_path, capsys):
+    path, p, gpu = prof
+    out = tmp_path / "plan.json"
+    rc = main(["solve", str(path), "--gpu-mem", str(gpu), "--cpu-mem", "512G", "-o", str(out)])
+    assert rc == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == str(out) and "x compute-only" in lines[1]
+    plan = load_plan(out)
+    r = simulate(plan)
+    assert r.fits and plan.predicted["step_s"] == pytest.approx(r.step_s)
+    assert plan.solver["objective"] == pytest.approx(r.step_s, rel=0.02)
+    assert plan.budgets == {"gpu_bytes": gpu, "cpu_bytes": 512 * 1024**3, "nvme_bytes": 0}
+    assert plan.nvme_dir.endswith("tierplan-nvme")
+    for pol in ("keep-all", "recompute-all", "sqrt", "offload-all"):
+        o = tmp_path / f"{pol}.json"
+        rc = main(["solve", str(path), "--gpu-mem", "140G", "--cpu-mem", "512G", "--policy", pol,
+                   "-o", str(o)])
+        assert rc == 0
+        b = load_plan(o)
+        if simulate(b).peak_gpu_bytes <= gpu:
+            assert plan.predicted["step_s"] <= b.predicted["step_s"]
+
+
+def test_default_output_path(prof, tmp_path, monkeypatch):
+    import planner.solve as solve
+    path, p, gpu = prof
+    monkeypatch.setattr(solve, "PLANS_DIR", tmp_path / "plans")
+    assert main(["solve", str(path), "--gpu-mem", "140G", "--policy", "keep-all"]) == 0
+    assert (tmp_path / "plans" / "syn-140G.json").is_file()
+
+
+@pytest.mark.parametrize("argv", [
+    ["--gpu-mem", "80X"], ["--gpu-mem=-1G"], ["--gpu-mem", "80G", "--cpu-mem", "lots"],
+    ["--gpu-mem", "80G", "--hardware", "no-such-gpu"],
+])
+def test_bad_input_exits_2(prof, argv, capsys):
+    path, _, _ = prof
+    assert main(["solve", str(path), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_bad_profile_files_exit_2(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert main(["solve", str(bad), "--gpu-mem", "80G"]) == 2
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({"schema": "tierplan.plan/1"}))
+    assert main(["solve", str(wrong), "--gpu-mem", "80G"]) == 2
+    assert main(["solve", str(tmp_path / "missing.json"), "--gpu-mem", "80G"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 3
+
+
+def test_unified_memory_refuses_cpu_mem(tmp_path, capsys):
+    cpu = load_hardware("cpu-host")
+    p = uniform_profile(2, cpu, param_bytes=1_000_000, saved_bytes=10_000_000)
+    path = tmp_path / "c.json"
+    write_json_atomic(path, p.to_dict())
+    assert main(["solve", str(path), "--gpu-mem", "20G", "--cpu-mem", "8G"]) == 2
+    assert "--cpu-mem 0" in capsys.readouterr().err
+
+
+def test_too_small_budget_names_smallest_that_fits(prof, tmp_path, capsys):
+    path, p, gpu = prof
+    small = p.static_bytes + 2 * 1024**3
+    rc = main(["solve", str(path), "--gpu-mem", str(small), "--cpu-mem", "512G",
+               "-o", str(tmp_path / "x.json")])
+    assert rc == 3
+    err = capsys.readouterr().err
+    assert "smallest --gpu-mem that fits is" in err
+    need = int(err.split("fits is ")[1].split("(")[1].split(" B)")[0])
+    assert need > small
+    # and that figure does fit
+    rc = main(["solve", str(path), "--gpu-mem", str(need), "--cpu-mem", "512G",
+               "-o", str(tmp_path / "y.json")])
+    assert rc == 0 and simulate(load_plan(tmp_path / "y.json")).fits
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_static_state_too_big_says_so(tmp_path, capsys):
+    # gpt3-175b: 175e9 parameters x 16 bytes (bf16 weights+grads, fp32 master and two moments)
+    p = uniform_profile(4, A100, param_bytes=175_000_000_000 * 16 // 12 // 8)
+    path = tmp_path / "gpt3.json"
+    write_json_atomic(path, p.to_dict())
+    assert main(["solve", str(path), "--gpu-mem", "80G", "--cpu-mem", "1T"]) == 3
+    err = capsys.readouterr().err
+    assert "static state (weights, grads, optimizer) needs" in err
+    assert "parameter offloading is not supported yet" in err
