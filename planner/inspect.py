@@ -485,12 +485,20 @@ def _bytes0(x):
     return "-" if not x else fmt_bytes(x)
 
 
+def _count(n: int) -> str:
+    """``1.56 B``, ``124.4 M``, ``199.2 K``: parameter counts in the unit that reads best."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return str(n)
+
+
 def format_plan(r: dict, report_rows: list | None = None) -> str:
     m, b, s, t = r["model"], r["budgets"], r["solver"], r["time"]
     L = []
     L.append(f"plan {r['plan']}")
     L.append(f"  model     {m['name']}  batch {m['batch']}  seq {m['seq']}  {m['dtype']}"
-             + (f"  {m['param_count'] / 1e9:.2f} B params" if m.get("param_count") else ""))
+             + (f"  {_count(m['param_count'])} params" if m.get("param_count") else ""))
     L.append(f"  hardware  {r['hardware']['name']}  ({r['hardware'].get('description') or ''})")
     unified = bool(r["hardware"].get("unified_memory"))
     L.append(f"  budgets   {'device' if unified else 'GPU'} {fmt_bytes(b.get('gpu_bytes'))}"

@@ -40,7 +40,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
-from . import PROFILES_DIR
 from .blocks import find_blocks, structure_hash
 from .errors import UserError
 from .flops import op_flops
@@ -858,8 +857,10 @@ def profile_model(model_spec: str, batch: int, seq: int, *, dtype=None, device="
 
 
 def default_output(profile: Profile) -> Path:
+    """``profiles/<name>-b<B>-s<S>.json`` under the current directory, like any CLI output."""
     m = profile.model
-    return PROFILES_DIR / f"{m['name']}-b{m['batch']}-s{m['seq']}.json"
+    name = str(m["name"]).replace("/", "_").replace(":", "_")
+    return Path("profiles") / f"{name}-b{m['batch']}-s{m['seq']}.json"
 
 
 def cli_profile(args) -> int:
