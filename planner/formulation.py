@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 
 import networkx as nx
+import warnings
+
 import pulp
 
 from .errors import NoFitError, UserError
@@ -114,8 +116,11 @@ def make_solver(name: str, time_limit: float | None, gap: float, warm: bool, log
                 msg: bool = False):
     """The only place a solver is chosen: ``cbc`` (default) or ``highs``."""
     if name == "cbc":
-        return pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit, gapRel=gap, warmStart=warm,
-                                 logPath=log_path, threads=1)
+        # NB: PuLP 3.x warns that its bundled CBC goes away in PuLP 4; we pin pulp<4 for it.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit, gapRel=gap, warmStart=warm,
+                                     logPath=log_path, threads=1)
     if name == "highs":
         return pulp.HiGHS(msg=msg, timeLimit=time_limit, gapRel=gap, threads=1)
     raise UserError(f"--solver '{name}': unknown solver; use cbc or highs")
@@ -248,46 +253,50 @@ class Formulation:
 
     # -- variables ---------------------------------------------------------------------------
 
+    def _var(self, name: str, low=None, up=None, cat: str = "Continuous"):
+        """A variable attached to the model (PuLP 3.3's non-deprecated way to make one)."""
+        return self.prob.add_variable(name, low, up, cat=cat)
+
     def _variables(self):
         U = self.U
         self.x = []
         for i in range(U):
-            row = {c: pulp.LpVariable(f"x_{c}_{i}", cat="Binary") for c in self.choices(i)}
+            row = {c: self._var(f"x_{c}_{i}", cat="Binary") for c in self.choices(i)}
             self.x.append(row)
         # o^c_{i,s}, o^n_{i,s}: share of A_i leaving in stage s; p^c, p^n: arriving.
         self.oc, self.on, self.pc, self.pn = {}, {}, {}, {}
         for i in range(U):
             if "cpu" in self.x[i]:
                 for s in self._out_window(i):
-                    self.oc[i, s] = pulp.LpVariable(f"oc_{i}_{s}", 0, 1)
+                    self.oc[i, s] = self._var(f"oc_{i}_{s}", 0, 1)
                 for s in self._in_window(i):
-                    self.pc[i, s] = pulp.LpVariable(f"pc_{i}_{s}", 0, 1)
+                    self.pc[i, s] = self._var(f"pc_{i}_{s}", 0, 1)
             if "nvme" in self.x[i]:
                 for s in self._out_window(i):
-                    self.on[i, s] = pulp.LpVariable(f"on_{i}_{s}", 0, 1)
+                    self.on[i, s] = self._var(f"on_{i}_{s}", 0, 1)
                 for s in self._in_window(i):
-                    self.pn[i, s] = pulp.LpVariable(f"pn_{i}_{s}", 0, 1)
+                    self.pn[i, s] = self._var(f"pn_{i}_{s}", 0, 1)
         # m_{k,i}: A_k materialised at bwd(i) by a segment recompute; q_{k,i}: k recomputed in
         # the R event at bwd(i); e_i: i ends a segment.
         self.m, self.q, self.e = {}, {}, {}
         for i in range(U):
             if "rz" in self.x[i] or any(c in self.x[i] for c in ("rg", "rc", "rn")):
-                self.e[i] = pulp.LpVariable(f"e_{i}", 0, 1)
+                self.e[i] = self._var(f"e_{i}", 0, 1)
         for i in range(U):
             for k in range(max(0, i - self.wseg + 1), i):
                 if all("rz" in self.x[t] for t in range(k + 1, i + 1)):
-                    self.m[k, i] = pulp.LpVariable(f"m_{k}_{i}", 0, 1)
-                    self.q[k, i] = pulp.LpVariable(f"q_{k}_{i}", 0, 1)
-        self.T = {s: pulp.LpVariable(f"T_{s}", 0) for s in range(U, self.S)}
-        self.M = {s: pulp.LpVariable(f"M_{s}", 0) for s in range(1, U)}
-        self.H = {s: pulp.LpVariable(f"H_{s}", 0) for s in range(U, self.S)}
-        self.pool = pulp.LpVariable("pi", 0) if self.has_nvme else None
+                    self.m[k, i] = self._var(f"m_{k}_{i}", 0, 1)
+                    self.q[k, i] = self._var(f"q_{k}_{i}", 0, 1)
+        self.T = {s: self._var(f"T_{s}", 0) for s in range(U, self.S)}
+        self.M = {s: self._var(f"M_{s}", 0) for s in range(1, U)}
+        self.H = {s: self._var(f"H_{s}", 0) for s in range(U, self.S)}
+        self.pool = self._var("pi", 0) if self.has_nvme else None
         if self.opt.minimise == "gpu":
-            self.G = pulp.LpVariable("G", 0)
+            self.G = self._var("G", 0)
         else:
             self.G = self.budgets.gpu_bytes / GB
         if self.opt.minimise == "cpu":
-            self.Hc = pulp.LpVariable("Hc", 0)
+            self.Hc = self._var("Hc", 0)
         else:
             self.Hc = self.budgets.cpu_bytes / GB
 
@@ -747,7 +756,7 @@ def run_solver(f: Formulation, solver: str = "cbc", time_limit: float | None = 6
     return MilpResult(layers=layers, prefetch_issue=f.prefetch_issue(layers),
                       objective=step if f.opt.minimise == "time" else obj,
                       status=status, gap=g, solve_s=dt, variables=len(f.prob.variables()),
-                      constraints=len(f.prob.constraints), solver=solver,
+                      constraints=f.prob.numConstraints(), solver=solver,
                       stage_s=f.stage_seconds(), window=f.w)
 
 

@@ -14,7 +14,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import PLANS_DIR
 from .errors import NoFitError, UserError
 from .formats import Plan, Policy, Profile, load_profile, write_json_atomic
 from .formulation import Budgets, Infeasible, Options, run_solver, Formulation, GB
@@ -242,7 +241,7 @@ def cli_solve(args) -> int:
                         time_limit=args.time_limit, gap=args.gap, nvme_dir=nvme_dir,
                         progress=sys.stderr.isatty())
     path = Path(args.output) if args.output else (
-        PLANS_DIR / f"{Path(args.profile).stem}-{str(args.gpu_mem).strip()}.json")
+        Path("plans") / f"{Path(args.profile).stem}-{str(args.gpu_mem).strip()}.json")
     write_json_atomic(path, out.plan.to_dict())
     print(path)
     print(summary_line(out.plan))
