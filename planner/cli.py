@@ -26,6 +26,8 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports usage errors as one line with exit code 2 (no usage dump)."""
 
     def error(self, message):
+        if message.endswith("expected one argument"):
+            message += " (a value that starts with '-' is written --flag=VALUE)"
         raise UserError(f"{self.prog}: {message} (see '{self.prog} --help')")
 
 
