@@ -69,23 +69,23 @@ class Stream(str, enum.Enum):
 
 # ----------------------------------------------------------------------------- JSON I/O
 
-def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
-    """Write ``obj`` as sorted JSON through a temporary file in the same folder, then rename.
+def write_atomic(path: str | os.PathLike, write, binary: bool = False) -> Path:
+    """Call ``write(f)`` on a temporary file in the target's folder, then rename it over the
+    target.
 
-    A reader never sees a half-written file, and an existing file is replaced only once the
-    new one is complete.
+    A reader never sees a half-written file, and an existing file is replaced only once the new
+    one is complete; on any failure (Ctrl-C included) the temporary file is removed.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        # mkstemp creates 0600 files; give the plan the permissions a plain open() would.
+        # mkstemp creates 0600 files; give the output the permissions a plain open() would.
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, sort_keys=True, indent=1)
-            f.write("\n")
+        with os.fdopen(fd, "wb" if binary else "w") as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -96,6 +96,14 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
             pass
         raise
     return path
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
+    """Write ``obj`` as sorted JSON atomically (see ``write_atomic``)."""
+    def write(f):
+        json.dump(obj, f, sort_keys=True, indent=1)
+        f.write("\n")
+    return write_atomic(path, write)
 
 
 def read_json(path: str | os.PathLike, what: str) -> dict:

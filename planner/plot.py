@@ -9,12 +9,10 @@ object API on the Agg canvas: no pyplot, so no global state or display backend i
 """
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 from .errors import UserError
-from .formats import Plan, Stream
+from .formats import Plan, Stream, write_atomic
 from .sizes import fmt_bytes, fmt_seconds
 
 GIB = 1024 ** 3
@@ -158,20 +156,5 @@ def save_plot(plan: Plan, path, tl=None, title_path: str | None = None) -> Path:
     if path.suffix.lower() != ".png":
         raise UserError(f"--plot '{path}': give a file name ending in .png")
     fig = plan_figure(plan, tl, title_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png")
-        # mkstemp creates the file 0600; give the picture the mode a plain open() would.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    write_atomic(path, lambda f: fig.savefig(f, format="png"), binary=True)
     return path
