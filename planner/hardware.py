@@ -31,11 +31,17 @@ def load_hardware(name_or_file: str) -> HardwareSpec:
                             f"{', '.join(shipped_names())} or a YAML file")
     if not source.exists():
         raise UserError(f"--hardware '{name_or_file}': no such file; check the path")
+    data = read_yaml_mapping(source, "hardware spec", "profiles/hardware/*.yaml")
+    return HardwareSpec.from_dict(data, str(source))
+
+
+def read_yaml_mapping(source: Path, what: str, example: str) -> dict:
+    """A YAML file that must hold a mapping; every failure is one UserError line."""
     try:
         data = yaml.safe_load(source.read_text())
     except (OSError, yaml.YAMLError) as e:
-        raise UserError(f"hardware spec '{source}' cannot be read as YAML ({e.__class__.__name__}); "
-                        "fix the file or use a shipped spec")
+        raise UserError(f"{what} '{source}' cannot be read as YAML ({type(e).__name__}); "
+                        f"fix the file or start from {example}")
     if not isinstance(data, dict):
-        raise UserError(f"hardware spec '{source}' is not a mapping; see profiles/hardware/*.yaml")
-    return HardwareSpec.from_dict(data, str(source))
+        raise UserError(f"{what} '{source}' is not a mapping; see {example}")
+    return data

@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import yaml
 
 from . import PROFILES_DIR
 from .errors import UserError
+from .hardware import read_yaml_mapping
 
 MODELS_DIR = PROFILES_DIR / "models"
 
@@ -64,13 +64,7 @@ def load_config(name_or_yaml: str) -> dict:
         if not source.exists():
             raise UserError(f"model '{name_or_yaml}' is unknown; use one of "
                             f"{', '.join(builtin_names())}, a model YAML, or package.module:function")
-    try:
-        cfg = yaml.safe_load(source.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise UserError(f"model config '{source}' cannot be read as YAML ({type(e).__name__}); "
-                        "fix the file or use a built-in model")
-    if not isinstance(cfg, dict):
-        raise UserError(f"model config '{source}' is not a mapping; see profiles/models/*.yaml")
+    cfg = read_yaml_mapping(source, "model config", "profiles/models/*.yaml")
     return _complete(cfg, str(source))
 
 
