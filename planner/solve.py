@@ -60,7 +60,8 @@ def check_static(profile: Profile, budgets: Budgets) -> None:
     if static > budgets.gpu_bytes:
         raise NoFitError(
             f"static state (weights, grads, optimizer) needs {_size(static)} > --gpu-mem "
-            f"{_size(budgets.gpu_bytes)}; parameter offloading is not supported yet",
+            f"{_size(budgets.gpu_bytes)}: the static state alone exceeds --gpu-mem, before any "
+            f"activation; parameter offloading is not supported yet (a later step)",
             budget="gpu", needed_bytes=static)
 
 

@@ -146,3 +146,18 @@ def test_model_grows_linearly():
         return sum(len(c) for c in prob.constraints())
     a, b = nonzeros(48), nonzeros(96)
     assert b / a < 2.2   # O(U * window), not O(U^2)
+
+
+def test_gap_is_relative_to_the_step_time():
+    # The solvers never see the constant K = sum f + t_opt; the reported gap is on the step.
+    from planner.formulation import step_gap
+    assert step_gap(0.4, 0.394, 0.2) == pytest.approx(0.006 / 0.6)
+    p = uniform_profile(12, H200, jitter=0.02, seed=12)
+    f = Formulation(p.layers, H200, Budgets(half_budget(p), 512 * GiB, 0))
+    f.build()
+    assert f.objective_constant() == pytest.approx(sum(u.fwd_s for u in p.layers))
+    assert f.compute_only() == pytest.approx(compute_only(p))
+    for solver in ("cbc", "highs"):
+        r = run_solver(Formulation(p.layers, H200, Budgets(half_budget(p), 512 * GiB, 0)),
+                       solver, 60, 0.01)
+        assert r.status == "optimal" and r.gap is not None and 0 <= r.gap <= 0.01

@@ -9,6 +9,7 @@ from planner.cli import main
 from planner.formats import load_plan, write_json_atomic
 from planner.hardware import load_hardware
 from planner.simulate import simulate
+from planner.sizes import fmt_bytes
 from planner.synthetic import uniform_profile
 
 H200 = load_hardware("h200")
@@ -113,3 +114,52 @@ def test_static_state_too_big_says_so(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "static state (weights, grads, optimizer) needs" in err
     assert "parameter offloading is not supported yet" in err
+
+
+def test_gpt3_175b_profile_on_one_80g_gpu_exits_3(tmp_path, capsys):
+    """A real gpt3-175b profile (meta, ~3 s): its static state alone exceeds one A100-80G."""
+    from planner.profiler import profile_model
+    p = profile_model("gpt3-175b", 1, 2048, device="meta", hardware=A100)
+    path = tmp_path / "gpt3-175b.json"
+    write_json_atomic(path, p.to_dict())
+    static = p.static_bytes + p.optimizer_workspace_bytes
+    # 16 bytes per parameter (bf16 weights + grads, fp32 master + two moments): ~2.8 TB
+    assert p.static_bytes == 16 * p.model["param_count"]
+    out = tmp_path / "plan.json"
+    assert main(["solve", str(path), "--gpu-mem", "80G", "--cpu-mem", "1T",
+                 "-o", str(out)]) == 3
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert err == ("plan: error: static state (weights, grads, optimizer) needs "
+                   f"{fmt_bytes(static)} ({static} B) > --gpu-mem 80.00 GiB (85899345920 B): "
+                   "the static state alone exceeds --gpu-mem, before any activation; parameter "
+                   "offloading is not supported yet (a later step)")
+    assert not out.exists()
+
+
+def test_highs_through_cli_is_silent_when_piped(prof, tmp_path, capsys):
+    # stderr is not a TTY under capsys: no progress lines; and HiGHS's start-up banner (printed
+    # by highspy.Highs() on stdout) must not come before the plan's path.
+    path, p, gpu = prof
+    out = tmp_path / "h.json"
+    assert main(["solve", str(path), "--gpu-mem", str(gpu), "--cpu-mem", "512G",
+                 "--solver", "highs", "-o", str(out)]) == 0
+    cap = capsys.readouterr()
+    assert cap.err == ""
+    assert cap.out.splitlines()[0] == str(out)
+    assert load_plan(out).solver["name"] == "highs"
+
+
+def test_highs_progress_line(capsys):
+    from types import SimpleNamespace
+    from planner.formulation import _HighsProgress
+    cb = _HighsProgress(constant=0.2)
+    ev = lambda t, inc, bound: SimpleNamespace(data_out=SimpleNamespace(
+        running_time=t, mip_primal_bound=inc, mip_dual_bound=bound))
+    cb(ev(0.5, float("inf"), 0.3))          # no incumbent yet: nothing
+    cb(ev(1.5, 0.4, 0.394))                 # step 0.6, gap 0.006 / 0.6 = 1.00%
+    cb(ev(2.0, 0.4, 0.397))                 # within a second of the last line: nothing
+    cb(ev(2.6, 0.4, 0.397))
+    assert capsys.readouterr().err.splitlines() == [
+        "  solve:    1.5 s  incumbent 0.60000  gap 1.00%",
+        "  solve:    2.6 s  incumbent 0.60000  gap 0.50%"]
