@@ -1,26 +1,38 @@
 """Runtime benchmark: replay overhead against hand-written equivalents, and prediction fidelity.
 
-    python bench/runtime.py                 # both parts
+    python bench/runtime.py                         # both parts, the defaults below
     python bench/runtime.py --part overhead --steps 7
-    python bench/runtime.py --part fidelity --fid-batch 16 --fid-seq 1024
+    python bench/runtime.py --part fidelity --fid-steps 6
 
-Overhead (CPU, fp32): two identical models train side by side, step by step in alternation, and
-the ratio is taken pair by pair (so load from other processes hits both sides alike), then the
-median ratio is reported:
+Overhead (CPU, fp32): two identical models train side by side, step by step in alternation (who
+goes first alternates too), and the ratio is taken pair by pair, so load from other processes
+hits both sides alike; the median ratio is reported. Two block sizes: a tiny one (a step of a
+few ms on an idle core, where any per-tensor Python cost is magnified) and a realistic one
+(a step of well over 0.3 s). Comparisons:
 - keep-all plan vs the plain model;
 - recompute-all plan vs the same blocks wrapped by hand in ``torch.utils.checkpoint``
   (non-reentrant, RNG preserved).
+Each step is timed twice: wall clock, and the CPU time of the process (``time.process_time``;
+with one torch thread the forward, the backward and the optimizer all run on the calling thread,
+so it is the step's own work and much less sensitive to other jobs on a shared host than the
+wall clock, whose pair ratios spread over 0.9-1.4 there). The runtime runs with ``trim_heap=False`` (timing, not memory, is measured here); its per-step
+memory probes (a ``clear_refs`` write and two ``/proc/self/status`` reads, about 40 us) stay on.
 
-Fidelity (``cpu-host``): a GPT whose saved activations exceed 2 GB is profiled on this CPU
-(measured times), planned keep-all and offload-all (every block to the local disk), and trained;
-the measured peak RSS rise of each step is set beside the plan's prediction (its peak less the
-static state resident before the step, docs/runtime.md), and the measured saving of the NVMe
-plan beside the predicted saving.
+Fidelity (``cpu-host``): runs in a child process started with ``MALLOC_MMAP_THRESHOLD_=65536``
+(docs/runtime.md: with glibc's default dynamic threshold, freed tensors of up to 32 MiB stay in
+the heap, so RSS does not fall when the runtime frees an offloaded tensor). There a GPT whose
+saved activations exceed 2 GB is profiled on this CPU (measured times, ``--fid-repeats``), planned
+keep-all and offload-all (every block to the local disk), and trained; the measured peak RSS
+rise of each step is set beside the plan's prediction (its peak less the static state resident
+before the step), and the measured saving of the NVMe plan beside the predicted saving.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +42,8 @@ import torch
 
 # Replace the script's folder on the path by the repository: bench/ holds runtime.py (this file,
 # which would shadow the runtime package) and profile.py (which would shadow the stdlib's).
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+REPO = Path(__file__).resolve().parents[1]
+sys.path[0] = str(REPO)
 
 from planner.hardware import load_hardware  # noqa: E402
 from planner.models import build_model, load_config, make_inputs  # noqa: E402
@@ -39,13 +52,25 @@ from planner.profiler import profile_module  # noqa: E402
 from planner.sizes import fmt_bytes, fmt_seconds  # noqa: E402
 from runtime import apply_plan  # noqa: E402
 
+MMAP_THRESHOLD = "65536"
 
-def _step(model, opt, inputs):
-    t0 = time.perf_counter()
+
+def gpt_config(d_model: int, layers: int, seq: int, name: str = "gpt-bench") -> dict:
+    """The built-in GPT at another width: heads of 64, d_ff = 4 d (GPT-2's ratios)."""
+    heads = max(1, d_model // 64)
+    return dict(load_config("gpt-tiny"), name=name, n_layers=layers, d_model=d_model,
+                n_heads=heads, n_kv_heads=heads, d_ff=4 * d_model, max_seq=max(seq, 256),
+                dtype="fp32")
+
+
+def _step(model, opt, inputs, cpu=False):
+    """Wall seconds of one step, or (wall, CPU seconds of this process) with ``cpu``."""
+    t0, c0 = time.perf_counter(), time.process_time()
     model(**inputs).loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    return (wall, time.process_time() - c0) if cpu else wall
 
 
 def _wrap_checkpoint(model):
@@ -66,9 +91,10 @@ def _plan(cfg, batch, seq, policy, hw, nvme_dir=None, device="meta", repeats=3):
     return prof, baseline_plan(prof, None, hw, budgets, policy, nvme_dir=nvme_dir)
 
 
-def overhead(steps: int, batch: int, seq: int, layers: int):
+# ----------------------------------------------------------------------------- overhead
+
+def overhead_case(label, cfg, batch, seq, pairs):
     hw = load_hardware("cpu-host")
-    cfg = dict(load_config("gpt-tiny"), n_layers=layers, d_model=128, dtype="fp32")
     inputs = make_inputs(cfg, batch, seq)
     rows = []
     for policy, peer in (("keep-all", "plain model"), ("recompute-all", "torch.utils.checkpoint")):
@@ -78,64 +104,116 @@ def overhead(steps: int, batch: int, seq: int, layers: int):
             _wrap_checkpoint(a)
         h = apply_plan(b, plan, trim_heap=False)   # timing, not memory, is measured here
         oa, ob = torch.optim.AdamW(a.parameters()), torch.optim.AdamW(b.parameters())
-        for _ in range(2):                       # warm-up
+        for _ in range(2):                       # warm-up (the first step allocates AdamW state)
             _step(a, oa, inputs), _step(b, ob, inputs)
         ta, tb = [], []
-        for k in range(steps):
+        for k in range(pairs):
             if k % 2:                            # alternate who goes first
-                tb.append(_step(b, ob, inputs))
-                ta.append(_step(a, oa, inputs))
+                tb.append(_step(b, ob, inputs, cpu=True))
+                ta.append(_step(a, oa, inputs, cpu=True))
             else:
-                ta.append(_step(a, oa, inputs))
-                tb.append(_step(b, ob, inputs))
+                ta.append(_step(a, oa, inputs, cpu=True))
+                tb.append(_step(b, ob, inputs, cpu=True))
         h.remove()
-        ratios = [y / x for x, y in zip(ta, tb)]
-        rows.append((f"{policy} plan vs {peer}", statistics.median(ta), statistics.median(tb),
-                     statistics.median(ratios), len(ratios)))
-    print(f"\nReplay overhead (CPU, fp32, gpt d=128 x {layers} blocks, batch {batch}, seq {seq})")
-    print(f"{'comparison':<45} {'peer':>10} {'tierplan':>10} {'median ratio':>13} {'pairs':>6}")
-    for name, x, y, r, n in rows:
-        print(f"{name:<45} {fmt_seconds(x):>10} {fmt_seconds(y):>10} {r:>13.4f} {n:>6}")
+        row = dict(size=label, comparison=f"{policy} plan vs {peer}", pairs=pairs)
+        for j, kind in ((0, "wall"), (1, "cpu")):
+            ratios = sorted(y[j] / x[j] for x, y in zip(ta, tb))
+            row[kind] = dict(peer=statistics.median(x[j] for x in ta),
+                             tierplan=statistics.median(y[j] for y in tb),
+                             ratio=statistics.median(ratios), lo=ratios[0], hi=ratios[-1])
+        rows.append(row)
+        print(f"  {label}: {row['comparison']}: median ratio wall {row['wall']['ratio']:.4f}, "
+              f"CPU time {row['cpu']['ratio']:.4f}", flush=True)
     return rows
 
 
-def fidelity(steps: int, batch: int, seq: int, layers: int, d_model: int, profile_device: str):
+def overhead(pairs: int, sizes: list[tuple]):
+    rows = []
+    for label, d, layers, batch, seq in sizes:
+        rows += overhead_case(label, gpt_config(d, layers, seq), batch, seq, pairs)
+    print(f"\nReplay overhead (CPU, fp32, {torch.get_num_threads()} thread(s); median of {pairs} "
+          "alternating pairs, ratio pair by pair; lo/hi = smallest/largest pair ratio; cpu = "
+          "process CPU time, wall = wall clock)")
+    print("| size | comparison | clock | peer step | tierplan step | median ratio | lo | hi |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        for kind in ("cpu", "wall"):
+            x = r[kind]
+            print(f"| {r['size']} | {r['comparison']} | {kind} | {fmt_seconds(x['peer'])} | "
+                  f"{fmt_seconds(x['tierplan'])} | {x['ratio']:.4f} | {x['lo']:.3f} | "
+                  f"{x['hi']:.3f} |")
+    return rows
+
+
+# ----------------------------------------------------------------------------- fidelity
+
+def fidelity_child(a) -> list[dict]:
+    """Runs in the child process (allocator configured by the parent's environment)."""
     hw = load_hardware("cpu-host")
-    cfg = dict(load_config("gpt-tiny"), n_layers=layers, d_model=d_model, max_seq=seq,
-               dtype="fp32", name="gpt-fidelity")
-    tmp = tempfile.TemporaryDirectory(prefix="tierplan-bench-")
+    cfg = gpt_config(a.fid_d_model, a.fid_layers, a.fid_seq, name="gpt-fidelity")
+    tmp = tempfile.TemporaryDirectory(prefix="tierplan-bench-", dir=a.nvme_base)
     nvme = str(Path(tmp.name) / "nvme")   # the runtime creates it and removes it again
     rows = []
+    prof = None
     for policy in ("keep-all", "offload-all"):
-        prof, plan = _plan(cfg, batch, seq, policy, hw, nvme_dir=nvme, device=profile_device,
-                           repeats=1)
-        act = sum(u.activation_bytes for u in prof.layers)
+        if prof is None:   # one profile, measured in this process under this allocator
+            prof, plan = _plan(cfg, a.fid_batch, a.fid_seq, policy, hw, nvme_dir=nvme,
+                               device="cpu", repeats=a.fid_repeats)
+        else:
+            budgets = {"gpu_bytes": hw.memory_bytes, "cpu_bytes": 0,
+                       "nvme_bytes": hw.nvme_bytes}
+            plan = baseline_plan(prof, None, hw, budgets, policy, nvme_dir=nvme)
         model = build_model(cfg)
         opt = torch.optim.AdamW(model.parameters())
         h = apply_plan(model, plan)
-        inputs = make_inputs(cfg, batch, seq)
-        for _ in range(steps):
+        inputs = make_inputs(cfg, a.fid_batch, a.fid_seq)
+        for _ in range(a.fid_steps):
             _step(model, opt, inputs)
         rep = h.report()
         h.remove()
-        med = rep.median()
-        pred_rise = rep.predicted_gpu_rise(med["static_bytes"])
-        rows.append((policy, act, med, pred_rise, plan.predicted["step_s"]))
         print(rep, flush=True)
-    print(f"\nFidelity on cpu-host (gpt d={d_model} x {layers} blocks, batch {batch}, seq {seq}, "
-          f"fp32; saved activations {fmt_bytes(rows[0][1])}; median of {rows[0][2]['steps']} "
-          "step(s) after the first)")
-    print(f"{'plan':<12} {'meas. peak rise':>16} {'pred. rise':>12} {'error':>8} "
-          f"{'meas. step':>11} {'pred. step':>11}")
-    for policy, _, med, pred, pstep in rows:
-        err = (med["peak_gpu_bytes"] - pred) / pred
-        print(f"{policy:<12} {fmt_bytes(med['peak_gpu_bytes']):>16} {fmt_bytes(pred):>12} "
-              f"{err:>+8.1%} {fmt_seconds(med['step_s']):>11} {fmt_seconds(pstep):>11}")
+        med = rep.median()
+        rows.append(dict(policy=policy, act=sum(u.activation_bytes for u in prof.layers),
+                         med=med, pred_rise=rep.predicted_gpu_rise(med["static_bytes"]),
+                         pred=dict(plan.predicted), compute_s=plan.predicted["compute_s"],
+                         steps=[s.step_s for s in rep.steps],
+                         rises=[s.peak_gpu_bytes for s in rep.steps]))
+        del model, opt, h, rep
     tmp.cleanup()
-    saved_meas = rows[0][2]["peak_gpu_bytes"] - rows[1][2]["peak_gpu_bytes"]
-    saved_pred = rows[0][3] - rows[1][3]
-    print(f"NVMe plan lowers the peak by {fmt_bytes(saved_meas)} measured vs "
+    return rows
+
+
+def fidelity(a):
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=MMAP_THRESHOLD)
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--fidelity-child", out.name]
+        cmd += [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
+                if k.startswith("fid_") or k == "nvme_base" and v]
+        subprocess.run(cmd, env=env, check=True)
+        rows = json.loads(Path(out.name).read_text())
+    print(f"\nFidelity on cpu-host (gpt d={a.fid_d_model} x {a.fid_layers} blocks, batch "
+          f"{a.fid_batch}, seq {a.fid_seq}, fp32; saved activations {fmt_bytes(rows[0]['act'])}; "
+          f"MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}; profile measured in the same process, "
+          f"{a.fid_repeats} repeats; median of the {rows[0]['med']['steps']} steps after the "
+          "first)")
+    print("| plan | measured peak RSS rise | predicted rise | error | runtime's activation "
+          "count | measured step | predicted step | compute-only | stall |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        med, pred = r["med"], r["pred_rise"]
+        err = (med["peak_gpu_bytes"] - pred) / pred
+        print(f"| {r['policy']} | {fmt_bytes(med['peak_gpu_bytes'])} | {fmt_bytes(pred)} | "
+              f"{err:+.1%} | {fmt_bytes(med['peak_activation_bytes'])} | "
+              f"{fmt_seconds(med['step_s'])} | {fmt_seconds(r['pred']['step_s'])} | "
+              f"{fmt_seconds(r['compute_s'])} | {fmt_seconds(med['stall_s'])} |")
+    saved_meas = rows[0]["med"]["peak_gpu_bytes"] - rows[1]["med"]["peak_gpu_bytes"]
+    saved_pred = rows[0]["pred_rise"] - rows[1]["pred_rise"]
+    print(f"\nNVMe plan lowers the peak by {fmt_bytes(saved_meas)} measured vs "
           f"{fmt_bytes(saved_pred)} predicted: {saved_meas / saved_pred:.1%} of the prediction")
+    for r in rows:
+        print(f"{r['policy']}: every step's rise "
+              f"{[fmt_bytes(x) for x in r['rises']]}, time {[round(x, 2) for x in r['steps']]} s; "
+              f"moved {r['med']['moved']}")
     return rows
 
 
@@ -143,22 +221,34 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description="tierplan runtime benchmark")
     ap.add_argument("--part", choices=["overhead", "fidelity", "all"], default="all")
     ap.add_argument("--steps", type=int, default=7, help="overhead pairs (>= 5)")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--fid-steps", type=int, default=3)
-    ap.add_argument("--fid-batch", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads for the overhead part (1: on a shared host, a second "
+                         "thread mostly measures the other jobs)")
+    ap.add_argument("--sizes", default="tiny,realistic",
+                    help="overhead sizes: tiny (d=128 x 4 blocks, b 4, s 128), realistic "
+                         "(d=512 x 2 blocks, b 4, s 512)")
+    ap.add_argument("--fid-steps", type=int, default=6, help="fidelity steps (the first is left "
+                    "out of the medians)")
+    ap.add_argument("--fid-batch", type=int, default=8)
     ap.add_argument("--fid-seq", type=int, default=1024)
     ap.add_argument("--fid-layers", type=int, default=4)
     ap.add_argument("--fid-d-model", type=int, default=256)
-    ap.add_argument("--profile-device", choices=["meta", "cpu"], default="cpu")
+    ap.add_argument("--fid-repeats", type=int, default=3)
+    ap.add_argument("--nvme-base", default=None, help="where the offload directory is made")
+    ap.add_argument("--fidelity-child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     torch.manual_seed(0)
+    if a.fidelity_child:
+        rows = fidelity_child(a)
+        Path(a.fidelity_child).write_text(json.dumps(rows))
+        return
     if a.part in ("overhead", "all"):
-        overhead(max(5, a.steps), a.batch, a.seq, a.layers)
+        torch.set_num_threads(a.threads)
+        known = {"tiny": ("tiny: d=128 x 4, b 4, s 128", 128, 4, 4, 128),
+                 "realistic": ("realistic: d=512 x 2, b 4, s 512", 512, 2, 4, 512)}
+        overhead(max(5, a.steps), [known[s] for s in a.sizes.split(",")])
     if a.part in ("fidelity", "all"):
-        fidelity(a.fid_steps, a.fid_batch, a.fid_seq, a.fid_layers, a.fid_d_model,
-                 a.profile_device)
+        fidelity(a)
 
 
 if __name__ == "__main__":

@@ -141,8 +141,12 @@ class _Pass:
         self.seg: Segment | None = None
         self.prev_out = None
         self.side_ptrs: set = set()
+        self.keeps: list[_KeepCount] = []
 
     def discard(self):
+        for k in self.keeps:
+            k.release()
+        self.keeps = []
         for g in self.groups.values():
             g.discard()
         for s in self.segments:
@@ -151,35 +155,26 @@ class _Pass:
         self.segments = []
 
 
-class _Keep:
-    """Counts what a kept unit saves (the runtime's own resident-bytes figure); moves nothing."""
+class _KeepCount:
+    """The runtime's resident-bytes figure for a kept unit, without a hook on its tensors.
 
-    __slots__ = ("r", "n", "bytes", "seen")
+    A kept block needs nothing from the runtime, so it runs with no saved-tensor hook at all:
+    packing each saved tensor through Python cost about 2 us per tensor (27 tensors per GPT
+    block), which was most of keep-all's measured overhead on small blocks. Its bytes are the
+    plan's own A_i (``activation_bytes``: saved bytes less shared side tensors, which every
+    mode keeps by reference), counted from the block's forward until the
+    gradient of its input is complete, i.e. its backward has run and autograd freed them."""
 
-    def __init__(self, r):
-        self.r, self.n, self.bytes, self.seen = r, 0, 0, set()
+    __slots__ = ("r", "n")
 
-    def pack(self, t):
-        if self.r.is_static(t):
-            return t
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
-        if ptr not in self.seen:
-            self.seen.add(ptr)
-            nb = st.nbytes()
-            self.bytes += nb
-            self.r.counters.add("act", nb)
-        self.n += 1
-        return [t]
+    def __init__(self, r, n):
+        self.r, self.n = r, n
+        r.counters.add("act", n)
 
-    def unpack(self, x):
-        if type(x) is not list:
-            return x
-        self.n -= 1
-        if self.n == 0 and self.bytes:
-            self.r.counters.add("act", -self.bytes)
-            self.bytes = 0
-        return x[0]
+    def release(self, *_):
+        if self.n:
+            self.r.counters.add("act", -self.n)
+            self.n = 0
 
 
 class _Offload:
@@ -243,6 +238,10 @@ class _Runner:
         self.blocks = [m for _, m in blocks]
         dec = {d.name: d for d in plan.layers}
         self.decisions = [dec[n] for n in self.block_names]
+        units = {u.name: u for u in plan.units}
+        self.keep_bytes = [int(units[n].activation_bytes) for n in self.block_names]
+        # Parameters' and buffers' storages matter only to units whose saved tensors are hooked.
+        self.hooked = any(d.activation is not Activation.KEEP for d in self.decisions)
         p0 = next(model.parameters(), None)
         self.device = p0.device if p0 is not None else torch.device("cpu")
         self.counters = Counters()
@@ -353,9 +352,10 @@ class _Runner:
         self.step_passes += 1
         p = _Pass(self.n_passes)
         self.n_passes += 1
-        ptrs = {_storage_ptr(t) for t in self.model.parameters()}
-        ptrs.update(_storage_ptr(t) for t in self.model.buffers())
-        self.static_ptrs = ptrs
+        if self.hooked:
+            ptrs = {_storage_ptr(t) for t in self.model.parameters()}
+            ptrs.update(_storage_ptr(t) for t in self.model.buffers())
+            self.static_ptrs = ptrs
         self.pass_ = p
         self.trigger(p, "F:embedding")
         try:
@@ -392,18 +392,31 @@ class _Runner:
         if self.mover.cuda:
             self.mover.poll()
         self.trigger(p, "F:" + name)
-        # Shared side inputs (masks, rotary tables, encoder outputs) are kept by reference.
-        for a in list(args) + list(kwargs.values()):
-            if isinstance(a, torch.Tensor) and a is not hidden:
-                self.static_ptrs.add(_storage_ptr(a))
         if i == 0 and hidden.requires_grad and "B:embedding" in self.issue_map:
             hidden.register_hook(lambda g, p=p: self.trigger(p, "B:embedding"))
 
         act = d.activation
         if act is Activation.KEEP:
-            h = _Keep(self)
+            # Nothing to do for the block itself: no saved-tensor hook (see _KeepCount).
             p.seg = None
-        elif act is Activation.RECOMPUTE:
+            k = _KeepCount(self, self.keep_bytes[i])
+            p.keeps.append(k)
+            out = orig(*args, **kwargs)
+            hid = _hidden_of(out)
+            # Its saved tensors are freed by its backward, which has run once the gradient of
+            # its input is complete; without an input gradient, count until its backward starts.
+            anchor = hidden if hidden.requires_grad else hid
+            if anchor.requires_grad:
+                anchor.register_hook(k.release)
+            else:
+                k.release()
+            return self._block_done(p, i, name, out, hid)
+
+        # Shared side inputs (masks, rotary tables, encoder outputs) are kept by reference.
+        for a in list(args) + list(kwargs.values()):
+            if isinstance(a, torch.Tensor) and a is not hidden:
+                self.static_ptrs.add(_storage_ptr(a))
+        if act is Activation.RECOMPUTE:
             if d.checkpoint is Tier.NONE:
                 if p.seg is None or p.prev_out is None or not _same(hidden, p.prev_out):
                     raise PlanMismatchError(
@@ -431,7 +444,9 @@ class _Runner:
         finally:
             if type(h) is _Offload:
                 h.keys = None    # drop the forward's references (see _Offload.pack)
-        hid = _hidden_of(out)
+        return self._block_done(p, i, name, out, _hidden_of(out))
+
+    def _block_done(self, p, i, name, out, hid):
         p.prev_out = hid
         if hid.requires_grad and ("B:" + name) in self.issue_map:
             hid.register_hook(lambda g, p=p, n=name: self.trigger(p, "B:" + n))

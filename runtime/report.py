@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import os
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,17 +21,31 @@ LINKS = ("d2h", "h2d", "nvme_write", "nvme_read")
 
 # ----------------------------------------------------------------------------- host memory probes
 
+_FDS: dict = {}
+
+
+def _fd(path: str, flags: int):
+    """An fd kept open for the process: opening a /proc file costs more than reading it
+    (about 45 us per open-read-close of /proc/self/status against 19 us for a pread here)."""
+    key = (os.getpid(), path)
+    fd = _FDS.get(key)
+    if fd is None:
+        fd = _FDS[key] = os.open(path, flags | os.O_CLOEXEC)
+    return fd
+
+
 def read_status() -> dict:
     """VmRSS and VmHWM of this process in bytes (Linux ``/proc/self/status``); {} elsewhere."""
     out = {}
     try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(("VmRSS:", "VmHWM:")):
-                    key, val = line.split(":", 1)
-                    out[key] = int(val.split()[0]) * 1024   # the kernel reports kB
+        text = os.pread(_fd("/proc/self/status", os.O_RDONLY), 1 << 16, 0)
     except OSError:
-        pass
+        return out
+    for key in (b"VmRSS:", b"VmHWM:"):
+        i = text.find(key)
+        if i >= 0:
+            # the kernel reports kB
+            out[key[:-1].decode()] = int(text[i + len(key):text.index(b"kB", i)]) * 1024
     return out
 
 
@@ -38,8 +53,7 @@ def reset_hwm() -> bool:
     """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS: ``echo 5 > clear_refs``
     (Documentation/admin-guide/mm/soft-dirty.rst, Linux >= 4.0). False where not allowed."""
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        os.write(_fd("/proc/self/clear_refs", os.O_WRONLY), b"5")
         return True
     except OSError:
         return False

@@ -357,6 +357,36 @@ def test_report_counts_and_saves(tmp_path):
     assert "peak RSS rise" in str(rep)
 
 
+def test_keep_runs_unhooked_and_counts_the_plans_bytes():
+    """A kept block runs with no saved-tensor hook (it would only cost time); the report counts
+    the plan's A_i per kept block from its forward until its backward has run."""
+    cfg = dict(load_config("gpt-tiny"), dtype="fp32")
+    model = build_model(cfg, dtype="fp32")
+    plan = plan_for(model, "keep-all", B, S)
+    a_blocks = [u.activation_bytes for u in plan.units if u.kind == "block"]
+    opt = torch.optim.AdamW(model.parameters())
+    packed = []
+
+    def pack(t):
+        packed.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(**make_inputs(cfg, B, S)).loss
+    plain, packed[:] = len(packed), []
+    h = apply_plan(model, plan)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(**make_inputs(cfg, B, S)).loss
+    # The outer hook saw every saved tensor, the blocks' included: no runtime hook took them.
+    assert len(packed) == plain > 0
+    loss.backward()
+    opt.step()
+    st = h.report().steps[-1]
+    assert st.peak_activation_bytes == sum(a_blocks) > 0
+    assert h._r.counters.act == 0    # every kept block's count released by its backward
+    h.remove()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_host_and_nvme_offload_match(tmp_path):
     cfg = dict(load_config("gpt-tiny"), n_layers=LAYERS, dtype="fp32")
