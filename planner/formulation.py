@@ -29,12 +29,10 @@ import pulp
 
 from .errors import NoFitError, UserError
 from .formats import Activation, HardwareSpec, LayerDecision, Tier, UnitKind, UnitRecord
+from .simulate import STAGING_CAP_BYTES, staging_buffers
 from .sizes import fmt_bytes
 
 GB = 1e9
-# Pinned NVMe staging: two buffers of the largest NVMe transfer, capped at 256 MiB each
-# (docs/file-formats.md, host memory model).
-STAGING_CAP = 256 * 1024**2
 # Shares below this are solver noise, not a decision to move bytes.
 SHARE_EPS = 1e-6
 
@@ -90,6 +88,9 @@ class MilpResult:
     solver: str
     stage_s: list = field(default_factory=list)   # predicted duration of every stage
     window: int = 0
+    # Other prefetch issue points for the same decisions (Formulation.prefetch_candidates),
+    # first-share (= prefetch_issue) first; solve.py simulates each and keeps the best.
+    prefetch_alternatives: list = field(default_factory=list)
 
     def solver_info(self) -> dict:
         return {"name": self.solver, "status": self.status, "objective": self.objective,
@@ -201,6 +202,8 @@ class Formulation:
         self.wbw = hw.nvme_write_bandwidth / GB
         self.w = options.window or self._default_window()
         self.wseg = max(1, options.seg_window)
+        # Pinned NVMe staging (simulate.py holds the one definition): none on a CPU device.
+        self.nbuf = staging_buffers(hw)
         self.C = self._constant_memory()
 
     # -- helpers ----------------------------------------------------------------------------
@@ -228,10 +231,13 @@ class Formulation:
     def unit_of(self, s: int) -> int:
         return s if s < self.U else 2 * self.U - 1 - s
 
-    def ck_back_stage(self, k: int) -> int:
-        """sigma_k: the stage where an offloaded checkpoint X_k comes back, w_seg stages before
-        bwd(k), so it is on the GPU before the recompute of any segment it heads."""
-        return self.bwd(k) - self.wseg
+    def ck_back_stage(self, k: int, e: int) -> int:
+        """sigma_{k,e} = bwd(e) - 1: the stage where an offloaded checkpoint X_k comes back when
+        k's segment ends at unit e, the one before the segment's R event (the schedule's
+        default one-ahead point). Exact where the fixed bwd(k) - w_seg was not: that one held
+        X_k up to w_seg stages too long and barred the last w_seg units from cpu/nvme
+        checkpoints (review: no model of <= 8 blocks could get one)."""
+        return self.bwd(e) - 1
 
     def _constant_memory(self) -> list[float]:
         """C_s: static state + the optimizer-free constants + shared tensors alive at stage s.
@@ -270,12 +276,12 @@ class Formulation:
         if self.has_cpu:
             if self._out_window(i) and self._in_window(i):
                 out.append("cpu")
-            if self.ck_back_stage(i) >= self.U:
+            if self.ck_back_stage(i, i) >= self.U:
                 out.append("rc")
         if self.has_nvme:
             if self._out_window(i) and self._in_window(i):
                 out.append("nvme")
-            if self.ck_back_stage(i) >= self.U:
+            if self.ck_back_stage(i, i) >= self.U:
                 out.append("rn")
         return out
 
@@ -327,10 +333,22 @@ class Formulation:
                 if all("rz" in self.x[t] for t in range(k + 1, i + 1)):
                     self.m[k, i] = self._var(f"m_{k}_{i}", 0, 1)
                     self.q[k, i] = self._var(f"q_{k}_{i}", 0, 1)
+        # y^c_{k,e}: X_k (checkpoint on tier c) comes back for a segment ending at e; and
+        # stage -> [(k, c, y)] of the checkpoints that come back in that stage.
+        self.y, self.ck_back = {}, {}
+        for k in range(U):
+            for c in ("rc", "rn"):
+                if c not in self.x[k]:
+                    continue
+                for e in [k] + [i for (kk, i) in self.m if kk == k]:
+                    s = self.ck_back_stage(k, e)
+                    if s >= U:
+                        v = self.y[c, k, e] = self._var(f"y{c[1]}_{k}_{e}", 0, 1)
+                        self.ck_back.setdefault(s, []).append((k, c, v))
         self.T = {s: self._var(f"T_{s}", 0) for s in range(U, self.S)}
         self.M = {s: self._var(f"M_{s}", 0) for s in range(1, U)}
         self.H = {s: self._var(f"H_{s}", 0) for s in range(U, self.S)}
-        self.pool = self._var("pi", 0) if self.has_nvme else None
+        self.pool = self._var("pi", 0) if self.has_nvme and self.nbuf else None
         if self.opt.minimise == "gpu":
             self.G = self._var("G", 0)
         else:
@@ -369,6 +387,11 @@ class Formulation:
         seg_chain_k_i:   m_{k,i} >= m_{k,i-1} + z_i - 1,  m_{k,k} = 1
         seg_end_i:       e_i >= rec_i - z_{i+1}
         seg_rec_k_i:     q_{k,i} >= m_{k,i} + e_i - 1
+        ck_home_c_k:     sum_e y^c_{k,e} = x_c_k                     (c = rc, rn)
+        ck_end_c_k_k:    y^c_{k,k} >= e_k + x_c_k - 1
+        ck_end_c_k_i:    y^c_{k,i} >= m_{k,i} + e_i + x_c_k - 2   (X_k returns at sigma_{k,i})
+        ck_late_k_i:     m_{k,i} + x_rc_k + x_rn_k <= 1   where sigma_{k,i} < U (no stage to
+                         bring X_k back in before the segment's R event)
         """
         U = self.U
         for i in range(U):
@@ -381,6 +404,22 @@ class Formulation:
         for (k, i), m in self.m.items():
             prev = 1 if i == k + 1 else self.m[k, i - 1]
             self._c(m >= prev + self.x[i]["rz"] - 1, f"seg_chain_{k}_{i}")
+        for (k, i), m in self.m.items():
+            off = [self.x[k][c] for c in ("rc", "rn") if c in self.x[k]]
+            if off and self.ck_back_stage(k, i) < U:
+                self._c(m + pulp.lpSum(off) <= 1, f"ck_late_{k}_{i}")
+        for k in range(U):
+            for c in ("rc", "rn"):
+                if c not in self.x[k]:
+                    continue
+                xs = self.x[k][c]
+                ys = {e: v for (cc, kk, e), v in self.y.items() if cc == c and kk == k}
+                self._c(pulp.lpSum(ys.values()) == xs, f"ck_home_{c}_{k}")
+                if k in ys and k in self.e:
+                    self._c(ys[k] >= self.e[k] + xs - 1, f"ck_end_{c}_{k}_{k}")
+                for e, v in ys.items():
+                    if e != k and e in self.e:
+                        self._c(v >= self.m[k, e] + self.e[e] + xs - 2, f"ck_end_{c}_{k}_{e}")
         for i, e in self.e.items():
             nxt = self.xv(i + 1, "rz") if i + 1 < U else 0
             self._c(e >= self.rec(i) - nxt, f"seg_end_{i}")
@@ -503,11 +542,8 @@ class Formulation:
         return lin(terms)
 
     def _ck_arrivals(self, s: int, kinds) -> list:
-        """Offloaded checkpoints X_k coming back in stage s (sigma_k = s)."""
-        k = 2 * self.U - 1 - s - self.wseg
-        if not 0 <= k < self.U:
-            return []
-        return [(self.x[k][c], self.X[k]) for c in kinds if c in self.x[k]]
+        """Offloaded checkpoints X_k coming back in stage s (sigma_{k,e} = s)."""
+        return [(v, self.X[k]) for k, c, v in self.ck_back.get(s, ()) if c in kinds]
 
     def _read(self, s: int):
         """NVMe read bytes (GB) in backward stage s."""
@@ -597,18 +633,23 @@ class Formulation:
         """Host and NVMe capacity (every offload interval spans the forward/backward boundary,
         so the sum is the peak).
 
-        staging_i:  pi >= 2 min(A_i, 256 MiB) x_nvme_i ;  pi >= 2 min(X_i, 256 MiB) x_rn_i
+        staging_i:  pi >= n_buf min(A_i, 256 MiB) x_nvme_i ;  pi >= n_buf min(X_i, 256 MiB) x_rn_i
+                    (n_buf = 2, or 0 on a CPU device, which has no staging: pi is then absent)
         host_mem:   sum_i A_i x_cpu_i + X_i x_rc_i [+ pi off unified memory] <= C_host
         nvme_mem:   sum_i A_i x_nvme_i + X_i x_rn_i <= C_nvme
         """
-        cap = STAGING_CAP / GB
+        cap, nb = STAGING_CAP_BYTES / GB, self.nbuf
         host, nv = [], []
         for i in range(self.U):
             if "nvme" in self.x[i]:
-                self._c(self.pool >= 2 * min(self.A[i], cap) * self.x[i]["nvme"], f"staging_a_{i}")
+                if self.pool is not None:
+                    self._c(self.pool >= nb * min(self.A[i], cap) * self.x[i]["nvme"],
+                            f"staging_a_{i}")
                 nv.append((self.x[i]["nvme"], self.A[i]))
             if "rn" in self.x[i]:
-                self._c(self.pool >= 2 * min(self.X[i], cap) * self.x[i]["rn"], f"staging_x_{i}")
+                if self.pool is not None:
+                    self._c(self.pool >= nb * min(self.X[i], cap) * self.x[i]["rn"],
+                            f"staging_x_{i}")
                 nv.append((self.x[i]["rn"], self.X[i]))
             if "cpu" in self.x[i]:
                 host.append((self.x[i]["cpu"], self.A[i]))
@@ -709,7 +750,7 @@ class Formulation:
 
     def prefetch_issue(self, layers: list[LayerDecision]) -> dict:
         """unit -> compute event where its prefetch starts: the first backward stage with a
-        non-zero arriving share (activations) or sigma_k (offloaded checkpoints)."""
+        non-zero arriving share (offloaded activations)."""
         out = {}
         for i, d in enumerate(layers):
             name = self.units[i].name
@@ -718,9 +759,36 @@ class Formulation:
                 first = next((s for s in self._in_window(i)
                               if (pv[i, s].value() or 0) > SHARE_EPS), self.bwd(i) - 1)
                 out[name] = self.stage_event(first, layers)
-            elif d.activation is Activation.RECOMPUTE and d.checkpoint in (Tier.CPU, Tier.NVME):
-                out[name] = self.stage_event(self.ck_back_stage(i), layers)
+        # Offloaded checkpoints: the schedule's default (the stage before their segment's R
+        # event, sigma_{k,e} in the model) is what the model counts, so they are left out.
         return out
+
+    def prefetch_candidates(self, layers: list[LayerDecision]) -> list[dict]:
+        """Other issue points for the same decisions, for solve.py to simulate and pick from.
+
+        The model counts a prefetch's bytes share by share, but the runtime (and the simulator)
+        holds the whole buffer from the prefetch's start, so starting at the first stage with
+        any share can break the GPU budget (review: a 1e-3 share moved a 1.3 GB buffer three
+        stages early on a 4-block profile). Per unit: the stage where most of its bytes arrive,
+        the last stage with a share; and the schedule's default one-ahead point ({}). Distinct
+        dicts, first-share first.
+        """
+        picks = {"most": {}, "last": {}}
+        for i, d in enumerate(layers):
+            name = self.units[i].name
+            if d.activation in (Activation.CPU, Activation.NVME):
+                pv = self.pc if d.activation is Activation.CPU else self.pn
+                vals = [(s, pv[i, s].value() or 0) for s in self._in_window(i)]
+                live = [(s, v) for s, v in vals if v > SHARE_EPS] or [(self.bwd(i) - 1, 1.0)]
+                most = max(live, key=lambda sv: (sv[1], sv[0]))[0]
+                picks["most"][name] = self.stage_event(most, layers)
+                picks["last"][name] = self.stage_event(live[-1][0], layers)
+        out = [self.prefetch_issue(layers), picks["most"], picks["last"], {}]
+        uniq = []
+        for c in out:
+            if c not in uniq:
+                uniq.append(c)
+        return uniq
 
     def stage_seconds(self) -> list[float]:
         return [self.f[s] if s < self.U else float(self.T[s].value() or 0) for s in range(self.S)]
@@ -856,7 +924,8 @@ def run_solver(f: Formulation, solver: str = "cbc", time_limit: float | None = 6
                       objective=step if f.opt.minimise == "time" else obj,
                       status=status, gap=g, solve_s=dt, variables=len(f.prob.variables()),
                       constraints=f.prob.numConstraints(), solver=solver,
-                      stage_s=f.stage_seconds(), window=f.w)
+                      stage_s=f.stage_seconds(), window=f.w,
+                      prefetch_alternatives=f.prefetch_candidates(layers))
 
 
 def solve_milp(units, hw, budgets: Budgets, *, optimizer_s: float = 0.0,

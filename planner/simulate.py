@@ -28,9 +28,17 @@ from .schedule import OPT_ID, bwd_id, compute_order, fwd_id, rec_id, segments, v
 from .sizes import fmt_bytes, fmt_seconds
 
 # Pinned staging pool for NVMe traffic: two buffers (double buffering) of the largest NVMe
-# transfer, each capped at 256 MiB (docs/file-formats.md, Memory model).
+# transfer, each capped at 256 MiB (docs/file-formats.md, Memory model). The one definition:
+# the MILP (formulation.py) imports these. A CPU device has no staging at all: its runtime
+# writes each saved tensor's own memory to disk (docs/runtime.md, CPU row; counting 2 x 256 MiB
+# made cpu-host's predicted offload-all peak 39% too high, docs/benchmarks.md).
 STAGING_BUFFERS = 2
 STAGING_CAP_BYTES = 256 * 1024**2
+
+
+def staging_buffers(hw) -> int:
+    """How many pinned staging buffers the runtime allocates on ``hw``: 0 on a CPU device."""
+    return 0 if hw.device == "cpu" else STAGING_BUFFERS
 
 TIERS = ("gpu", "cpu", "nvme")
 
@@ -348,8 +356,9 @@ def _memory(plan: Plan, hw, start, end, staging: int) -> _Memory:
 # ----------------------------------------------------------------------------- simulate
 
 def staging_pool_bytes(plan: Plan) -> int:
+    """Bytes of the pinned NVMe staging pool: staging_buffers x min(largest NVMe transfer, cap)."""
     largest = max((e.bytes for e in plan.schedule.get(Stream.NVME.value, [])), default=0)
-    return STAGING_BUFFERS * min(largest, STAGING_CAP_BYTES) if largest else 0
+    return staging_buffers(plan.hardware_spec) * min(largest, STAGING_CAP_BYTES) if largest else 0
 
 
 def simulate(plan: Plan) -> SimResult:

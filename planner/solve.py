@@ -8,6 +8,7 @@ baseline; otherwise the baseline's decisions are written and the solver status s
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import tempfile
@@ -79,34 +80,108 @@ def evaluate_baselines(profile, path, hw, budgets: Budgets, policies, nvme_dir=N
     return out
 
 
-def _no_fit(profile, path, hw, budgets: Budgets, options: Options, solver, time_limit,
-            tried: dict) -> NoFitError:
-    """Name the short budget and the smallest value that fits, checked in the simulator."""
-    best = None   # (peak gpu bytes, source)
-    for pol, (plan, r) in tried.items():
-        if r.peak_cpu_bytes <= budgets.cpu_bytes and r.peak_nvme_bytes <= budgets.nvme_bytes:
-            if best is None or r.peak_gpu_bytes < best[0]:
-                best = (r.peak_gpu_bytes, pol)
+def _prefetch_key(name: str, r) -> str | None:
+    """The id of the prefetch event of ``name`` in the simulator's transfers (None if none)."""
+    ev = r.transfers.get(name, {})
+    # the H2D copy where there is a host tier; the disk read fills device memory when unified
+    for kind in ("in", "ckin", "r", "ckr"):
+        if f"{kind}:{name}" in ev:
+            return f"{kind}:{name}"
+    return None
+
+
+def _repair(profile, path, hw, bd, policy, layers, issue, info, nvme_dir, plan, r, limit):
+    """Delay, one at a time, the explicitly placed prefetches whose buffer is held at the GPU
+    peak (the simulator holds a prefetch's whole buffer from its start), earliest start first,
+    to the schedule's default one-ahead point, until the plan fits or none is left.
+
+    Returns (plan, r) of the last plan tried; at most ``limit`` simulations.
+    """
+    issue = dict(issue)
+    for _ in range(limit):
+        if r.fits or r.peak_gpu_bytes <= bd["gpu_bytes"]:
+            break
+        t = r.peak_gpu_time
+        held = []
+        for name in issue:
+            eid = _prefetch_key(name, r)
+            if eid is None:
+                continue
+            start = r.transfers[name][eid][0]
+            # a buffer is held from its start to its consumer's end; a start after the peak
+            # cannot be part of it
+            if start <= t:
+                held.append((start, name))
+        if not held:
+            break
+        del issue[min(held)[1]]
+        plan = _make(profile, path, hw, bd, policy, layers, issue, info, nvme_dir)
+        r = _simulate(plan)
+    return plan, r
+
+
+def place_prefetches(profile, path, hw, budgets: Budgets, policy, layers, candidates, info=None,
+                     nvme_dir=None):
+    """Simulate the MILP's decisions with each candidate set of prefetch issue points (and a
+    greedy repair of the one closest to fitting); return ((plan, r) of the fastest that fits
+    or None, (plan, r) of the one with the smallest GPU peak)."""
+    bd = _budget_dict(budgets)
+    tried = []
+    for issue in candidates or [{}]:
+        try:
+            plan = _make(profile, path, hw, bd, policy, layers, issue, info, nvme_dir)
+        except UserError:   # an issue point the schedule rejects: not a candidate
+            continue
+        tried.append((issue, plan, _simulate(plan)))
+    fitting = [(p, r) for _, p, r in tried if r.fits]
+    if not fitting and tried:
+        issue, plan, r = min(tried, key=lambda x: x[2].peak_gpu_bytes)
+        if r.peak_cpu_bytes <= bd["cpu_bytes"] and r.peak_nvme_bytes <= bd["nvme_bytes"]:
+            plan, r = _repair(profile, path, hw, bd, policy, layers, issue, info, nvme_dir,
+                              plan, r, limit=len(issue) + 1)
+            tried.append((None, plan, r))
+            if r.fits:
+                fitting = [(plan, r)]
+    best = min(fitting, key=lambda x: x[1].step_s) if fitting else None
+    lowest = min(((p, r) for _, p, r in tried), key=lambda x: x[1].peak_gpu_bytes, default=None)
+    return best, lowest
+
+
+def _min_gpu(profile, path, hw, budgets: Budgets, options: Options, solver, time_limit,
+             nvme_dir=None):
+    """(plan, r) of the MILP minimising the GPU peak, placed like any MILP plan; None if the
+    model has no solution under the host/NVMe budgets."""
     f = Formulation(profile.layers, hw, budgets, profile.optimizer_s,
                     profile.optimizer_workspace_bytes,
                     dataclasses.replace(options, minimise="gpu"))
     try:
         res = run_solver(f, solver, time_limit, 1e-3)
-        plan = _make(profile, path, hw, _budget_dict(budgets), "optimal", res.layers,
-                     res.prefetch_issue)
-        r = _simulate(plan)
+    except Infeasible:
+        return None
+    info = res.solver_info()
+    info["status"] += " (smallest GPU peak: no faster plan fitted)"
+    info["objective"] = None
+    best, lowest = place_prefetches(profile, path, hw, budgets, "optimal", res.layers,
+                                    res.prefetch_alternatives, info, nvme_dir)
+    return best or lowest
+
+
+def _no_fit(budgets: Budgets, tried: dict, extra) -> NoFitError:
+    """Name the short budget and the smallest --gpu-mem tierplan found a plan for (a bound
+    from the baselines and the GPU-minimising MILP, checked in the simulator, not a proof)."""
+    best = None   # peak gpu bytes
+    for plan, r in [*tried.values(), *([extra] if extra else [])]:
         if r.peak_cpu_bytes <= budgets.cpu_bytes and r.peak_nvme_bytes <= budgets.nvme_bytes:
-            if best is None or r.peak_gpu_bytes < best[0]:
-                best = (r.peak_gpu_bytes, "optimal")
-    except (Infeasible, UserError):
-        pass
+            if best is None or r.peak_gpu_bytes < best:
+                best = r.peak_gpu_bytes
     tiers = f"--cpu-mem {_size(budgets.cpu_bytes)} and --nvme-mem {_size(budgets.nvme_bytes)}"
     if best is None:
-        return NoFitError(f"no plan fits --gpu-mem {_size(budgets.gpu_bytes)} with {tiers}; "
-                          "raise --gpu-mem", budget="gpu")
-    return NoFitError(f"no plan fits --gpu-mem {_size(budgets.gpu_bytes)} with {tiers}: the "
-                      f"smallest --gpu-mem that fits is {_size(best[0])}", budget="gpu",
-                      needed_bytes=best[0])
+        return NoFitError(f"tierplan found no plan for --gpu-mem {_size(budgets.gpu_bytes)} with "
+                          f"{tiers}, nor for any --gpu-mem with these host/NVMe budgets; raise "
+                          "--cpu-mem/--nvme-mem or --gpu-mem", budget="gpu")
+    return NoFitError(f"tierplan found no plan for --gpu-mem {_size(budgets.gpu_bytes)} with "
+                      f"{tiers}: the smallest --gpu-mem it found a plan for is {_size(best)}; "
+                      "raise --gpu-mem to that", budget="gpu", needed_bytes=best)
 
 
 def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: str = "optimal",
@@ -155,11 +230,11 @@ def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: 
         info = res.solver_info()
         if model_budgets.gpu_bytes != budgets.gpu_bytes:
             info["status"] += f" (gpu budget tightened to {model_budgets.gpu_bytes} B)"
-        plan = _make(profile, profile_path, hw, bd, policy, res.layers, res.prefetch_issue,
-                     info, nvme_dir)
-        r = _simulate(plan)
-        if r.fits:
-            cand = (plan, r)
+        # The decisions first, with other prefetch issue points; tighten only if none fits.
+        fit, (plan, r) = place_prefetches(profile, profile_path, hw, budgets, policy, res.layers,
+                                          res.prefetch_alternatives, info, nvme_dir)
+        if fit is not None:
+            cand = fit
             break
         over = r.peak_gpu_bytes - budgets.gpu_bytes
         if over <= 0:   # a host/NVMe overflow: tightening the GPU budget would not help
@@ -180,7 +255,12 @@ def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: 
                 "constraints": res.constraints if res else 0}
         plan = dataclasses.replace(bplan, policy=policy, solver=info)
         return SolveOutcome(plan, res.objective if res else None, summary, best, attempts)
-    raise _no_fit(profile, profile_path, hw, budgets, opts, solver, time_limit, tried)
+    # Before exit 3: the plan with the smallest GPU peak the MILP finds; if it fits, write it.
+    low = _min_gpu(profile, profile_path, hw, budgets, opts, solver, time_limit, nvme_dir)
+    if low is not None and low[1].fits:
+        return SolveOutcome(dataclasses.replace(low[0], policy=policy), None, summary, None,
+                            attempts + 1)
+    raise _no_fit(budgets, tried, low)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -201,9 +281,6 @@ def parse_budgets(args, hw) -> Budgets:
     else:
         cpu = (parse_size(args.cpu_mem, "--cpu-mem") if args.cpu_mem is not None
                else int(hw.host_memory_bytes))
-    if gpu == 0:
-        raise UserError("--gpu-mem 0: the GPU must hold at least the static state; give a size "
-                        "such as 80G")
     if gpu > hw.memory_bytes:
         _warn(f"--gpu-mem {args.gpu_mem} is more than the {fmt_bytes(hw.memory_bytes)} of {hw.name}")
     if not hw.unified_memory and cpu > hw.host_memory_bytes:
@@ -230,12 +307,17 @@ def cli_solve(args) -> int:
     if args.hardware:
         from .hardware import load_hardware
         hw = load_hardware(args.hardware)
+        if hw.name != profile.hardware_spec.name:
+            _warn(f"--hardware {args.hardware}: the profile was taken for "
+                  f"{profile.hardware_spec.name!r}; times and attention bytes come from the "
+                  f"profile's hardware; re-profile with --hardware {args.hardware} for exact "
+                  "figures")
     else:
         hw = profile.hardware_spec
     budgets = parse_budgets(args, hw)
-    if args.time_limit is not None and args.time_limit <= 0:
+    if args.time_limit is not None and not (math.isfinite(args.time_limit) and args.time_limit > 0):
         raise UserError(f"--time-limit {args.time_limit}: give a positive number of seconds")
-    if args.gap < 0:
+    if not (math.isfinite(args.gap) and args.gap >= 0):
         raise UserError(f"--gap {args.gap}: give a relative gap of 0 or more, e.g. 0.01")
     nvme_dir = args.nvme_dir or os.path.join(tempfile.gettempdir(), "tierplan-nvme")
     out = solve_profile(profile, args.profile, hw, budgets, args.policy, solver=args.solver,

@@ -116,13 +116,18 @@ def test_slow_transfer_spreads_over_following_stages_and_frees_progressively():
     assert at == [static + A_EMB + 200 + A + W, static + A_EMB + 200 + A + A_HEAD + W]
 
 
-def test_unified_offload_all_uses_nvme_and_device_staging():
-    hw = spec(unified=True, nvme_r=1000.0, nvme_w=1000.0)
+@pytest.mark.parametrize("device,staging", [("cuda", 2 * A), ("cpu", 0)])
+def test_unified_offload_all_uses_nvme_and_device_staging(device, staging):
+    hw = dataclasses.replace(spec(unified=True, nvme_r=1000.0, nvme_w=1000.0), device=device)
     p = plan_for("offload-all", 3, hw, budgets={"gpu_bytes": 10**9, "cpu_bytes": 0, "nvme_bytes": 10**9})
     assert set(p.schedule) == {"compute", "nvme"}
     r = simulate(p)
     assert r.peak_cpu_bytes == 0 and r.fits
-    assert r.staging_bytes == 2 * A          # two buffers of the largest NVMe transfer
+    # two buffers of the largest NVMe transfer on a unified-memory GPU; none on a CPU device,
+    # whose runtime writes each tensor's own memory (docs/runtime.md)
+    assert r.staging_bytes == staging
+    no_staging = simulate(dataclasses.replace(p, hardware={**p.hardware, "device": "cpu"}))
+    assert r.peak_gpu_bytes - no_staging.peak_gpu_bytes == staging
     assert r.peak_nvme_bytes == 3 * A        # all three blocks on disk before the first read
     assert set(r.busy_s) == {"compute", "nvme"}
     assert r.busy_s["nvme"] == pytest.approx(6 * 1.0)
