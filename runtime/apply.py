@@ -11,9 +11,11 @@ straight through.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 import weakref
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -80,6 +82,26 @@ def _storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def _backward_roots(out) -> list[torch.Tensor]:
+    """Tensors of the model's output from which a backward can start, the loss first: ``.loss``,
+    then the first other tensor that requires grad (the logits, for a loss computed outside)."""
+    loss = getattr(out, "loss", None)
+    roots = [loss] if isinstance(loss, torch.Tensor) and loss.grad_fn is not None else []
+    if isinstance(out, torch.Tensor):
+        items = [out]
+    elif isinstance(out, (tuple, list)):
+        items = out
+    elif isinstance(out, Mapping):          # Hugging Face ModelOutput is an OrderedDict
+        items = list(out.values())
+    elif dataclasses.is_dataclass(out):
+        items = [getattr(out, f.name) for f in dataclasses.fields(out)]
+    else:
+        items = []
+    first = next((t for t in items if isinstance(t, torch.Tensor) and t.grad_fn is not None
+                  and t is not loss), None)
+    return roots + ([first] if first is not None else [])
+
+
 def _model_input(args, kwargs):
     for key in ("input_ids", "inputs_embeds"):
         if isinstance(kwargs.get(key), torch.Tensor):
@@ -132,27 +154,70 @@ def _refuse_unsupported(model) -> None:
 # ----------------------------------------------------------------------------- one forward pass
 
 class _Pass:
-    """What one forward pass (with gradients) left for its backward."""
+    """What one forward pass (with gradients) left for its backward.
+
+    Its lifetime is the autograd graph's: only what the graph holds refers to it strongly (each
+    offloaded unit's packer, each segment), and the pass refers to nothing that holds the graph
+    once its forward has returned (``prev_out`` and ``seg`` are cleared then; segments are held
+    weakly; hooks on tensors hold the pass weakly). So when the graph is freed (its backward has
+    run, or the output was dropped without one) the pass goes at once, by reference counting,
+    and its finalizer discards the groups that are left: their files are deleted then."""
 
     def __init__(self, idx: int):
         self.idx = idx
         self.groups: dict = {}          # ("act"|"ck", unit name) -> offload Group
-        self.segments: list[Segment] = []
-        self.seg: Segment | None = None
-        self.prev_out = None
-        self.side_ptrs: set = set()
+        self.segments: list = []        # weakref.ref(Segment)
+        self.seg: Segment | None = None  # during the forward only
+        self.prev_out = None             # during the forward only
         self.keeps: list[_KeepCount] = []
+        self.head_started = False        # B:head has been triggered
+        fin = weakref.finalize(self, _abandon_groups, self.groups)
+        fin.atexit = False               # at exit the store's own close deletes every file
+
+    def end_forward(self):
+        """The forward returned: drop what would tie the pass to its own graph (a cycle through
+        autograd's C++ nodes, which Python's collector cannot see)."""
+        self.prev_out = None
+        self.seg = None
 
     def discard(self):
         for k in self.keeps:
             k.release()
         self.keeps = []
-        for g in self.groups.values():
-            g.discard()
-        for s in self.segments:
-            s.discard()
-        self.groups = {}
+        _abandon_groups(self.groups)
+        for ref in self.segments:
+            s = ref()
+            if s is not None:
+                s.discard()
         self.segments = []
+        self.end_forward()
+
+
+def _abandon_groups(groups: dict):
+    for g in list(groups.values()):
+        g.abandon()
+    groups.clear()
+
+
+class _Trigger:
+    """A gradient hook that triggers compute events of one pass, held weakly (see ``_Pass``).
+    ``B:head`` is triggered once per pass, by whichever of its hooks backward reaches first."""
+
+    __slots__ = ("r", "wp", "ids")
+
+    def __init__(self, r, p, ids):
+        self.r, self.wp, self.ids = r, weakref.ref(p), ids
+
+    def __call__(self, *_):
+        p = self.wp()
+        if p is None or self.r.closed:
+            return
+        for eid in self.ids:
+            if eid == "B:head":
+                if p.head_started:
+                    continue
+                p.head_started = True
+            self.r.trigger(p, eid)
 
 
 class _KeepCount:
@@ -176,15 +241,19 @@ class _KeepCount:
             self.r.counters.add("act", -self.n)
             self.n = 0
 
+    # A forward dropped without a backward: the hook holding this goes with its graph.
+    __del__ = release
+
 
 class _Offload:
     """A ``cpu``/``nvme`` unit: every saved tensor except parameters, buffers and shared side
     inputs goes to its group; identical views are sent once."""
 
-    __slots__ = ("r", "group", "keys")
+    __slots__ = ("r", "group", "keys", "pass_")
 
-    def __init__(self, r, group):
-        self.r, self.group, self.keys = r, group, {}
+    def __init__(self, r, group, pass_):
+        # The graph holds this packer through every tensor it packed, and through it the pass.
+        self.r, self.group, self.keys, self.pass_ = r, group, {}, pass_
 
     def pack(self, t):
         if self.r.is_static(t):
@@ -250,6 +319,7 @@ class _Runner:
         self.pass_: _Pass | None = None
         self.n_passes = 0
         self._recomputing = False
+        self.closed = False
         # compute event id -> [(kind, unit)] whose prefetch the plan issues at its start
         self.issue_map: dict[str, list[tuple[str, str]]] = {}
         for stream in (Stream.NVME, Stream.H2D):
@@ -314,6 +384,8 @@ class _Runner:
 
     def trigger(self, p: _Pass, event_id: str):
         """The compute event ``event_id`` starts: issue the prefetches the plan put there."""
+        if self.closed:
+            return
         for kind, name in self.issue_map.get(event_id, ()):
             g = p.groups.get((kind, name))
             if g is not None:
@@ -359,12 +431,22 @@ class _Runner:
         self.pass_ = p
         self.trigger(p, "F:embedding")
         try:
-            return orig(*args, **kwargs)
+            out = orig(*args, **kwargs)
         except BaseException:
             p.discard()   # an exception (or Ctrl-C) inside the forward: nothing is left behind
             raise
         finally:
             self.pass_ = None
+            p.end_forward()
+        if "B:head" in self.issue_map:
+            # The head's backward is where backward starts: at the loss's node, or, for a loss
+            # computed outside the model, when the first output's gradient is complete; both
+            # run before any block's backward. The last block's output hook is the fallback
+            # (an output that does not require grad).
+            t = _Trigger(self, p, ("B:head",))
+            for root in _backward_roots(out):
+                root.grad_fn.register_prehook(t)
+        return out
 
     def _check_input(self, args, kwargs):
         key, t = _model_input(args, kwargs)
@@ -393,7 +475,7 @@ class _Runner:
             self.mover.poll()
         self.trigger(p, "F:" + name)
         if i == 0 and hidden.requires_grad and "B:embedding" in self.issue_map:
-            hidden.register_hook(lambda g, p=p: self.trigger(p, "B:embedding"))
+            hidden.register_hook(_Trigger(self, p, ("B:embedding",)))
 
         act = d.activation
         if act is Activation.KEEP:
@@ -425,7 +507,7 @@ class _Runner:
                         f"checkpoint tier for {name}")
             else:
                 p.seg = Segment(self, p, i, [], d.checkpoint.value)
-                p.segments.append(p.seg)
+                p.segments.append(weakref.ref(p.seg))
             if kwargs.get("use_cache") is True:
                 raise PlanMismatchError(
                     f"block {name} is recomputed but was called with use_cache=True; set "
@@ -436,7 +518,7 @@ class _Runner:
         else:
             g = self.mover.group(act.value, name)
             p.groups[("act", name)] = g
-            h = _Offload(self, g)
+            h = _Offload(self, g, p)
             p.seg = None
         try:
             with saved_tensors_hooks(h.pack, h.unpack):
@@ -448,13 +530,18 @@ class _Runner:
 
     def _block_done(self, p, i, name, out, hid):
         p.prev_out = hid
-        if hid.requires_grad and ("B:" + name) in self.issue_map:
-            hid.register_hook(lambda g, p=p, n=name: self.trigger(p, "B:" + n))
-        if i == len(self.blocks) - 1:
-            # The head runs in the model's own code: its forward starts, and its backward is
-            # next, right after the last block's forward; that is the earliest point we see.
+        last = i == len(self.blocks) - 1
+        ids = tuple(e for e in (("B:head",) if last else ()) + ("B:" + name,)
+                    if e in self.issue_map)
+        if hid.requires_grad and ids:
+            # For the last block, B:head here is only the fallback (see _model_forward): its
+            # gradient is complete at the end of the head's backward, not at its start.
+            hid.register_hook(_Trigger(self, p, ids))
+        if last:
+            # The head runs in the model's own code and its forward starts when the last
+            # block's ends. Its backward is triggered by _model_forward's hook, not here: a
+            # prefetch issued now would be allocated while the head builds its logits.
             self.trigger(p, "F:head")
-            self.trigger(p, "B:head")
         return out
 
     # -- steps
@@ -526,6 +613,7 @@ class _Runner:
         self.step_open = False
 
     def close(self):
+        self.closed = True
         if self.pass_ is not None:
             self.pass_.discard()
             self.pass_ = None

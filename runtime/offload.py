@@ -36,6 +36,9 @@ from pathlib import Path
 import torch
 
 
+_IO_PREFIX = "tierplan-io"
+
+
 class Counters:
     """Bytes resident per place and bytes moved per link, shared with the I/O threads."""
 
@@ -150,7 +153,7 @@ class NvmeStore:
         d.mkdir()
         self.created.append(d)
         self.dir = d
-        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="tierplan-io")
+        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix=_IO_PREFIX)
 
     def open(self, label: str) -> tuple[int, str]:
         self._ensure()
@@ -435,6 +438,20 @@ class Group:
             s.out = None
             self.m.counters.add("act", -s.nbytes)
 
+    def abandon(self):
+        """The pass that owned this group is gone (its graph was freed, with or without a
+        backward): free what is left. Runs where the graph was freed; on an I/O thread it must
+        not wait for that thread's own queue, so it queues the discard behind the I/O instead."""
+        if self.tier == "nvme" and threading.current_thread().name.startswith(_IO_PREFIX):
+            store = self.m.store
+            if store is not None and store.pool is not None:
+                try:
+                    store.pool.submit(self.discard)
+                    return
+                except RuntimeError:   # shut down meanwhile
+                    pass
+        self.discard()
+
     def discard(self):
         """Forget everything (an abandoned pass): wait for in-flight I/O, delete the file."""
         for s in self.slots:
@@ -453,7 +470,8 @@ class Group:
         if self.tier == "nvme" and self._fin.alive:
             self.m.counters.add("nvme", -self.size)
             self._fin.detach()
-            self.m.nvme_store().unlink(self.fd, self.path)
+            if self.m.store is not None:   # else closed: its close deleted every file
+                self.m.store.unlink(self.fd, self.path)
         if self.tier == "cpu":
             for s in self.slots:
                 if s.host is not None:

@@ -177,3 +177,7 @@ class Segment:
         self.rec = None
         self.calls = []
 
+    # A forward dropped without a backward: the graph held the segment (through its
+    # placeholders) and frees it with itself; give back what the count still holds.
+    __del__ = discard
+

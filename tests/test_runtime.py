@@ -2,6 +2,7 @@
 behind, mismatches refused with one line."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -18,6 +19,8 @@ from conftest import plan_for
 from planner.models import build_model, load_config, make_inputs
 from runtime import (InputTooLargeError, PlanMismatchError, RecomputeMismatch,
                      UnsupportedModelError, apply_plan)
+from runtime.apply import _Runner
+from runtime.offload import Group
 
 REPO = Path(__file__).resolve().parents[1]
 B, S, LAYERS = 2, 16, 5
@@ -293,6 +296,142 @@ def test_no_file_left_after_exception_inside_a_block(tmp_path):
     assert not (tmp_path / "n").exists()
 
 
+def test_dropped_forward_deletes_its_files_with_its_graph(tmp_path):
+    """A forward with gradients whose output is dropped without a backward (a validation loss
+    computed with grad on): its files live exactly as long as its autograd graph. Training
+    afterwards (two forwards, one backward of the summed loss, then a plain step) keeps parity."""
+    cfg = dict(load_config("gpt-tiny"), n_layers=LAYERS, dtype="fp32")
+    val, data = make_inputs(cfg, B, S, seed=9), [make_inputs(cfg, B, S, seed=k) for k in (1, 2)]
+    nvme = tmp_path / "n"
+
+    def run(layers, n_files):
+        model = build_model(cfg, dtype="fp32")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        h = apply_plan(model, plan_for(model, layers, B, S, nvme_dir=nvme)) if layers else None
+        torch.manual_seed(11)
+        for _ in range(3):
+            out = model(**val)
+            if h:
+                assert len(_bins(nvme)) == n_files    # one per offloaded unit while it lives
+            del out
+            gc.collect()
+            if h:
+                assert _bins(nvme) == []
+                c = h._r.counters
+                assert (c.act, c.nvme) == (0, 0)      # nothing counted as resident either
+        (model(**data[0]).loss + model(**data[1]).loss).backward()
+        opt.step()
+        opt.zero_grad()
+        model(**data[0]).loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        if h:
+            assert _bins(nvme) == []
+            h.remove()
+            assert not nvme.exists()
+        return grads
+
+    g0 = run(None, 0)
+    # offload-all: 5 unit files; MIXED: blocks.1's checkpoint and blocks.3's activations.
+    for layers, n_files in (("offload-all", LAYERS), (MIXED, 2)):
+        assert _maxdiff(run(layers, n_files), g0) <= 1e-6, layers
+
+
+def test_prefetch_issued_at_b_head_starts_when_backward_starts(tmp_path, monkeypatch):
+    """B:head is the start of the head's backward, not of its forward (which would allocate the
+    prefetch while the logits are built). blocks.0's read is put at B:head; the default plan
+    puts blocks.4's there too."""
+    cfg = dict(load_config("gpt-tiny"), n_layers=LAYERS, dtype="fp32")
+    data = [make_inputs(cfg, B, S, seed=k) for k in (1, 2)]
+    log = []
+    real_prefetch, real_trigger = Group.prefetch, _Runner.trigger
+
+    def prefetch(self):
+        if not self.prefetched:
+            log.append("prefetch " + self.label)
+        real_prefetch(self)
+
+    def trigger(self, p, eid):
+        if eid == "B:head":
+            log.append(f"B:head of pass {p.idx}")
+        real_trigger(self, p, eid)
+
+    monkeypatch.setattr(Group, "prefetch", prefetch)
+    monkeypatch.setattr(_Runner, "trigger", trigger)
+
+    class Opaque:
+        """An output the runtime cannot look into (no tensor, tuple, mapping or dataclass)."""
+
+        def __init__(self, out):
+            self.out = out
+
+    def run(mode, planned):
+        model = build_model(cfg, dtype="fp32")
+        if mode == "opaque":
+            model.forward = lambda **kw: Opaque(type(model).forward(model, **kw))
+        h = None
+        if planned:
+            h = apply_plan(model, plan_for(model, "offload-all", B, S, nvme_dir=tmp_path / "n",
+                                           prefetch_issue={"blocks.0": "B:head"}))
+        passes = iter(range(2))
+
+        def mark_last(mod, args, out):
+            k = next(passes)
+            out.register_hook(lambda g: log.append(f"last block backward of pass {k}"))
+        model.blocks[-1].register_forward_hook(mark_last)
+        log.clear()
+        torch.manual_seed(3)
+        if mode == "accumulate":          # two forwards, one backward of the summed loss
+            outs = [model(**d) for d in data]
+            log.append("returned")
+            loss = outs[0].loss + outs[1].loss
+        elif mode == "outside":           # the loss is computed from the logits by the user
+            out = model(input_ids=data[0]["input_ids"])
+            log.append("returned")
+            loss = torch.nn.functional.cross_entropy(
+                out.logits.view(-1, cfg["vocab_size"]), data[0]["labels"].reshape(-1))
+        else:
+            out = model(**data[0])
+            log.append("returned")
+            out = out.out if mode == "opaque" else out
+            out.logits.register_hook(lambda g: log.append("logits grad"))
+            loss = out.loss
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        if h:
+            h.remove()
+        return grads, list(log)
+
+    for mode in ("model", "outside", "accumulate", "opaque"):
+        g0, _ = run(mode, False)
+        g, ev = run(mode, True)
+        assert _maxdiff(g, g0) <= 1e-6, mode
+        if mode == "model":
+            # at the loss's node, before the head's own backward (the logits' gradient)
+            assert ev == ["returned", "B:head of pass 0", "prefetch blocks.4", "prefetch blocks.0",
+                          "logits grad", "prefetch blocks.3", "last block backward of pass 0",
+                          "prefetch blocks.2", "prefetch blocks.1"]
+        elif mode == "outside":
+            assert ev == ["returned", "B:head of pass 0", "prefetch blocks.4", "prefetch blocks.0",
+                          "prefetch blocks.3", "last block backward of pass 0", "prefetch blocks.2",
+                          "prefetch blocks.1"]
+        elif mode == "accumulate":
+            # Once per pass, at that pass's loss node: autograd runs the later pass's backward
+            # first, so pass 0's head backward (and its B:head) starts after pass 1's blocks.
+            assert ev[0] == "returned"
+            for k in (0, 1):
+                at = ev.index(f"B:head of pass {k}")
+                assert ev.count(f"B:head of pass {k}") == 1
+                assert ev[at + 1:at + 3] == ["prefetch blocks.4", "prefetch blocks.0"]
+                assert at < ev.index(f"last block backward of pass {k}")
+            assert ev.count("prefetch blocks.0") == 2
+        else:
+            # no output tensor to hook: the fallback is the last block's output gradient,
+            # after the head's backward and before the last block's
+            assert ev == ["returned", "logits grad", "B:head of pass 0", "prefetch blocks.4",
+                          "prefetch blocks.0", "prefetch blocks.3", "last block backward of pass 0",
+                          "prefetch blocks.2", "prefetch blocks.1"]
+
+
 SIGINT_CHILD = textwrap.dedent("""
     import sys, time, torch
     sys.path.insert(0, {tests!r})
@@ -320,7 +459,8 @@ def test_no_file_left_after_sigint_during_backward(tmp_path):
     line = proc.stdout.readline()
     assert line.strip() == "IN_BACKWARD", proc.stderr.read()
     # one file per offloaded block not read back yet: blocks.2's read is issued at B:head (the
-    # end of the last forward), so it may be done already; blocks.0 and blocks.1 wait.
+    # loss's node, which backward ran before the logits' hook), so it may be done already;
+    # blocks.0 and blocks.1 wait.
     names = {p.name.split("-")[0] for p in _bins(nvme)}
     assert {"blocks.0", "blocks.1"} <= names <= {"blocks.0", "blocks.1", "blocks.2"}
     proc.send_signal(signal.SIGINT)
