@@ -13,6 +13,7 @@ import dataclasses
 import enum
 import hashlib
 import json
+import math
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -77,8 +78,14 @@ def write_atomic(path: str | os.PathLike, write, binary: bool = False) -> Path:
     one is complete; on any failure (Ctrl-C included) the temporary file is removed.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    if path.is_dir():
+        raise UserError(f"output '{path}' is a directory; give a file name")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise UserError(f"output '{path}': cannot create it ({e.strerror}); give a path in a "
+                        "writable folder") from None
     try:
         # mkstemp creates 0600 files; give the output the permissions a plain open() would.
         umask = os.umask(0)
@@ -156,6 +163,59 @@ def _from_fields(cls, d: dict, what: str, source: str):
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise UserError(f"{what} '{source}' lacks the field '{name}'; regenerate it")
     return cls(**kwargs)
+
+
+# ----------------------------------------------------------------------------- field checks
+# One table per dataclass maps each field to a kind below; ``_check_fields`` is the only place
+# that tests a loaded value, so every bad value gets the same one-line message.
+
+_FIX = {"profile": "regenerate it with 'plan profile'",
+        "plan": "regenerate it with 'plan solve'"}
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)   # JSON true is a Python int
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+_KINDS = {
+    "bytes": (lambda v: _int(v) and v >= 0, "a non-negative integer number of bytes"),
+    "bytes?": (lambda v: v is None or (_int(v) and v >= 0),
+               "null or a non-negative integer number of bytes"),
+    "count": (lambda v: _int(v) and v >= 0, "a non-negative integer"),
+    "number": (lambda v: _num(v) and v >= 0, "a non-negative finite number"),
+    "str": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "str?": (lambda v: v is None or isinstance(v, str), "null or a string"),
+    "strs": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+             "a list of strings"),
+    "dict": (lambda v: isinstance(v, dict), "a JSON object"),
+    "list": (lambda v: isinstance(v, list), "a JSON list"),
+}
+
+
+def _check_fields(d: dict, spec: dict, where: str, fix: str) -> None:
+    """Raise one UserError line for the first field of ``d`` that is not of its ``spec`` kind.
+
+    Absent fields are left to ``_from_fields`` (required ones) or to ``_require``.
+    """
+    for name, kind in spec.items():
+        if name in d:
+            test, desc = _KINDS[kind]
+            if not test(d[name]):
+                got = repr(d[name])
+                got = got if len(got) <= 40 else got[:37] + "..."
+                raise UserError(f"{where}: {name} must be {desc}, got {got}; {fix}")
+
+
+def _require(d, keys, where: str, fix: str) -> None:
+    if not isinstance(d, dict):
+        raise UserError(f"{where} must be a JSON object; {fix}")
+    for k in keys:
+        if k not in d:
+            raise UserError(f"{where} lacks '{k}'; {fix}")
 
 
 # ----------------------------------------------------------------------------- hardware
@@ -266,12 +326,35 @@ class UnitRecord:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "profile") -> "UnitRecord":
+    def from_dict(cls, d: dict, source: str = "profile", what: str = "profile") -> "UnitRecord":
+        """``what`` is the file the unit sits in: ``profile`` or ``plan`` (names the fix)."""
+        fix = _FIX[what]
+        if not isinstance(d, dict):
+            raise UserError(f"{what} '{source}': a unit is {type(d).__name__}, not a JSON "
+                            f"object; {fix}")
+        name = d.get("name")
+        where = (f"{what} '{source}': unit {name!r}" if isinstance(name, str)
+                 else f"{what} '{source}': a unit")
+        _check_fields(d, _UNIT_FIELDS, where, fix)
         rec = _from_fields(cls, d, "unit record in", source)
         if rec.kind not in {k.value for k in UnitKind}:
             raise UserError(f"'{source}': unit {rec.name!r} has kind {rec.kind!r}; "
                             "expected embedding, block or head")
+        if rec.shared_saved_bytes > rec.saved_bytes:
+            raise UserError(f"{where}: shared_saved_bytes {rec.shared_saved_bytes} exceeds "
+                            f"saved_bytes {rec.saved_bytes} (it is a part of them); {fix}")
         return rec
+
+
+_UNIT_FIELDS = {
+    "name": "str", "kind": "str", "shared_from": "str?",
+    **{k: "bytes" for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "input_bytes",
+                            "output_bytes", "saved_bytes", "workspace_bytes",
+                            "shared_saved_bytes")},
+    "measured_peak_bytes": "bytes?",
+    "fwd_flops": "number", "bwd_flops": "number", "fwd_s": "number", "bwd_s": "number",
+    "param_count": "count", "samples": "count",
+}
 
 
 @dataclass(frozen=True)
@@ -308,13 +391,20 @@ class Profile:
     @classmethod
     def from_dict(cls, d: dict, source: str = "profile") -> "Profile":
         _check_schema(d, PROFILE_SCHEMA, "profile", source)
+        fix = _FIX["profile"]
+        _check_fields(d, _PROFILE_FIELDS, f"profile '{source}'", fix)
         prof = _from_fields(cls, d, "profile", source)
-        if not isinstance(prof.layers, list) or not prof.layers:
-            raise UserError(f"profile '{source}' has no layers; regenerate it with 'plan profile'")
-        layers = [u if isinstance(u, UnitRecord) else UnitRecord.from_dict(u, source)
+        if not prof.layers:
+            raise UserError(f"profile '{source}' has no layers; {fix}")
+        layers = [u if isinstance(u, UnitRecord) else UnitRecord.from_dict(u, source, "profile")
                   for u in prof.layers]
         HardwareSpec.from_dict(prof.hardware, source + " (hardware)")
         return dataclasses.replace(prof, layers=layers)
+
+
+_PROFILE_FIELDS = {"model": "dict", "device": "str", "timing": "str", "hardware": "dict",
+                   "layers": "list", "optimizer_s": "number",
+                   "optimizer_workspace_bytes": "bytes"}
 
 
 def load_profile(path) -> Profile:
@@ -340,6 +430,8 @@ class LayerDecision:
     @classmethod
     def from_dict(cls, d: dict, source: str = "plan") -> "LayerDecision":
         try:
+            if not isinstance(d["name"], str):
+                raise TypeError("name is not a string")
             act = Activation(d["activation"])
             ck = Tier(d["checkpoint"]) if act is Activation.RECOMPUTE else None
             return cls(name=d["name"], activation=act, checkpoint=ck)
@@ -375,11 +467,31 @@ class Event:
                 "after": list(self.after), "issue": self.issue, "stage": self.stage}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Event":
+    def from_dict(cls, d: dict, source: str = "plan",
+                  fix: str = "regenerate it with 'plan solve'") -> "Event":
+        if not isinstance(d, dict):
+            raise UserError(f"plan '{source}': a schedule event is {type(d).__name__}, not a "
+                            f"JSON object; {fix}")
+        eid = d.get("id")
+        where = (f"plan '{source}': event {eid!r}" if isinstance(eid, str)
+                 else f"plan '{source}': a schedule event")
+        _require(d, ("id", "stream", "op", "units"), where, fix)
+        _check_fields(d, _EVENT_FIELDS, where, fix)
+        if d["stream"] not in {s.value for s in Stream}:
+            raise UserError(f"{where}: stream {d['stream']!r} is not one of "
+                            f"{', '.join(s.value for s in Stream)}; {fix}")
+        if d["op"] not in EVENT_OPS:
+            raise UserError(f"{where}: op {d['op']!r} is not one of {', '.join(EVENT_OPS)}; {fix}")
         return cls(id=d["id"], stream=Stream(d["stream"]), op=d["op"], units=tuple(d["units"]),
-                   bytes=int(d.get("bytes", 0)), seconds=float(d.get("seconds", 0.0)),
+                   bytes=d.get("bytes", 0), seconds=float(d.get("seconds", 0.0)),
                    after=tuple(d.get("after", ())), issue=d.get("issue"),
-                   stage=int(d.get("stage", 0)))
+                   stage=d.get("stage", 0))
+
+
+EVENT_OPS = ("forward", "backward", "recompute", "optimizer", "offload", "prefetch", "write",
+             "read")
+_EVENT_FIELDS = {"id": "str", "stream": "str", "op": "str", "units": "strs", "bytes": "bytes",
+                 "seconds": "number", "after": "strs", "issue": "str?", "stage": "count"}
 
 
 @dataclass(frozen=True)
@@ -427,21 +539,59 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict, source: str = "plan") -> "Plan":
         _check_schema(d, PLAN_SCHEMA, "plan", source)
+        fix = _FIX["plan"]
+        where = f"plan '{source}'"
+        _check_fields(d, _PLAN_FIELDS, where, fix)
         plan = _from_fields(cls, d, "plan", source)
-        try:
-            units = [UnitRecord.from_dict(u, source) for u in plan.units]
-            layers = [LayerDecision.from_dict(x, source) for x in plan.layers]
-            schedule = {Stream(s).value: [Event.from_dict(e) for e in evs]
-                        for s, evs in plan.schedule.items()}
-        except UserError:
-            raise
-        except (KeyError, ValueError, TypeError, AttributeError) as e:
-            raise UserError(f"plan '{source}' is malformed ({type(e).__name__}: {e}); "
-                            "regenerate it with 'plan solve'")
+        for section, spec in (("budgets", _BUDGET_FIELDS), ("predicted", _PREDICTED_FIELDS)):
+            _require(d[section], spec, f"{where} {section}", fix)
+            _check_fields(d[section], spec, f"{where} {section}", fix)
+        HardwareSpec.from_dict(plan.hardware, source + " (hardware)")
+        units = [UnitRecord.from_dict(u, source, "plan") for u in plan.units]
+        layers = [LayerDecision.from_dict(x, source) for x in plan.layers]
         if [u.name for u in units] != [x.name for x in layers]:
-            raise UserError(f"plan '{source}': layers and units disagree on names or order; "
-                            "regenerate it with 'plan solve'")
+            raise UserError(f"{where}: layers and units disagree on names or order; {fix}")
+        schedule = _schedule_from_dict(plan.schedule, where, source, fix)
         return dataclasses.replace(plan, units=units, layers=layers, schedule=schedule)
+
+
+_PLAN_FIELDS = {"profile": "dict", "model": "dict", "hardware": "dict", "budgets": "dict",
+                "policy": "str", "solver": "dict", "predicted": "dict", "units": "list",
+                "layers": "list", "schedule": "dict", "nvme_dir": "str?", "optimizer_s": "number",
+                "optimizer_workspace_bytes": "bytes"}
+_BUDGET_FIELDS = {"gpu_bytes": "bytes", "cpu_bytes": "bytes", "nvme_bytes": "bytes"}
+_PREDICTED_FIELDS = {"step_s": "number", "compute_s": "number", "peak_gpu_bytes": "bytes",
+                     "peak_cpu_bytes": "bytes", "peak_nvme_bytes": "bytes"}
+
+
+def _schedule_from_dict(raw: dict, where: str, source: str, fix: str) -> dict:
+    """Stream name -> events, each well formed, listed under its own stream, with unique ids
+    and ``after``/``issue`` that name events of this schedule. (Whether ``units`` match the
+    plan's units is left to the verbs: ``plan diff`` names a renamed unit itself.)"""
+    schedule = {}
+    for s, evs in raw.items():
+        if s not in {x.value for x in Stream}:
+            raise UserError(f"{where}: schedule stream {s!r} is not one of "
+                            f"{', '.join(x.value for x in Stream)}; {fix}")
+        if not isinstance(evs, list):
+            raise UserError(f"{where}: schedule stream {s!r} must be a list of events; {fix}")
+        schedule[s] = [Event.from_dict(e, source, fix) for e in evs]
+    ids: set = set()
+    for s, evs in schedule.items():
+        for e in evs:
+            if e.stream.value != s:
+                raise UserError(f"{where}: event {e.id!r} is listed under stream {s!r} but says "
+                                f"stream {e.stream.value!r}; {fix}")
+            if e.id in ids:
+                raise UserError(f"{where}: event id {e.id!r} appears twice; {fix}")
+            ids.add(e.id)
+    for evs in schedule.values():
+        for e in evs:
+            for ref in e.after + ((e.issue,) if e.issue is not None else ()):
+                if ref not in ids:
+                    raise UserError(f"{where}: event {e.id!r} refers to {ref!r}, which is not "
+                                    f"an event of the schedule; {fix}")
+    return schedule
 
 
 def load_plan(path) -> Plan:

@@ -44,10 +44,10 @@ from .blocks import find_blocks, structure_hash
 from .errors import UserError
 from .flops import op_flops
 from .formats import PROFILE_SCHEMA, HardwareSpec, Profile, UnitRecord, write_json_atomic
+from .models import DTYPES
 
 aten = torch.ops.aten
 EMBEDDING, HEAD = "embedding", "head"
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
@@ -393,15 +393,36 @@ def _first_tensor(x):
     return leaves[0] if leaves else None
 
 
-def _loss_of(out):
+def _loss_of(out, name: str = "model"):
     loss = getattr(out, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    t = _first_tensor(out)
-    if t is None:
-        raise UserError("the model's output has neither .loss nor a tensor; return a loss or "
-                        "logits from its forward")
-    return t.float().sum()
+    if not isinstance(loss, torch.Tensor):
+        t = _first_tensor(out)
+        if t is None:
+            raise UserError(f"model '{name}': its output has neither .loss nor a tensor; return "
+                            "a loss or logits from its forward")
+        loss = t.float().sum()
+    if torch.is_grad_enabled() and not loss.requires_grad:
+        raise UserError(f"model '{name}': its output does not require grad, so there is no "
+                        "backward to profile; the output must be differentiable (a .loss or a "
+                        "float tensor that requires grad, from parameters that require grad)")
+    return loss
+
+
+def _user_code(name: str, what: str, fn, *args):
+    """Run the user's model (``fn(*args)``), turning what it raises into one UserError line.
+
+    Our own UserErrors pass through; anything else came from the model's code or from an op
+    it calls that cannot run here (``.item()`` on meta, say).
+    """
+    try:
+        return fn(*args)
+    except UserError:
+        raise
+    except Exception as e:   # noqa: BLE001 -- the model is user code
+        msg = (str(e).strip().splitlines() or [""])[0][:200]
+        raise UserError(f"model '{name}': its {what} raised {type(e).__name__}: {msg}; fix "
+                        "the model, or profile it with --device cpu if it only fails on meta"
+                        ) from None
 
 
 def _call(model, inputs):
@@ -520,6 +541,7 @@ def profile_module(model, inputs, *, name: str, hardware: HardwareSpec, dtype: s
             originals.append((block, "forward" in block.__dict__, block.__dict__.get("forward")))
             block.forward = wrapper_for(i, bname, block, orig)
         model.train()
+        who = (config or {}).get("factory", name)   # the MODEL argument where there is one
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(0)
@@ -528,8 +550,8 @@ def profile_module(model, inputs, *, name: str, hardware: HardwareSpec, dtype: s
             with attention, tracker, torch.autograd.graph.saved_tensors_hooks(tracker.pack,
                                                                              tracker.unpack):
                 tracker.set(units[EMBEDDING])
-                out = _call(model, inputs)
-                loss = _loss_of(out)
+                out = _user_code(who, "forward", _call, model, inputs)
+                loss = _loss_of(out, who)
                 tracker.set(None)
             units[HEAD].output_bytes = _tensor_bytes(out)
             units[EMBEDDING].input_bytes = _tensor_bytes(inputs)
@@ -539,7 +561,7 @@ def profile_module(model, inputs, *, name: str, hardware: HardwareSpec, dtype: s
             note(len(blocks) + 1, HEAD)
             with attention, tracker:
                 tracker.set(units[HEAD], "bwd")
-                loss.backward()
+                _user_code(who, "backward", loss.backward)
                 tracker.set(None)
             grad_idents = {tracker.ident(p.grad)[0] for p in params if p.grad is not None}
             del out, loss
@@ -800,6 +822,17 @@ def _move(model, device, dtype) -> None:
             mod._parameters[n] = first
 
 
+def _move_input(t, device, dtype):
+    """One leaf of a factory's inputs onto ``device``; floating-point tensors (hidden states,
+    float masks) also to ``dtype`` so they match the cast model. Token ids, integer and bool
+    masks keep their dtype: casting them would change their meaning."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    if dtype is not None and t.is_floating_point():
+        return t.to(device=device, dtype=dtype)
+    return t.to(device)
+
+
 def resolve_model(model_spec: str, batch: int, seq: int, dtype: str | None, device: str):
     """MODEL -> (module on ``device``, inputs on ``device``, name, config, dtype name)."""
     from .models import build_model, load_config, make_inputs
@@ -822,8 +855,9 @@ def resolve_model(model_spec: str, batch: int, seq: int, dtype: str | None, devi
             raise UserError(f"model '{model_spec}': the factory must return (module, inputs), "
                             f"got {type(result).__name__}")
         model, inputs = result
-        _move(model, device, DTYPES[dtype] if dtype else None)
-        inputs = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, inputs)
+        cast = DTYPES[dtype] if dtype else None
+        _move(model, device, cast)
+        inputs = tree_map(lambda t: _move_input(t, device, cast), inputs)
         name = model_spec.split(":")[-1]
         config = {"factory": model_spec}
         if hasattr(model, "config") and hasattr(model.config, "to_dict"):
@@ -869,6 +903,8 @@ def cli_profile(args) -> int:
 
     batch = _positive_int(args.batch, "batch")
     seq = _positive_int(args.seq, "seq")
+    if args.output and Path(args.output).is_dir():   # say so before a long profile, not after
+        raise UserError(f"output '{args.output}' is a directory; give a file name")
     hardware = load_hardware(args.hardware)
     progress = None
     if sys.stderr.isatty():

@@ -222,3 +222,104 @@ def test_cli_errors_exit_2_one_line(argv, needle, tmp_path, monkeypatch, capsys)
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert needle in err
+
+
+# A factory module written into tmp_path for the tests below: float hidden states, integer
+# ids and a bool mask as inputs; the forward checks that only the float input was cast.
+FACTORIES = '''
+import torch, torch.nn as nn
+
+class Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.ReLU())
+                                     for _ in range(2)])
+    def forward(self, x, ids, mask):
+        if ids.dtype != torch.long or mask.dtype != torch.bool:
+            raise TypeError(f"ids {ids.dtype}, mask {mask.dtype}")
+        x = x + self.emb(ids)
+        for b in self.blocks:
+            x = b(x)
+        return x * mask[..., None]
+
+def mixed(b, s):
+    torch.manual_seed(0)
+    return Mixed(), (torch.randn(b, s, 16), torch.zeros(b, s, dtype=torch.long),
+                     torch.ones(b, s, dtype=torch.bool))
+
+class Broken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+    def forward(self, x):
+        raise ValueError("boom in forward")
+
+def broken(b, s):
+    return Broken(), (torch.randn(b, 4),)
+
+class IntOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+    def forward(self, x):
+        for l in self.blocks:
+            x = l(x)
+        return x.argmax(-1)
+
+def intout(b, s):
+    return IntOut(), (torch.randn(b, 4),)
+'''
+
+
+@pytest.fixture
+def factories(tmp_path, monkeypatch):
+    (tmp_path / "tp_factories.py").write_text(FACTORIES)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("tp_factories", None)
+    yield tmp_path
+    sys.modules.pop("tp_factories", None)
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+@pytest.mark.parametrize("dtype,size", [("bf16", 2), ("fp32", 4)])
+def test_factory_float_inputs_follow_dtype(factories, device, dtype, size):
+    # b=2, s=3, h=16: a block's input is the float hidden state, 2*3*16 elements; its Linear
+    # saves that input and its ReLU its output, so saved = 2 * 96 * size. Ids (int64) and the
+    # bool mask keep their dtype (the forward raises otherwise).
+    prof = profile_model("tp_factories:mixed", 2, 3, dtype=dtype, device=device, hardware=CPU,
+                         repeats=1)
+    assert prof.model["dtype"] == dtype
+    block = prof.layers[1]
+    assert block.name == "blocks.0"
+    assert block.input_bytes == 96 * size
+    assert block.saved_bytes == 2 * 96 * size
+    # embedding's input: x (96 elements at `size`) + ids (6 x 8 B) + mask (6 x 1 B)
+    assert prof.layers[0].input_bytes == 96 * size + 6 * 8 + 6
+
+
+@pytest.mark.parametrize("fn,needle", [
+    ("broken", "its forward raised ValueError: boom in forward"),
+    ("intout", "the output must be differentiable"),
+])
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_model_errors_are_one_line(factories, fn, needle, device, capsys):
+    argv = ["profile", f"tp_factories:{fn}", "--batch", "2", "--seq", "4", "--device", device,
+            "--hardware", "cpu-host", "-o", "o.json"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert f"model 'tp_factories:{fn}'" in err and needle in err
+    assert not (factories / "o.json").exists()
+
+
+def test_profile_output_directory_exit_2(tmp_path, capsys):
+    assert main(["profile", "gpt-tiny", "--batch", "1", "--seq", "8", "-o", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is a directory; give a file name" in err
+
+
+def test_one_dtype_table():
+    from planner import models, profiler
+    assert profiler.DTYPES is models.DTYPES

@@ -1,0 +1,172 @@
+"""Loading refuses malformed profiles and plans with one UserError line naming the file, the
+unit or field, and the fix; output paths that are folders are refused the same way."""
+import copy
+import json
+
+import pytest
+
+from planner import PLANS_DIR
+from planner.cli import main
+from planner.errors import UserError
+from planner.formats import load_plan, load_profile, write_atomic, write_json_atomic
+from planner.hardware import load_hardware
+from planner.synthetic import uniform_profile
+
+GOLDEN = PLANS_DIR / "golden" / "h200-mixed.json"   # has every stream, issues and afters
+
+
+def _plan_dict():
+    return json.loads(GOLDEN.read_text())
+
+
+def _profile_dict():
+    return uniform_profile(3, load_hardware("a100-80g")).to_dict()
+
+
+def _set(d, path, value):
+    *head, last = path
+    for k in head:
+        d = d[k]
+    d[last] = value
+
+
+def _one_line(err, *needles):
+    msg = str(err.value)
+    assert "\n" not in msg
+    for n in needles:
+        assert n in msg, (n, msg)
+
+
+UNIT = ("layers", 1)       # a block of the synthetic profile
+PROFILE_BAD = [
+    (UNIT + ("fwd_s",), "fast", "fwd_s"),
+    (UNIT + ("fwd_s",), float("nan"), "fwd_s"),
+    (UNIT + ("bwd_s",), -1.0, "bwd_s"),
+    (UNIT + ("saved_bytes",), -5, "saved_bytes"),
+    (UNIT + ("saved_bytes",), 1.5, "saved_bytes"),
+    (UNIT + ("saved_bytes",), True, "saved_bytes"),        # JSON true is a Python int
+    (UNIT + ("input_bytes",), "1G", "input_bytes"),
+    (UNIT + ("fwd_flops",), None, "fwd_flops"),
+    (UNIT + ("name",), 7, "name"),
+    (UNIT + ("shared_from",), 3, "shared_from"),
+    (UNIT + ("measured_peak_bytes",), -1, "measured_peak_bytes"),
+    (UNIT + ("shared_saved_bytes",), 10**15, "shared_saved_bytes"),   # more than saved_bytes
+    (("layers", 1), "blocks.0", "not a JSON object"),
+    (("layers",), "x", "layers"),
+    (("optimizer_s",), "slow", "optimizer_s"),
+    (("optimizer_workspace_bytes",), -3, "optimizer_workspace_bytes"),
+]
+
+
+@pytest.mark.parametrize("path,value,needle", PROFILE_BAD)
+def test_bad_profile_fields_are_one_line(path, value, needle, tmp_path):
+    d = _profile_dict()
+    _set(d, path, value)
+    f = tmp_path / "bad-profile.json"
+    f.write_text(json.dumps(d))
+    with pytest.raises(UserError) as e:
+        load_profile(f)
+    _one_line(e, str(f), needle, "plan profile")
+    if len(path) == 3 and path[:2] == UNIT and path[2] != "name":
+        assert "unit 'blocks.0'" in str(e.value)
+
+
+PLAN_BAD = [
+    (("budgets", "gpu_bytes"), "80G", "gpu_bytes"),
+    (("budgets", "cpu_bytes"), -1, "cpu_bytes"),
+    (("budgets", "nvme_bytes"), 1.5, "nvme_bytes"),
+    (("budgets",), {"gpu_bytes": 1, "cpu_bytes": 0}, "nvme_bytes"),
+    (("predicted", "step_s"), "quick", "step_s"),
+    (("predicted", "peak_gpu_bytes"), None, "peak_gpu_bytes"),
+    (("units", 2, "saved_bytes"), -5, "saved_bytes"),
+    (("units", 2, "fwd_s"), "fast", "fwd_s"),
+    (("units",), "x", "units"),
+    (("policy",), 3, "policy"),
+    (("nvme_dir",), 5, "nvme_dir"),
+    (("optimizer_s",), float("inf"), "optimizer_s"),
+    (("schedule", "compute", 0, "after"), 5, "after"),
+    (("schedule", "compute", 0, "seconds"), "x", "seconds"),
+    (("schedule", "compute", 0, "stage"), -1, "stage"),
+    (("schedule", "compute", 0, "units"), "embedding", "units"),
+    (("schedule", "compute", 0, "op"), "teleport", "teleport"),
+    (("schedule", "compute", 0, "stream"), "d2h", "listed under stream 'compute'"),
+    (("schedule", "compute", 1, "id"), "F:embedding", "appears twice"),
+    (("schedule", "h2d", 1, "issue"), "B:nowhere", "B:nowhere"),
+    (("schedule", "h2d", 0, "after"), ["r:nowhere"], "r:nowhere"),
+    (("schedule", "d2h", 0, "bytes"), -100, "bytes"),
+    (("schedule", "pcie"), [], "pcie"),
+    (("schedule", "nvme"), {"id": "w"}, "nvme"),
+    (("schedule", "nvme", 0), "w:blocks.3", "not a JSON object"),
+]
+
+
+@pytest.mark.parametrize("path,value,needle", PLAN_BAD)
+def test_bad_plan_fields_are_one_line(path, value, needle, tmp_path):
+    d = _plan_dict()
+    _set(d, path, value)
+    f = tmp_path / "bad-plan.json"
+    f.write_text(json.dumps(d))
+    with pytest.raises(UserError) as e:
+        load_plan(f)
+    _one_line(e, str(f), needle, "plan solve")
+
+
+def test_missing_event_field_is_one_line(tmp_path):
+    d = _plan_dict()
+    del d["schedule"]["compute"][0]["op"]
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(d))
+    with pytest.raises(UserError) as e:
+        load_plan(f)
+    _one_line(e, "event 'F:embedding' lacks 'op'", "plan solve")
+
+
+def test_valid_files_still_load_unchanged(tmp_path):
+    plan = load_plan(GOLDEN)
+    assert plan.budgets == _plan_dict()["budgets"]
+    assert sum(len(v) for v in plan.schedule.values()) == sum(
+        len(v) for v in _plan_dict()["schedule"].values())
+    prof = uniform_profile(3, load_hardware("a100-80g"))
+    assert load_profile(write_json_atomic(tmp_path / "p.json", prof.to_dict())) == prof
+
+
+@pytest.mark.parametrize("verb", [["simulate"], ["inspect"], ["diff", str(GOLDEN)]])
+def test_cli_verbs_refuse_bad_plan_exit_2(verb, tmp_path, capsys):
+    d = _plan_dict()
+    d["budgets"]["gpu_bytes"] = "80G"
+    f = tmp_path / "wrongtype.json"
+    f.write_text(json.dumps(d))
+    assert main([verb[0], str(f)] + verb[1:]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "gpu_bytes" in err and "Traceback" not in err
+
+
+def test_solve_refuses_bad_profile_exit_2(tmp_path, capsys):
+    d = _profile_dict()
+    d["layers"][1]["fwd_s"] = "fast"
+    f = tmp_path / "prof.json"
+    f.write_text(json.dumps(d))
+    assert main(["solve", str(f), "--gpu-mem", "80G", "-o", str(tmp_path / "o.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "fwd_s" in err and "blocks.0" in err
+    assert not (tmp_path / "o.json").exists()
+
+
+def test_write_atomic_refuses_a_directory(tmp_path):
+    with pytest.raises(UserError) as e:
+        write_json_atomic(tmp_path, {"a": 1})
+    _one_line(e, str(tmp_path), "is a directory; give a file name")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UserError) as e:     # a parent that is a file: cannot create the output
+        write_atomic(tmp_path / "file" / "out.json", lambda f: f.write("{}"))
+    _one_line(e, "out.json", "cannot create")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]   # no temporary left behind
+
+
+def test_solve_output_directory_exit_2(tmp_path, capsys):
+    prof = write_json_atomic(tmp_path / "prof.json", _profile_dict())
+    (tmp_path / "out").mkdir()
+    assert main(["solve", str(prof), "--gpu-mem", "80G", "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is a directory; give a file name" in err
+    assert list((tmp_path / "out").iterdir()) == []
