@@ -279,6 +279,25 @@ class _Memory:
         self.left[tier][1:] += nbytes
 
 
+
+def _moved_away(mem, S, E, n, prefix, nbytes, held_from, held_to, to_host, unified):
+    """GPU, host and NVMe bytes of something offloaded after ``held_from`` and needed by
+    ``held_to``: held in full until its transfer out starts, freed progressively while it
+    leaves, held again from the start of its prefetch. ``prefix`` is "" for a unit's
+    activations and "ck" for its checkpoint (event ids ``out:``/``ckout:`` and so on)."""
+    if unified:
+        leave, fetch = f"{prefix}w:{n}", f"{prefix}r:{n}"
+    else:
+        leave, fetch = f"{prefix}out:{n}", f"{prefix}in:{n}"
+    mem.step("gpu", held_from, S[leave], nbytes)
+    mem.ramp("gpu", S[leave], E[leave], nbytes)
+    mem.step("gpu", S[fetch], held_to, nbytes)
+    if to_host:
+        mem.step("cpu", S[f"{prefix}out:{n}"], E[f"{prefix}in:{n}"], nbytes)
+    else:
+        mem.step("nvme", S[f"{prefix}w:{n}"], E[f"{prefix}r:{n}"], nbytes)
+
+
 def _memory(plan: Plan, hw, start, end, staging: int) -> _Memory:
     mem = _Memory([0.0, *start.values(), *end.values()])
     S, E = start, end
@@ -320,28 +339,14 @@ def _memory(plan: Plan, hw, start, end, staging: int) -> _Memory:
         if act is Activation.KEEP:
             mem.step("gpu", S[f], E[b], A)
         elif act in (Activation.CPU, Activation.NVME):
-            leave, fetch = (f"w:{n}", f"r:{n}") if unified else (f"out:{n}", f"in:{n}")
-            mem.step("gpu", S[f], S[leave], A)
-            mem.ramp("gpu", S[leave], E[leave], A)
-            mem.step("gpu", S[fetch], E[b], A)
-            if act is Activation.CPU:
-                mem.step("cpu", S[f"out:{n}"], E[f"in:{n}"], A)
-            else:
-                mem.step("nvme", S[f"w:{n}"], E[f"r:{n}"], A)
+            _moved_away(mem, S, E, n, "", A, S[f], E[b], act is Activation.CPU, unified)
         else:  # recompute: A_i lives only while F:i runs, then the checkpoint X_i (if any)
             mem.step("gpu", S[f], E[f], A, owner=f)
             ck = d.checkpoint or Tier.GPU
             if ck is Tier.GPU:
                 mem.step("gpu", E[f], E[b], X)
             elif ck in (Tier.CPU, Tier.NVME):
-                leave, fetch = (f"ckw:{n}", f"ckr:{n}") if unified else (f"ckout:{n}", f"ckin:{n}")
-                mem.step("gpu", E[f], S[leave], X)
-                mem.ramp("gpu", S[leave], E[leave], X)
-                mem.step("gpu", S[fetch], E[b], X)
-                if ck is Tier.CPU:
-                    mem.step("cpu", S[f"ckout:{n}"], E[f"ckin:{n}"], X)
-                else:
-                    mem.step("nvme", S[f"ckw:{n}"], E[f"ckr:{n}"], X)
+                _moved_away(mem, S, E, n, "ck", X, E[f], E[b], ck is Tier.CPU, unified)
     for s in segs:
         r = rec_id(units[s[-1]].name)
         for j in s:   # the whole segment is rebuilt at once; B:j frees its part
