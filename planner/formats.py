@@ -9,6 +9,7 @@ This module imports neither torch nor pulp: the runtime reads plans through it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import hashlib
@@ -97,10 +98,8 @@ def write_atomic(path: str | os.PathLike, write, binary: bool = False) -> Path:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
     return path
 

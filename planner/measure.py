@@ -8,6 +8,7 @@ pinned host<->device copies and device matmuls are timed with the device synchro
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import socket
@@ -185,10 +186,8 @@ def measure_host(nvme_dir: str | None, size: int, matmul_n: int | None = None) -
                         "give a writable directory on the disk to measure") from None
     finally:
         for p in reversed(created):
-            try:
+            with contextlib.suppress(OSError):
                 p.rmdir()
-            except OSError:
-                pass
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"

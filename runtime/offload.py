@@ -24,6 +24,7 @@ and at exit, and every directory the store created is removed again.
 """
 from __future__ import annotations
 
+import contextlib
 import atexit
 import os
 import threading
@@ -168,14 +169,10 @@ class NvmeStore:
             if path not in self.files:
                 return
             self.files.discard(path)
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        except FileNotFoundError:
-            pass
 
     def unlink_later(self, fd: int, path: str):
         """Delete after the writes already queued (a dropped group may still be writing)."""
@@ -200,10 +197,8 @@ class NvmeStore:
         with self.lock:
             files, self.files = list(self.files), set()
         for f in files:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(f)
-            except FileNotFoundError:
-                pass
         for d in reversed(self.created):
             try:
                 d.rmdir()
@@ -454,17 +449,15 @@ class Group:
 
     def discard(self):
         """Forget everything (an abandoned pass): wait for in-flight I/O, delete the file."""
+        # Only waiting matters here: a write or read that failed has nothing left to undo, and
+        # its error already reached whoever needed the data.
         for s in self.slots:
             if s.write is not None:
-                try:
+                with contextlib.suppress(Exception):
                     s.write.result()
-                except Exception:
-                    pass
         if self.read is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self.read.result()
-            except Exception:
-                pass
         for s in self.slots:
             self.release(s)
         if self.tier == "nvme" and self._fin.alive:
