@@ -24,8 +24,8 @@ and at exit, and every directory the store created is removed again.
 """
 from __future__ import annotations
 
-import contextlib
 import atexit
+import contextlib
 import os
 import threading
 import time
