@@ -71,6 +71,11 @@ class Options:
     seg_window: int = 8            # w_seg: longest recompute segment
     allow_offload: bool = True     # False: remat-only (no cpu/nvme activations or checkpoints)
     minimise: str = "time"         # time | gpu | cpu: what the objective minimises
+    # True: a binary "prefetch started by stage s" per offloaded unit and backward stage, and
+    # GPU memory counts the whole buffer from that start, as the simulator does (exact, but
+    # 14 s vs 3.3 s with CBC at 96 blocks); solve.py escalates to it only when the fast
+    # model's plan simulates more than 2% off its objective or needs budget tightening.
+    exact_prefetch: bool = False
 
 
 @dataclass
@@ -345,6 +350,21 @@ class Formulation:
                     if s >= U:
                         v = self.y[c, k, e] = self._var(f"y{c[1]}_{k}_{e}", 0, 1)
                         self.ck_back.setdefault(s, []).append((k, c, v))
+        # phi^c_{i,s} (exact_prefetch only): unit i's prefetch (tier c) has started by backward
+        # stage s (binary, non-decreasing in s; it starts where it turns 1). The runtime and the
+        # simulator hold the whole buffer A_i from that start (docs/file-formats.md, memory
+        # model), so GPU memory counts A_i from it, and the shares p may move only from it on.
+        # Cumulative rather than one binary per start stage: O(w) nonzeros per unit, and a
+        # branch on phi splits "started by s" from "not yet".
+        self.phi, self.phi_at = {}, {}
+        if self.opt.exact_prefetch:
+            for i in range(U):
+                for c, tag in (("cpu", "c"), ("nvme", "n")):
+                    if c not in self.x[i]:
+                        continue
+                    for s in self._in_window(i):
+                        self.phi[c, i, s] = self._var(f"s{tag}_{i}_{s}", cat="Binary")
+                        self.phi_at.setdefault(s, []).append((c, i))
         self.T = {s: self._var(f"T_{s}", 0) for s in range(U, self.S)}
         self.M = {s: self._var(f"M_{s}", 0) for s in range(1, U)}
         self.H = {s: self._var(f"H_{s}", 0) for s in range(U, self.S)}
@@ -441,6 +461,34 @@ class Formulation:
                         f"out_{tag}_{i}")
                 self._c(pulp.lpSum(p[i, s] for s in self._in_window(i)) == self.x[i][c],
                         f"in_{tag}_{i}")
+
+    def c_prefetch_start(self):
+        """(exact_prefetch) Each offloaded unit's prefetch starts in exactly one stage and no
+        byte moves in before it.
+
+        pf_mono_c_i_t:  phi^c_{i,t-1} <= phi^c_{i,t}                  (c = cpu, nvme)
+        pf_start_c_i:   phi^c_{i,last} = x_c_i          (started by the stage before bwd(i))
+        pf_after_c_i_t: p^c_{i,t} <= phi^c_{i,t}
+        """
+        for i in range(self.U):
+            for c, p in (("cpu", self.pc), ("nvme", self.pn)):
+                if c not in self.x[i]:
+                    continue
+                win = list(self._in_window(i))
+                for a, t in zip(win, win[1:]):
+                    self._c(self.phi[c, i, a] - self.phi[c, i, t] <= 0, f"pf_mono_{c}_{i}_{t}")
+                self._c(self.phi[c, i, win[-1]] == self.x[i][c], f"pf_start_{c}_{i}")
+                for t in win:
+                    self._c(p[i, t] - self.phi[c, i, t] <= 0, f"pf_after_{c}_{i}_{t}")
+
+    def pf_started(self, s: int) -> list:
+        """(var, bytes) terms of phi(s) - phi(s-1): the prefetches that start in stage s."""
+        terms = []
+        for c, i in self.phi_at.get(s, ()):
+            terms.append((self.phi[c, i, s], self.A[i]))
+            if (c, i, s - 1) in self.phi:
+                terms.append((self.phi[c, i, s - 1], -self.A[i]))
+        return terms
 
     def _moved_fwd(self, s: int):
         """Bytes (GB) leaving the GPU during forward stage s: activation shares plus the
@@ -541,6 +589,14 @@ class Formulation:
         terms += self._ck_arrivals(s, ("rc", "rn"))
         return lin(terms)
 
+    def _held_arrivals(self, s: int):
+        """Bytes (GB) the GPU starts holding in backward stage s: the prefetch shares (fast
+        model) or the whole buffer of every prefetch that starts in s (exact_prefetch), and the
+        offloaded checkpoints that come back in s."""
+        if not self.opt.exact_prefetch:
+            return self._arrivals(s)
+        return lin(self.pf_started(s) + self._ck_arrivals(s, ("rc", "rn")))
+
     def _ck_arrivals(self, s: int, kinds) -> list:
         """Offloaded checkpoints X_k coming back in stage s (sigma_{k,e} = s)."""
         return [(v, self.X[k]) for k, c, v in self.ck_back.get(s, ()) if c in kinds]
@@ -566,7 +622,8 @@ class Formulation:
         held_bwd_s:   H_s = H_{s-1} - rel_{i(s-1)} + arr_s
                       arr_s = sum_k A_k (p^c + p^n)_{k,s} + sum_{k: sigma_k = s} X_k (x_rc + x_rn)_k
         NB: the runtime holds a prefetch's whole buffer from its start, the shares count it
-        as it arrives; solve.py re-solves with the budget tightened by any overflow.
+        as it arrives; solve.py escalates to exact_prefetch (arr_s = sum_k A_k (phi_{k,s} -
+        phi_{k,s-1}) + checkpoints) or tightens the budget on any overflow.
                       rel_i = A_i (x_keep + x_cpu + x_nvme)_i + X_i (x_rg + x_rc + x_rn)_i
         gpu_mem_bwd_s: C_s + H_s + A_i rec_i + sum_{k<i} A_k m_{k,i} + W_i [+ pi] <= G,  i = i(s)
         """
@@ -580,10 +637,10 @@ class Formulation:
                         base.append((self.x[k]["keep"], self.A[k]))
                     if "rg" in self.x[k]:
                         base.append((self.x[k]["rg"], self.X[k]))
-                self._c(self.H[s] == lin(base) + self._arrivals(s), f"held_bwd_{s}")
+                self._c(self.H[s] == lin(base) + self._held_arrivals(s), f"held_bwd_{s}")
             else:
                 self._c(self.H[s] == self.H[s - 1] - self._release(self.unit_of(s - 1))
-                        + self._arrivals(s), f"held_bwd_{s}")
+                        + self._held_arrivals(s), f"held_bwd_{s}")
             seg = lin([(self.m[k, i], self.A[k]) for k in range(i)
                                            if (k, i) in self.m])
             self._c(self.H[s] + self.A[i] * self.rec(i) + seg + self._pool_on_gpu() - self.G
@@ -706,6 +763,8 @@ class Formulation:
         self.c_choice()
         self.c_segments()
         self.c_shares()
+        if self.opt.exact_prefetch:
+            self.c_prefetch_start()
         self.c_gpu_forward()
         self.c_links_forward()
         self.c_links_total()
@@ -750,11 +809,17 @@ class Formulation:
 
     def prefetch_issue(self, layers: list[LayerDecision]) -> dict:
         """unit -> compute event where its prefetch starts: the first backward stage with a
-        non-zero arriving share (offloaded activations)."""
+        non-zero arriving share (offloaded activations); with exact_prefetch the stage the
+        model chose (phi^c_{i,s} turns 1), where it counts the whole buffer."""
         out = {}
         for i, d in enumerate(layers):
             name = self.units[i].name
-            if d.activation in (Activation.CPU, Activation.NVME):
+            if d.activation in (Activation.CPU, Activation.NVME) and self.phi:
+                c = "cpu" if d.activation is Activation.CPU else "nvme"
+                win = list(self._in_window(i))
+                start = next((t for t in win if (self.phi[c, i, t].value() or 0) > 0.5), win[-1])
+                out[name] = self.stage_event(start, layers)
+            elif d.activation in (Activation.CPU, Activation.NVME):
                 pv = self.pc if d.activation is Activation.CPU else self.pn
                 first = next((s for s in self._in_window(i)
                               if (pv[i, s].value() or 0) > SHARE_EPS), self.bwd(i) - 1)

@@ -37,10 +37,12 @@ def test_solve_writes_a_plan_that_fits(prof, tmp_path, capsys):
     plan = load_plan(out)
     r = simulate(plan)
     assert r.fits and plan.predicted["step_s"] == pytest.approx(r.step_s)
-    # The MILP's objective is optimistic where it splits a prefetch over stages (the simulator
-    # holds the whole buffer from its start): 215.8 ms model vs 226.5 ms simulated here.
-    assert plan.solver["objective"] <= r.step_s
-    assert plan.solver["objective"] == pytest.approx(r.step_s, rel=0.06)
+    # The fast MILP is optimistic where it splits a prefetch over stages (215.8 ms model vs
+    # 226.5 ms simulated here, 5%); past 2% solve.py escalates to the exact prefetch-start
+    # model, whose objective is the simulated step (215.77 vs 215.77 ms).
+    assert "exact prefetch model" in plan.solver["status"]
+    assert plan.solver["objective"] <= r.step_s * (1 + 1e-9)
+    assert plan.solver["objective"] == pytest.approx(r.step_s, rel=0.02)
     assert plan.budgets == {"gpu_bytes": gpu, "cpu_bytes": 512 * 1024**3, "nvme_bytes": 0}
     assert plan.nvme_dir.endswith("tierplan-nvme")
     for pol in ("keep-all", "recompute-all", "sqrt", "offload-all"):
