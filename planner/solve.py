@@ -225,6 +225,18 @@ def _no_fit(budgets: Budgets, tried: dict, extra) -> NoFitError:
                       "raise --gpu-mem to that", budget="gpu", needed_bytes=best)
 
 
+def _share(time_limit: float | None, t0: float, attempt: int, opts: Options) -> float | None:
+    """Seconds for the fast model's solve number ``attempt`` within the one --time-limit of the
+    whole ``plan solve``: the first gets half, so that the exact re-solve (``_escalate``) has the
+    other half when it is needed; later ones (budget tightening) what is left, at least 2 s."""
+    if time_limit is None:
+        return None
+    left = time_limit - (time.perf_counter() - t0)
+    if attempt == 1 and not opts.exact_prefetch:
+        return max(1.0, min(left, time_limit / 2))
+    return max(2.0, left)
+
+
 def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: str = "optimal",
                   *, solver: str = "cbc", time_limit: float | None = 60.0, gap: float = 0.01,
                   nvme_dir: str | None = None, progress: bool = False,
@@ -266,7 +278,7 @@ def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: 
         try:
             res = run_solver(Formulation(profile.layers, hw, model_budgets, profile.optimizer_s,
                                          profile.optimizer_workspace_bytes, opts),
-                             solver, time_limit, gap, warm, progress)
+                             solver, _share(time_limit, t0, attempts, opts), gap, warm, progress)
         except Infeasible:
             break
         info = res.solver_info()
