@@ -67,7 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(created if missing, left as found)")
     q.add_argument("--hardware", default=None, help="spec name or YAML (default: the profile's)")
     q.add_argument("--solver", choices=["cbc", "highs"], default="cbc")
-    q.add_argument("--time-limit", type=float, default=60.0, help="solver time limit, seconds")
+    q.add_argument("--time-limit", type=float, default=60.0,
+                   help="seconds for all the solving plan solve does (the MILP gets half, an "
+                   "exact re-solve the rest when needed; a re-solve after tightening the budget "
+                   "still gets at least 2 s)")
     q.add_argument("--gap", type=float, default=0.01, help="relative optimality gap to stop at")
     q.add_argument("--policy", choices=["optimal", "keep-all", "recompute-all", "sqrt",
                                         "offload-all", "remat-only"], default="optimal")

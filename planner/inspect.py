@@ -486,10 +486,10 @@ def _bytes0(x):
 
 
 def _count(n: int) -> str:
-    """``1.56 B``, ``124.4 M``, ``199.2 K``: parameter counts in the unit that reads best."""
+    """``1.56 B``, ``124 M``, ``199 K``: parameter counts to three significant digits."""
     for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
         if n >= div:
-            return f"{n / div:.1f} {unit}"
+            return f"{n / div:.3g} {unit}"
     return str(n)
 
 

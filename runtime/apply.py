@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import time
+import warnings
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -656,6 +657,9 @@ class Handle:
         self.remove()
 
 
+_DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
 def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
                nvme_dir: str | Path | None = None, trim_heap: bool = True) -> Handle:
     """Make ``model`` train under ``plan``; return a handle with ``report()`` and ``remove()``.
@@ -701,6 +705,16 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
                                     "version; regenerate the plan")
     p0 = next(model.parameters(), None)
     dev = p0.device.type if p0 is not None else "cpu"
+    # Not refused: fp32 weights under autocast are a normal way to train a bf16 plan. But a
+    # plan profiled at another precision predicts other bytes, so say so once.
+    want_dtype = _DTYPE_NAMES.get(plan.model.get("dtype"))
+    blk_dtypes = {q.dtype for _, b in blocks for q in b.parameters() if q.is_floating_point()}
+    if want_dtype is not None and blk_dtypes and want_dtype not in blk_dtypes:
+        warnings.warn(f"{src} was profiled in {plan.model.get('dtype')} but the model's blocks "
+                      f"hold {', '.join(sorted(str(d).replace('torch.', '') for d in blk_dtypes))}"
+                      " parameters; gradients are unaffected, but its predicted bytes and times "
+                      "are for the profiled precision (unless autocast makes them so)",
+                      stacklevel=2)
     plan_dev = plan.hardware.get("device")
     if plan_dev and plan_dev != dev:
         raise PlanMismatchError(f"{src} is for {plan_dev} hardware ({plan.hardware.get('name')}) "

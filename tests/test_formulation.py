@@ -181,11 +181,12 @@ def test_exact_prefetch_objective_is_the_simulated_step():
     sim = simulate(plan_of(p, b, r))
     assert sim.fits, sim.budget_violations
     assert r.objective == pytest.approx(sim.step_s, rel=0.005)
-    # the default (fast) model has none of these rows and is optimistic here by more than 2%
+    # the default (fast) model has none of these rows, and its own plan, with the prefetch
+    # starts it chose, breaks the GPU budget in the simulator (it counts prefetches share by share)
     fast = Formulation(p.layers, H200, b, p.optimizer_s, p.optimizer_workspace_bytes, Options())
     rf = run_solver(fast, "cbc", 60, 1e-4)
     assert not any(c.name.startswith("pf_") for c in fast.prob.constraints())
     assert not fast.phi
     fsim = simulate(plan_of(p, b, rf))
-    assert rf.objective < fsim.step_s / 1.02 or not fsim.fits
+    assert not fsim.fits and fsim.budget_violations[0].startswith("gpu")
     assert rf.objective <= r.objective * (1 + 1e-6)   # the exact model is a restriction

@@ -85,7 +85,7 @@ def test_runtime_snippet_runs(tmp_path, monkeypatch):
     env = _env()
     for argv in (["plan", "profile", "gpt-tiny", "--batch", "4", "--seq", "128", "--dtype",
                   "fp32", "-o", "p.json"],
-                 ["plan", "solve", "p.json", "--gpu-mem", "40M", "--nvme-mem", "1G",
+                 ["plan", "solve", "p.json", "--gpu-mem", "12M", "--nvme-mem", "1G",
                   "-o", plan_path]):
         r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr

@@ -551,3 +551,20 @@ def test_cuda_host_and_nvme_offload_match(tmp_path):
     for layers in ("offload-all", "recompute-all", mixed):
         assert _maxdiff(run(layers), g0) <= 1e-6
     assert not (tmp_path / "n").exists()
+
+
+
+def test_plan_of_another_precision_warns_but_runs():
+    """A plan profiled in fp32 on a bf16 model: same structure, other bytes — warned, not refused."""
+    import warnings
+    model, batches = _builtin("gpt-tiny")()
+    plan = plan_for(model, "keep-all", B, S)
+    model.to(torch.bfloat16)
+    with pytest.warns(UserWarning, match="profiled in fp32 but the model's blocks hold bfloat16"):
+        h = apply_plan(model, plan)
+    model(**batches[0]).loss.backward()
+    h.remove()
+    same, _ = _builtin("gpt-tiny")()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # the matching precision says nothing
+        apply_plan(same, plan).remove()

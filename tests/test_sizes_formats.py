@@ -93,7 +93,7 @@ def test_layer_decision_round_trip():
     assert LayerDecision.from_dict(d.to_dict()) == d
     k = LayerDecision("blocks.4", Activation.KEEP)
     assert "checkpoint" not in k.to_dict()
-    with pytest.raises(UserError):
+    with pytest.raises(UserError, match="teleport"):
         LayerDecision.from_dict({"name": "x", "activation": "teleport"})
 
 
