@@ -13,6 +13,7 @@ Bytes enter the model in GB (1e9) and times in seconds, so coefficients stay nea
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -20,11 +21,10 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import networkx as nx
-import warnings
-
 import pulp
 
 from .errors import NoFitError, UserError
@@ -980,10 +980,8 @@ def run_solver(f: Formulation, solver: str = "cbc", time_limit: float | None = 6
         stop.set()
         if th:
             th.join(timeout=2)
-        try:
+        with contextlib.suppress(OSError):   # the solver may not have written its log
             os.unlink(log_path)
-        except OSError:
-            pass
     layers = f.decisions()
     return MilpResult(layers=layers, prefetch_issue=f.prefetch_issue(layers),
                       objective=step if f.opt.minimise == "time" else obj,

@@ -178,11 +178,9 @@ class NvmeStore:
         """Delete after the writes already queued (a dropped group may still be writing)."""
         pool = self.pool
         if pool is not None:
-            try:
+            with contextlib.suppress(RuntimeError):   # the pool shut down meanwhile
                 pool.submit(self.unlink, fd, path)
                 return
-            except RuntimeError:   # shut down meanwhile
-                pass
         self.unlink(fd, path)
 
     def submit(self, fn, *args) -> Future:
@@ -440,11 +438,9 @@ class Group:
         if self.tier == "nvme" and threading.current_thread().name.startswith(_IO_PREFIX):
             store = self.m.store
             if store is not None and store.pool is not None:
-                try:
+                with contextlib.suppress(RuntimeError):   # the pool shut down meanwhile
                     store.pool.submit(self.discard)
                     return
-                except RuntimeError:   # shut down meanwhile
-                    pass
         self.discard()
 
     def discard(self):

@@ -6,6 +6,7 @@ model's parameters has stepped. ``docs/runtime.md`` says exactly how each figure
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import os
@@ -67,12 +68,10 @@ def malloc_trim() -> None:
     memory glibc keeps cached (tensors below glibc's mmap threshold, up to 32 MiB, live on the
     heap)."""
     global _libc
-    try:
+    with contextlib.suppress(OSError, AttributeError):   # not glibc: nothing to trim
         if _libc is None:
             _libc = ctypes.CDLL("libc.so.6")
         _libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 # ----------------------------------------------------------------------------- records
