@@ -661,15 +661,16 @@ _DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.flo
 
 
 def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
-               nvme_dir: str | Path | None = None, trim_heap: bool = True) -> Handle:
+               nvme_dir: str | Path | None = None, trim_heap: bool = False) -> Handle:
     """Make ``model`` train under ``plan``; return a handle with ``report()`` and ``remove()``.
 
     Raises ``PlanMismatchError`` (a ``ValueError``) when the plan's blocks differ from the
     model's (names, count, structure hash), ``UnsupportedModelError`` for torch.compile'd,
-    DDP/FSDP-wrapped or self-checkpointing models. On a CPU device, ``trim_heap`` gives freed
-    heap pages back to the kernel before each step so that the measured RSS rise is the step's
-    own (docs/runtime.md); it costs the page faults of touching that memory again, so turn it
-    off when timing matters more than the memory figure.
+    DDP/FSDP-wrapped or self-checkpointing models. On a CPU device, ``trim_heap=True`` gives
+    freed heap pages back to the kernel before each step; it cost 25-30% of a small model's step
+    time here, so it is off by default. For memory figures that follow the live tensors, start
+    the process with ``MALLOC_MMAP_THRESHOLD_=65536`` instead (docs/runtime.md); the report
+    says when that is missing.
     """
     if model in _ACTIVE:
         raise PlanMismatchError("a plan is already applied to this model; call handle.remove() "

@@ -189,6 +189,10 @@ class Report:
                  (" (the first step is left out)" if len(self.steps) > 1 else "")]
         for r in rows:
             lines.append(f"  {r[0]:<{w[0]}}  {r[1]:>{w[1]}}  {r[2]:>{w[2]}}")
+        if self.device != "cuda" and not os.environ.get("MALLOC_MMAP_THRESHOLD_"):
+            lines.append("  note: glibc keeps freed tensors in RSS, so the RSS rise is only "
+                         "indicative; run with MALLOC_MMAP_THRESHOLD_=65536 to measure it "
+                         "(docs/runtime.md)")
         if not self.hwm_reset and self.device != "cuda":
             lines.append("  note: /proc/self/clear_refs was not writable; the RSS peak is the "
                          "process's lifetime peak")
