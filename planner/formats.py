@@ -195,6 +195,15 @@ _KINDS = {
 }
 
 
+def _entry_where(d, file: str, noun: str, key: str, fix: str) -> str:
+    """How errors name one entry of a list in a file (``plan 'p.json': unit 'blocks.3'``);
+    refuses an entry that is not a JSON object."""
+    if not isinstance(d, dict):
+        raise UserError(f"{file}: a {noun} is {type(d).__name__}, not a JSON object; {fix}")
+    label = d.get(key)
+    return f"{file}: {noun} {label!r}" if isinstance(label, str) else f"{file}: a {noun}"
+
+
 def _check_fields(d: dict, spec: dict, where: str, fix: str) -> None:
     """Raise one UserError line for the first field of ``d`` that is not of its ``spec`` kind.
 
@@ -328,12 +337,7 @@ class UnitRecord:
     def from_dict(cls, d: dict, source: str = "profile", what: str = "profile") -> "UnitRecord":
         """``what`` is the file the unit sits in: ``profile`` or ``plan`` (names the fix)."""
         fix = _FIX[what]
-        if not isinstance(d, dict):
-            raise UserError(f"{what} '{source}': a unit is {type(d).__name__}, not a JSON "
-                            f"object; {fix}")
-        name = d.get("name")
-        where = (f"{what} '{source}': unit {name!r}" if isinstance(name, str)
-                 else f"{what} '{source}': a unit")
+        where = _entry_where(d, f"{what} '{source}'", "unit", "name", fix)
         _check_fields(d, _UNIT_FIELDS, where, fix)
         rec = _from_fields(cls, d, "unit record in", source)
         if rec.kind not in {k.value for k in UnitKind}:
@@ -468,12 +472,7 @@ class Event:
     @classmethod
     def from_dict(cls, d: dict, source: str = "plan",
                   fix: str = "regenerate it with 'plan solve'") -> "Event":
-        if not isinstance(d, dict):
-            raise UserError(f"plan '{source}': a schedule event is {type(d).__name__}, not a "
-                            f"JSON object; {fix}")
-        eid = d.get("id")
-        where = (f"plan '{source}': event {eid!r}" if isinstance(eid, str)
-                 else f"plan '{source}': a schedule event")
+        where = _entry_where(d, f"plan '{source}'", "schedule event", "id", fix)
         _require(d, ("id", "stream", "op", "units"), where, fix)
         _check_fields(d, _EVENT_FIELDS, where, fix)
         if d["stream"] not in {s.value for s in Stream}:
