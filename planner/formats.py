@@ -598,10 +598,10 @@ def load_plan(path) -> Plan:
 
 def load_any(path) -> Profile | Plan:
     """Load a profile or a plan, whichever the file's schema says."""
-    d = read_json(path, "file")
+    d = read_json(path, "plan")
     if d.get("schema") == PLAN_SCHEMA:
         return Plan.from_dict(d, str(path))
     if d.get("schema") == PROFILE_SCHEMA:
         return Profile.from_dict(d, str(path))
-    raise UserError(f"'{path}' has schema {d.get('schema')!r}; expected a tierplan plan or "
-                    "profile")
+    raise UserError(f"'{path}' has schema {d.get('schema')!r}; give a plan ('plan solve') or a "
+                    "profile ('plan profile')")

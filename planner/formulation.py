@@ -998,30 +998,3 @@ def solve_milp(units, hw, budgets: Budgets, *, optimizer_s: float = 0.0,
     """Solve the MILP for the shortest step under ``budgets``; ``Infeasible`` if none fits."""
     f = Formulation(units, hw, budgets, optimizer_s, optimizer_workspace_bytes, options)
     return run_solver(f, solver, time_limit, gap, warm, progress)
-
-
-def static_bytes(units, optimizer_workspace_bytes: int = 0) -> int:
-    """Weights, grads and optimizer state of every unit (what parameter offloading would move)."""
-    return sum(u.static_bytes for u in units)
-
-
-def min_budget(units, hw, budgets: Budgets, which: str, *, optimizer_s: float = 0.0,
-               optimizer_workspace_bytes: int = 0, options: Options = Options(),
-               solver: str = "cbc", time_limit: float | None = 60.0) -> int | None:
-    """The smallest ``which`` budget (``gpu`` or ``cpu``) with which some plan fits the others.
-
-    Solves the same model with that budget as a variable to minimise; None if even an
-    unbounded one does not help.
-    """
-    opts = Options(window=options.window, seg_window=options.seg_window,
-                   allow_offload=options.allow_offload, minimise=which)
-    big = dict(gpu_bytes=budgets.gpu_bytes, cpu_bytes=budgets.cpu_bytes, nvme_bytes=budgets.nvme_bytes)
-    if which == "cpu":
-        big["cpu_bytes"] = max(budgets.cpu_bytes, 1)  # the tier must exist to be sized
-    f = Formulation(units, hw, Budgets(**big), optimizer_s, optimizer_workspace_bytes, opts)
-    try:
-        r = run_solver(f, solver, time_limit, 1e-4)
-    except Infeasible:
-        return None
-    v = f.G.value() if which == "gpu" else f.Hc.value()
-    return int(math.ceil(float(v) * GB))

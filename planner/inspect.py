@@ -16,8 +16,8 @@ import sys
 from dataclasses import dataclass
 
 from .errors import UserError
-from .formats import (PLAN_SCHEMA, PROFILE_SCHEMA, REPORT_SCHEMA, Activation, Plan, Profile,
-                      Stream, Tier, read_json)
+from .formats import (REPORT_SCHEMA, Activation, Plan, Profile,
+                      Stream, Tier, load_any, read_json)
 from .sizes import fmt_bytes, fmt_seconds
 
 # A tier is "full" when its peak reaches this share of the budget. 99% rather than 100%: a plan
@@ -623,19 +623,8 @@ def format_profile(r: dict) -> str:
 
 # ----------------------------------------------------------------------------- CLI
 
-def load_for_inspect(path: str) -> Plan | Profile:
-    d = read_json(path, "plan")
-    schema = d.get("schema")
-    if schema == PLAN_SCHEMA:
-        return Plan.from_dict(d, path)
-    if schema == PROFILE_SCHEMA:
-        return Profile.from_dict(d, path)
-    raise UserError(f"'{path}' has schema {schema!r}; give a plan ('plan solve') or a profile "
-                    "('plan profile')")
-
-
 def cli_inspect(args) -> int:
-    obj = load_for_inspect(args.plan)
+    obj = load_any(args.plan)
     if isinstance(obj, Profile):
         if args.plot or args.report:
             raise UserError(f"'{args.plan}' is a profile: --plot and --report need a plan; run "
