@@ -320,6 +320,12 @@ class UnitRecord:
     param_count: int = 0
     samples: int = 0                 # timing repeats behind fwd_s/bwd_s (0: estimated)
     measured_peak_bytes: int | None = None  # CUDA only: allocator peak above start during fwd+bwd
+    # The fp32 master copy inside optimizer_bytes (0 where the parameters are fp32 already: they
+    # are their own master). Streaming needs it apart: a CPU step must hold the master on the host.
+    master_bytes: int = 0
+    # Other units that use a parameter charged to this unit, or charge one this unit uses (tied
+    # embeddings): such weights and gradients cannot leave the GPU between those units' uses.
+    tied_to: tuple = ()
 
     @property
     def static_bytes(self) -> int:
@@ -340,6 +346,7 @@ class UnitRecord:
         where = _entry_where(d, f"{what} '{source}'", "unit", "name", fix)
         _check_fields(d, _UNIT_FIELDS, where, fix)
         rec = _from_fields(cls, d, "unit record in", source)
+        rec = dataclasses.replace(rec, tied_to=tuple(rec.tied_to))
         if rec.kind not in {k.value for k in UnitKind}:
             raise UserError(f"'{source}': unit {rec.name!r} has kind {rec.kind!r}; "
                             "expected embedding, block or head")
@@ -356,7 +363,7 @@ _UNIT_FIELDS = {
                             "shared_saved_bytes")},
     "measured_peak_bytes": "bytes?",
     "fwd_flops": "number", "bwd_flops": "number", "fwd_s": "number", "bwd_s": "number",
-    "param_count": "count", "samples": "count",
+    "param_count": "count", "samples": "count", "master_bytes": "bytes", "tied_to": "strs",
 }
 
 

@@ -200,6 +200,7 @@ class _Tracker(TorchDispatchMode):
         self.producer: dict = {}              # serial -> unit name
         self.serial = 0
         self.param_unit: dict = {}            # id(param) -> unit name (first use)
+        self.param_users: dict = {}           # id(param) -> names of every unit that used it
 
     # -- the bookkeeping
     def _ph(self) -> _Phase | None:
@@ -259,6 +260,7 @@ class _Tracker(TorchDispatchMode):
                     continue
                 for p in self.param_keys.get(key, ()):
                     self.param_unit.setdefault(id(p), unit.name)
+                    self.param_users.setdefault(id(p), set()).add(unit.name)
                 if key not in in_keys:
                     in_keys.add(key)
                     moved += a.numel() * a.element_size()
@@ -695,7 +697,8 @@ def _assemble(model, units, rep_of, block_names, blocks, blocks_path, tracker, t
             block_of_param.setdefault(id(p), bname)
     for p in params:
         owner[id(p)] = block_of_param.get(id(p)) or tracker.param_unit.get(id(p), EMBEDDING)
-    per_unit = {n: [0, 0, 0, 0] for n in units}           # count, weight, grad, optimizer
+    per_unit = {n: [0, 0, 0, 0, 0] for n in units}        # count, weight, grad, optimizer, master
+    tied: dict = {n: set() for n in units}
     for p in params:
         c = per_unit[owner[id(p)]]
         n = p.numel()
@@ -705,6 +708,10 @@ def _assemble(model, units, rep_of, block_names, blocks, blocks_path, tracker, t
         if p.requires_grad:
             c[2] += n * g
             c[3] += n * o
+            c[4] += n * 4 if w < 4 and p.is_floating_point() else 0
+        users = set(tracker.param_users.get(id(p), ())) | {owner[id(p)]}
+        for u in users:
+            tied[u] |= users - {u}
 
     order = [EMBEDDING] + block_names + [HEAD]
     index = {n: i for i, n in enumerate(order)}
@@ -728,7 +735,7 @@ def _assemble(model, units, rep_of, block_names, blocks, blocks_path, tracker, t
             fwd_s, bwd_s, samples = _median(fs), _median(bs), len(fs)
         else:
             fwd_s, bwd_s, samples = src.fwd.seconds, src.bwd.seconds, 0
-        count, w, g, o = per_unit[n]
+        count, w, g, o, master = per_unit[n]
         records.append(UnitRecord(
             name=n, kind=u.kind, param_bytes=w, grad_bytes=g, optimizer_bytes=o,
             input_bytes=int(src.input_bytes if u.kind == "block" else u.input_bytes),
@@ -737,7 +744,8 @@ def _assemble(model, units, rep_of, block_names, blocks, blocks_path, tracker, t
             fwd_flops=int(src.fwd.flops), bwd_flops=int(src.bwd.flops),
             fwd_s=float(fwd_s), bwd_s=float(bwd_s), shared_saved_bytes=int(shared),
             shared_from=shared_from, param_count=int(count), samples=samples,
-            measured_peak_bytes=None if peak is None else int(peak)))
+            measured_peak_bytes=None if peak is None else int(peak),
+            master_bytes=int(master), tied_to=tuple(sorted(tied[n]))))
 
     n_params = sum(p.numel() for p in params)
     static = sum(r.static_bytes for r in records)
