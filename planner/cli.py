@@ -66,12 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--nvme-dir", default=None, help="directory for NVMe offload files "
                    "(created if missing, left as found)")
     q.add_argument("--hardware", default=None, help="spec name or YAML (default: the profile's)")
-    q.add_argument("--solver", choices=["cbc", "highs"], default="cbc")
+    q.add_argument("--solver", choices=["cbc", "highs"], default=None,
+                   help="MILP solver (default: highs where highspy is installed, else cbc)")
     q.add_argument("--time-limit", type=float, default=60.0,
-                   help="seconds for all the solving plan solve does (the MILP gets half, an "
-                   "exact re-solve the rest when needed; a re-solve after tightening the budget "
-                   "still gets at least 2 s)")
-    q.add_argument("--gap", type=float, default=0.01, help="relative optimality gap to stop at")
+                   help="seconds for everything plan solve does (default 60)")
+    q.add_argument("--gap", type=float, default=0.005,
+                   help="relative optimality gap at which a solve stops (default 0.005)")
+    q.add_argument("--micro-batches", type=int, default=1, metavar="K",
+                   help="forward/backward passes per optimizer step (default 1)")
+    q.add_argument("--stream", choices=["auto", "on", "off"], default="auto",
+                   help="homes off the device for weights, gradients and optimizer state: "
+                   "auto (when they can pay), on (always search them), off (activations only)")
     q.add_argument("--policy", choices=["optimal", "keep-all", "recompute-all", "sqrt",
                                         "offload-all", "remat-only"], default="optimal")
     q.add_argument("-o", "--output", default=None, help="output file (default: plans/<profile>-<gpu>.json)")

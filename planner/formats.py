@@ -9,22 +9,18 @@ This module imports neither torch nor pulp: the runtime reads plans through it.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
-import hashlib
-import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 from .errors import UserError
+from .events import Event, Op, Passes, Stream, TensorClass, event_id
+from .fileio import read_json, sha256_file, write_atomic, write_json_atomic  # noqa: F401 (re-exported)
 
 PROFILE_SCHEMA = "tierplan.profile/1"
-PLAN_SCHEMA = "tierplan.plan/1"
+PLAN_SCHEMA = "tierplan.plan/2"
+PLAN_SCHEMA_V1 = "tierplan.plan/1"   # still loads: every tensor class at home on the GPU
 HARDWARE_SCHEMA = "tierplan.hardware/1"
 REPORT_SCHEMA = "tierplan.report/1"
 
@@ -45,7 +41,8 @@ class Activation(str, enum.Enum):
 
 
 class Tier(str, enum.Enum):
-    """Where a recomputed unit's input (its checkpoint) is kept."""
+    """A memory tier: where a checkpoint, weights, gradients or optimizer state live, and
+    (``gpu``/``cpu`` only) where an optimizer step runs."""
 
     GPU = "gpu"
     CPU = "cpu"
@@ -62,92 +59,13 @@ class Policy(str, enum.Enum):
     REMAT_ONLY = "remat-only"  # the MILP with offloading disabled (a benchmark peer)
 
 
-class Stream(str, enum.Enum):
-    COMPUTE = "compute"
-    D2H = "d2h"
-    H2D = "h2d"
-    NVME = "nvme"
-
-
-# ----------------------------------------------------------------------------- JSON I/O
-
-def write_atomic(path: str | os.PathLike, write, binary: bool = False) -> Path:
-    """Call ``write(f)`` on a temporary file in the target's folder, then rename it over the
-    target.
-
-    A reader never sees a half-written file, and an existing file is replaced only once the new
-    one is complete; on any failure (Ctrl-C included) the temporary file is removed.
-    """
-    path = Path(path)
-    if path.is_dir():
-        raise UserError(f"output '{path}' is a directory; give a file name")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as e:
-        raise UserError(f"output '{path}': cannot create it ({e.strerror}); give a path in a "
-                        "writable folder") from None
-    try:
-        # mkstemp creates 0600 files; give the output the permissions a plain open() would.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        with os.fdopen(fd, "wb" if binary else "w") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    return path
-
-
-def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
-    """Write ``obj`` as sorted JSON atomically (see ``write_atomic``)."""
-    def write(f):
-        json.dump(obj, f, sort_keys=True, indent=1)
-        f.write("\n")
-    return write_atomic(path, write)
-
-
-def read_json(path: str | os.PathLike, what: str) -> dict:
-    """Read a JSON object, turning every failure into one UserError line."""
-    p = Path(path)
-    if not p.exists():
-        raise UserError(f"{what} '{path}': no such file; check the path")
-    if p.is_dir():
-        raise UserError(f"{what} '{path}' is a directory; give a JSON file")
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise UserError(f"{what} '{path}': cannot read it ({e.strerror}); check its permissions")
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UserError(f"{what} '{path}' is not valid JSON (line {e.lineno}: {e.msg}); "
-                        "regenerate it with the plan tool")
-    if not isinstance(obj, dict):
-        raise UserError(f"{what} '{path}' is not a JSON object; regenerate it with the plan tool")
-    return obj
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _check_schema(d: dict, expected: str, what: str, source: str) -> None:
     got = d.get("schema")
     if got != expected:
         hint = ""
         if got == PROFILE_SCHEMA:
             hint = " (this is a profile; run 'plan solve' on it to get a plan)"
-        elif got == PLAN_SCHEMA:
+        elif got in (PLAN_SCHEMA, PLAN_SCHEMA_V1):
             hint = " (this is a plan, not a profile)"
         raise UserError(f"{what} '{source}' has schema {got!r}, expected {expected!r}{hint}")
 
@@ -186,8 +104,13 @@ _KINDS = {
                "null or a non-negative integer number of bytes"),
     "count": (lambda v: _int(v) and v >= 0, "a non-negative integer"),
     "number": (lambda v: _num(v) and v >= 0, "a non-negative finite number"),
+    # rates and sizes in a spec: finite, non-negative and below 1e18 (an exabyte a second)
+    "rate": (lambda v: _num(v) and 0 <= v < 1e18, "a non-negative finite number below 1e18"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "dict?": (lambda v: v is None or isinstance(v, dict), "null or a mapping"),
     "str": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
     "str?": (lambda v: v is None or isinstance(v, str), "null or a string"),
+    "number?": (lambda v: v is None or (_num(v) and v >= 0), "null or a non-negative number"),
     "strs": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
              "a list of strings"),
     "dict": (lambda v: isinstance(v, dict), "a JSON object"),
@@ -234,7 +157,8 @@ class HardwareSpec:
 
     Rates are in bytes/s and FLOP/s. ``unified_memory`` means there is no separate host tier
     (a CPU-only host, or unified-memory parts): then H2D/D2H do not exist, ``--cpu-mem`` must be
-    0 and NVMe traffic goes straight from device memory to disk.
+    0 and NVMe traffic goes straight from device memory to disk. Fields after ``nvme_bytes``
+    are optional; each says what its default means.
     """
 
     name: str
@@ -251,6 +175,17 @@ class HardwareSpec:
     nvme_read_bandwidth: float      # bytes/s
     nvme_write_bandwidth: float     # bytes/s
     nvme_bytes: int = 0             # capacity of the NVMe tier the spec assumes (0: unknown)
+    # Both directions at once: the aggregate H2D + D2H rate (0: full duplex, h2d + d2h).
+    duplex_bandwidth: float = 0.0
+    # Host DRAM bytes/s: gradient accumulation on the host reads and writes it.
+    host_memory_bandwidth: float = 0.0
+    # Parameters per second of torch's AdamW on the host CPU (0: no CPU optimizer step).
+    cpu_adam_params_per_s: float = 0.0
+    # Pinned host memory the runtime may hold (0: host_memory_bytes).
+    pinned_memory_bytes: int = 0
+    # NVMe traffic through pinned staging (CUDA): this many buffers, each at most this size.
+    staging_buffers: int = 2
+    staging_buffer_bytes: int = 256 * 1024**2
     sources: dict = field(default_factory=dict)  # field -> where the number comes from
     schema: str = HARDWARE_SCHEMA
 
@@ -258,6 +193,21 @@ class HardwareSpec:
         """Achievable FLOP/s for ``dtype``."""
         peak = self.peak_flops.get(dtype) or self.peak_flops.get("fp32")
         return float(peak) * self.efficiency
+
+    @property
+    def duplex(self) -> float:
+        """Aggregate bytes/s when H2D and D2H copy at once."""
+        return float(self.duplex_bandwidth) or float(self.h2d_bandwidth + self.d2h_bandwidth)
+
+    @property
+    def pinned_limit(self) -> int:
+        return int(self.pinned_memory_bytes or self.host_memory_bytes)
+
+    @property
+    def staging_bytes(self) -> int:
+        """The pinned staging pool the runtime allocates for NVMe traffic: none on a CPU
+        device, whose runtime reads and writes each tensor's own memory."""
+        return 0 if self.device == "cpu" else self.staging_buffers * self.staging_buffer_bytes
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -267,24 +217,38 @@ class HardwareSpec:
         if d.get("schema", HARDWARE_SCHEMA) != HARDWARE_SCHEMA:
             raise UserError(f"hardware spec '{source}' has schema {d.get('schema')!r}, "
                             f"expected {HARDWARE_SCHEMA!r}")
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise UserError(f"hardware spec '{source}' has unknown field {unknown[0]!r}; see "
+                            "docs/file-formats.md (Hardware spec) for the fields")
         spec = _from_fields(cls, d, "hardware spec", source)
-        for key in ("memory_bytes", "host_memory_bytes", "nvme_bytes"):
-            v = getattr(spec, key)
-            if not isinstance(v, int) or v < 0:
-                raise UserError(f"hardware spec '{source}': {key} must be a non-negative integer "
-                                f"number of bytes, got {v!r}")
-        for key in ("efficiency", "memory_bandwidth", "h2d_bandwidth", "d2h_bandwidth",
-                    "nvme_read_bandwidth", "nvme_write_bandwidth"):
-            v = getattr(spec, key)
-            if not isinstance(v, (int, float)) or v < 0:
-                raise UserError(f"hardware spec '{source}': {key} must be a non-negative number, "
-                                f"got {v!r}")
+        where, fix = f"hardware spec '{source}'", "fix the file or start from profiles/hardware/*.yaml"
+        _check_fields(d, _HARDWARE_FIELDS, where, fix)
+        if spec.device not in ("cuda", "cpu"):
+            raise UserError(f"{where}: device must be cuda or cpu, got {spec.device!r}; {fix}")
         if not spec.unified_memory and (spec.h2d_bandwidth <= 0 or spec.d2h_bandwidth <= 0):
-            raise UserError(f"hardware spec '{source}': a spec with a separate host tier needs "
-                            "positive h2d_bandwidth and d2h_bandwidth")
-        if not isinstance(spec.peak_flops, dict) or not spec.peak_flops:
-            raise UserError(f"hardware spec '{source}': peak_flops must map dtypes to FLOP/s")
-        return spec
+            raise UserError(f"{where}: a spec with a separate host tier needs positive "
+                            "h2d_bandwidth and d2h_bandwidth")
+        if not spec.peak_flops or not all(
+                isinstance(k, str) and _num(v) and v > 0 for k, v in spec.peak_flops.items()):
+            raise UserError(f"{where}: peak_flops must map dtypes to positive FLOP/s; {fix}")
+        if not 0 < spec.efficiency <= 1:
+            raise UserError(f"{where}: efficiency must be in (0, 1], got {spec.efficiency!r}; {fix}")
+        if spec.memory_bandwidth <= 0:
+            raise UserError(f"{where}: memory_bandwidth must be positive; {fix}")
+        return dataclasses.replace(spec, peak_flops=dict(spec.peak_flops),
+                                   sources=dict(spec.sources or {}))
+
+
+_HARDWARE_FIELDS = {
+    "name": "str", "description": "str?", "device": "str", "unified_memory": "bool",
+    **{k: "bytes" for k in ("memory_bytes", "host_memory_bytes", "nvme_bytes",
+                            "pinned_memory_bytes", "staging_buffer_bytes")},
+    "staging_buffers": "count", "peak_flops": "dict", "sources": "dict?",
+    **{k: "rate" for k in ("efficiency", "memory_bandwidth", "h2d_bandwidth", "d2h_bandwidth",
+                           "nvme_read_bandwidth", "nvme_write_bandwidth", "duplex_bandwidth",
+                           "host_memory_bandwidth", "cpu_adam_params_per_s")},
+}
 
 
 # ----------------------------------------------------------------------------- profile
@@ -408,6 +372,7 @@ class Profile:
             raise UserError(f"profile '{source}' has no layers; {fix}")
         layers = [u if isinstance(u, UnitRecord) else UnitRecord.from_dict(u, source, "profile")
                   for u in prof.layers]
+        check_units(layers, f"profile '{source}'", fix)
         HardwareSpec.from_dict(prof.hardware, source + " (hardware)")
         return dataclasses.replace(prof, layers=layers)
 
@@ -424,15 +389,52 @@ def load_profile(path) -> Profile:
 # ----------------------------------------------------------------------------- plan
 
 @dataclass(frozen=True)
+class Home:
+    """Where one unit's static tensors live between uses, and where its optimizer step runs.
+
+    ``weights`` (compute dtype): gpu, cpu (pinned host) or nvme; ``grads``: gpu, cpu or nvme
+    (the accumulated gradient between passes); ``optimizer`` (fp32 master and moments): gpu,
+    cpu or nvme; ``step``: gpu (the compute device) or cpu (the host CPU).
+    """
+
+    weights: Tier = Tier.GPU
+    grads: Tier = Tier.GPU
+    optimizer: Tier = Tier.GPU
+    step: Tier = Tier.GPU
+
+    @property
+    def resident(self) -> bool:
+        """Everything on the compute device: the activation-only planner's world."""
+        return all(t is Tier.GPU for t in (self.weights, self.grads, self.optimizer, self.step))
+
+    @property
+    def streams_weights(self) -> bool:
+        return self.weights is not Tier.GPU
+
+    def label(self) -> str:
+        """``w:cpu g:cpu o:nvme s:cpu`` (or ``gpu`` when resident), for tables."""
+        if self.resident:
+            return "gpu"
+        return (f"w:{self.weights.value} g:{self.grads.value} o:{self.optimizer.value} "
+                f"s:{self.step.value}")
+
+
+RESIDENT = Home()
+
+
+@dataclass(frozen=True)
 class LayerDecision:
-    """The independent choice for one unit (see ``docs/file-formats.md``)."""
+    """The independent choices for one unit (see ``docs/file-formats.md``, Layers)."""
 
     name: str
     activation: Activation
     checkpoint: Tier | None = None   # only for RECOMPUTE
+    home: Home = RESIDENT
 
     def to_dict(self) -> dict:
-        d = {"name": self.name, "activation": self.activation.value}
+        d = {"name": self.name, "activation": self.activation.value,
+             "weights": self.home.weights.value, "grads": self.home.grads.value,
+             "optimizer": self.home.optimizer.value, "step": self.home.step.value}
         if self.activation is Activation.RECOMPUTE:
             d["checkpoint"] = (self.checkpoint or Tier.GPU).value
         return d
@@ -440,83 +442,137 @@ class LayerDecision:
     @classmethod
     def from_dict(cls, d: dict, source: str = "plan") -> "LayerDecision":
         try:
-            if not isinstance(d["name"], str):
-                raise TypeError("name is not a string")
+            if not isinstance(d, dict):
+                raise TypeError(f"it is a {type(d).__name__}, not an object")
+            if not isinstance(d["name"], str) or not d["name"]:
+                raise TypeError("name is not a non-empty string")
             act = Activation(d["activation"])
             ck = Tier(d["checkpoint"]) if act is Activation.RECOMPUTE else None
-            return cls(name=d["name"], activation=act, checkpoint=ck)
+            home = Home(*(Tier(d.get(k, "gpu")) for k in ("weights", "grads", "optimizer", "step")))
         except (KeyError, ValueError, TypeError) as e:
-            raise UserError(f"plan '{source}': layer entry {d!r} is malformed ({e}); "
-                            "activation is keep|recompute|cpu|nvme and checkpoint gpu|cpu|nvme|none")
+            shown = repr(d)
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
+            raise UserError(f"plan '{source}': layer entry {shown} is malformed ({e}); activation "
+                            "is keep|recompute|cpu|nvme, checkpoint gpu|cpu|nvme|none, weights/"
+                            "grads/optimizer gpu|cpu|nvme and step gpu|cpu") from None
+        if ck is not None and ck is not Tier.NONE and ck not in (Tier.GPU, Tier.CPU, Tier.NVME):
+            raise UserError(f"plan '{source}': layer {d['name']!r} has checkpoint {ck.value!r}")
+        if Tier.NONE in (home.weights, home.grads, home.optimizer, home.step) or \
+                home.step is Tier.NVME:
+            raise UserError(f"plan '{source}': layer {d['name']!r}: weights, grads and optimizer "
+                            "live on gpu, cpu or nvme, and a step runs on gpu or cpu; "
+                            "regenerate it with 'plan solve'")
+        return cls(name=d["name"], activation=act, checkpoint=ck, home=home)
 
 
 @dataclass(frozen=True)
-class Event:
-    """One event on one stream of the schedule.
+class Budgets:
+    """Memory budgets in bytes; 0 means the tier is not used. ``gpu_bytes`` is per rank,
+    ``cpu_bytes`` and ``nvme_bytes`` per node."""
 
-    A compute event runs when the one before it on the compute stream has finished and every
-    event in ``after`` has finished. A transfer event runs when the one before it on its stream
-    has finished, every event in ``after`` has finished, and the compute event named in
-    ``issue`` (if any) has started. ``units`` lists the units it acts on (a segment recompute
-    acts on several).
-    """
+    gpu_bytes: int
+    cpu_bytes: int = 0
+    nvme_bytes: int = 0
 
-    id: str
-    stream: Stream
-    op: str            # forward|backward|recompute|optimizer|offload|prefetch|write|read
-    units: tuple
-    bytes: int = 0
-    seconds: float = 0.0   # compute events: duration; transfers: derived from bytes and links
-    after: tuple = ()
-    issue: str | None = None
-    stage: int = 0         # index of the stage (0..2U-1) the event belongs to
+    def of(self, tier: str) -> int:
+        return getattr(self, f"{tier}_bytes")
 
     def to_dict(self) -> dict:
-        return {"id": self.id, "stream": self.stream.value, "op": self.op,
-                "units": list(self.units), "bytes": int(self.bytes), "seconds": self.seconds,
-                "after": list(self.after), "issue": self.issue, "stage": self.stage}
+        return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "plan",
-                  fix: str = "regenerate it with 'plan solve'") -> "Event":
-        where = _entry_where(d, f"plan '{source}'", "schedule event", "id", fix)
-        _require(d, ("id", "stream", "op", "units"), where, fix)
-        _check_fields(d, _EVENT_FIELDS, where, fix)
-        if d["stream"] not in {s.value for s in Stream}:
-            raise UserError(f"{where}: stream {d['stream']!r} is not one of "
-                            f"{', '.join(s.value for s in Stream)}; {fix}")
-        if d["op"] not in EVENT_OPS:
-            raise UserError(f"{where}: op {d['op']!r} is not one of {', '.join(EVENT_OPS)}; {fix}")
-        return cls(id=d["id"], stream=Stream(d["stream"]), op=d["op"], units=tuple(d["units"]),
-                   bytes=d.get("bytes", 0), seconds=float(d.get("seconds", 0.0)),
-                   after=tuple(d.get("after", ())), issue=d.get("issue"),
-                   stage=d.get("stage", 0))
+    def from_dict(cls, d: dict, where: str, fix: str) -> "Budgets":
+        _require(d, ("gpu_bytes", "cpu_bytes", "nvme_bytes"), f"{where} budgets", fix)
+        _check_fields(d, _BUDGET_FIELDS, f"{where} budgets", fix)
+        return cls(d["gpu_bytes"], d["cpu_bytes"], d["nvme_bytes"])
 
 
-EVENT_OPS = ("forward", "backward", "recompute", "optimizer", "offload", "prefetch", "write",
-             "read")
-_EVENT_FIELDS = {"id": "str", "stream": "str", "op": "str", "units": "strs", "bytes": "bytes",
-                 "seconds": "number", "after": "strs", "issue": "str?", "stage": "count"}
+@dataclass(frozen=True)
+class SolverRecord:
+    """How the plan was found. ``origin`` names the strategy that won (``milp``,
+    ``baseline:sqrt``, ...); ``gap`` is relative to the step time."""
+
+    name: str
+    status: str
+    origin: str = ""
+    objective: float | None = None
+    gap: float | None = None
+    solve_s: float = 0.0
+    variables: int = 0
+    constraints: int = 0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str, fix: str) -> "SolverRecord":
+        _require(d, ("name", "status"), f"{where} solver", fix)
+        _check_fields(d, _SOLVER_FIELDS, f"{where} solver", fix)
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the simulator predicts for one optimizer step (``micro_batches`` passes and the
+    optimizer phase)."""
+
+    step_s: float
+    compute_s: float                 # fwd + bwd of every pass + the optimizer at device speed
+    peak_gpu_bytes: int
+    peak_cpu_bytes: int
+    peak_nvme_bytes: int
+    pass_s: float = 0.0              # one forward/backward pass (the first one)
+    optimizer_s: float = 0.0         # the optimizer phase after the last pass
+    flops: float = 0.0               # model FLOPs of one optimizer step (no recompute)
+
+    @property
+    def tflops(self) -> float:
+        return self.flops / self.step_s / 1e12 if self.step_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str, fix: str) -> "Prediction":
+        _require(d, ("step_s", "compute_s", "peak_gpu_bytes", "peak_cpu_bytes",
+                     "peak_nvme_bytes"), f"{where} predicted", fix)
+        _check_fields(d, _PREDICTED_FIELDS, f"{where} predicted", fix)
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+_BUDGET_FIELDS = {"gpu_bytes": "bytes", "cpu_bytes": "bytes", "nvme_bytes": "bytes"}
+_SOLVER_FIELDS = {"name": "str", "status": "str", "origin": "str?", "objective": "number?",
+                  "gap": "number?", "solve_s": "number", "variables": "count",
+                  "constraints": "count"}
+_PREDICTED_FIELDS = {"step_s": "number", "compute_s": "number", "pass_s": "number",
+                     "optimizer_s": "number", "flops": "number", "peak_gpu_bytes": "bytes",
+                     "peak_cpu_bytes": "bytes", "peak_nvme_bytes": "bytes"}
+ENGINES = ("none", "fsdp2", "ddp")
 
 
 @dataclass(frozen=True)
 class Plan:
-    """A plan: the decision per unit and the schedule of every event, plus what it predicts.
+    """A plan: the decisions per unit and the schedule of every event, plus what it predicts.
 
     ``units`` and ``model`` are copied from the profile so that a plan stands alone.
+    ``schedule`` maps a stream name to its events in the order the stream runs them.
     """
 
     profile: dict        # {"path": str, "sha256": str}
     model: dict          # the profile's model section (name, batch, seq, structure_hash, ...)
     hardware: dict       # HardwareSpec.to_dict()
-    budgets: dict        # gpu_bytes, cpu_bytes, nvme_bytes
+    budgets: Budgets
     policy: str
-    solver: dict         # name, status, objective, gap, solve_s, variables, constraints
-    predicted: dict      # step_s, compute_s, peak_gpu_bytes, peak_cpu_bytes, peak_nvme_bytes
+    solver: SolverRecord
+    predicted: Prediction
     units: list          # list[UnitRecord]
     layers: list         # list[LayerDecision], one per unit, same order
     schedule: dict       # stream name -> list[Event]
     nvme_dir: str | None = None
+    micro_batches: int = 1       # forward/backward passes per optimizer step
+    world_size: int = 1
+    ranks_per_node: int = 1
+    engine: str = "none"
     optimizer_s: float = 0.0
     optimizer_workspace_bytes: int = 0
     schema: str = PLAN_SCHEMA
@@ -534,8 +590,16 @@ class Plan:
     def events(self, stream: Stream) -> list[Event]:
         return list(self.schedule.get(stream.value, []))
 
+    def all_events(self) -> list[Event]:
+        """Every event, by stage, compute first within a stage."""
+        order = {s.value: k for k, s in enumerate(Stream)}
+        evs = [e for s in sorted(self.schedule, key=order.get) for e in self.schedule[s]]
+        return sorted(evs, key=lambda e: (e.stage, order[e.stream.value]))
+
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for k in ("budgets", "solver", "predicted"):
+            d[k] = d[k].to_dict()
         d["units"] = [u.to_dict() for u in self.units]
         d["layers"] = [x.to_dict() for x in self.layers]
         d["schedule"] = {s: [e.to_dict() for e in evs] for s, evs in self.schedule.items()}
@@ -543,59 +607,109 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "plan") -> "Plan":
+        if d.get("schema") == PLAN_SCHEMA_V1:
+            from .upgrade import plan_v1_to_v2   # rebuilds the schedule: lazy, rarely needed
+            d = plan_v1_to_v2(d, source)
         _check_schema(d, PLAN_SCHEMA, "plan", source)
         fix = _FIX["plan"]
         where = f"plan '{source}'"
         _check_fields(d, _PLAN_FIELDS, where, fix)
         plan = _from_fields(cls, d, "plan", source)
-        for section, spec in (("budgets", _BUDGET_FIELDS), ("predicted", _PREDICTED_FIELDS)):
-            _require(d[section], spec, f"{where} {section}", fix)
-            _check_fields(d[section], spec, f"{where} {section}", fix)
         HardwareSpec.from_dict(plan.hardware, source + " (hardware)")
         units = [UnitRecord.from_dict(u, source, "plan") for u in plan.units]
+        check_units(units, where, fix)
         layers = [LayerDecision.from_dict(x, source) for x in plan.layers]
         if [u.name for u in units] != [x.name for x in layers]:
             raise UserError(f"{where}: layers and units disagree on names or order; {fix}")
-        schedule = _schedule_from_dict(plan.schedule, where, source, fix)
-        return dataclasses.replace(plan, units=units, layers=layers, schedule=schedule)
+        if plan.engine not in ENGINES:
+            raise UserError(f"{where}: engine {plan.engine!r} is not one of {', '.join(ENGINES)}")
+        for k in ("micro_batches", "world_size", "ranks_per_node"):
+            if getattr(plan, k) < 1:
+                raise UserError(f"{where}: {k} must be at least 1; {fix}")
+        schedule = _schedule_from_dict(plan.schedule, {u.name for u in units}, where, fix)
+        return dataclasses.replace(
+            plan, units=units, layers=layers, schedule=schedule,
+            budgets=Budgets.from_dict(d["budgets"], where, fix),
+            solver=SolverRecord.from_dict(d["solver"], where, fix),
+            predicted=Prediction.from_dict(d["predicted"], where, fix))
 
 
 _PLAN_FIELDS = {"profile": "dict", "model": "dict", "hardware": "dict", "budgets": "dict",
                 "policy": "str", "solver": "dict", "predicted": "dict", "units": "list",
                 "layers": "list", "schedule": "dict", "nvme_dir": "str?", "optimizer_s": "number",
-                "optimizer_workspace_bytes": "bytes"}
-_BUDGET_FIELDS = {"gpu_bytes": "bytes", "cpu_bytes": "bytes", "nvme_bytes": "bytes"}
-_PREDICTED_FIELDS = {"step_s": "number", "compute_s": "number", "peak_gpu_bytes": "bytes",
-                     "peak_cpu_bytes": "bytes", "peak_nvme_bytes": "bytes"}
+                "optimizer_workspace_bytes": "bytes", "micro_batches": "count",
+                "world_size": "count", "ranks_per_node": "count", "engine": "str"}
 
 
-def _schedule_from_dict(raw: dict, where: str, source: str, fix: str) -> dict:
-    """Stream name -> events, each well formed, listed under its own stream, with unique ids
-    and ``after``/``issue`` that name events of this schedule. (Whether ``units`` match the
-    plan's units is left to the verbs: ``plan diff`` names a renamed unit itself.)"""
-    schedule = {}
+def check_units(units: list, where: str, fix: str) -> None:
+    """Units in order (embedding, blocks, head), names unique, ``shared_from`` and
+    ``tied_to`` naming other units (a shared tensor's producer runs earlier)."""
+    if len(units) < 2:
+        raise UserError(f"{where} has {len(units)} unit(s); a model has at least an embedding "
+                        f"and a head; {fix}")
+    kinds = [u.kind for u in units]
+    if kinds[0] != UnitKind.EMBEDDING.value or kinds[-1] != UnitKind.HEAD.value or any(
+            k != UnitKind.BLOCK.value for k in kinds[1:-1]):
+        raise UserError(f"{where}: units must be the embedding, then blocks, then the head, in "
+                        f"execution order; got {', '.join(kinds[:3])}{'...' if len(kinds) > 3 else ''}"
+                        f"; {fix}")
+    index = {}
+    for i, u in enumerate(units):
+        if u.name in index:
+            raise UserError(f"{where}: unit name {u.name!r} appears twice; {fix}")
+        index[u.name] = i
+    for i, u in enumerate(units):
+        if u.shared_from is not None and (u.shared_from not in index or index[u.shared_from] >= i):
+            raise UserError(f"{where}: unit {u.name!r} reads a shared tensor from "
+                            f"{u.shared_from!r}, which is not an earlier unit; {fix}")
+        for t in u.tied_to:
+            if t not in index or t == u.name:
+                raise UserError(f"{where}: unit {u.name!r} is tied to {t!r}, which is not "
+                                f"another unit; {fix}")
+
+
+def _event_from_dict(d, units: set, where: str, fix: str) -> Event:
+    w = _entry_where(d, where, "schedule event", "id", fix)
+    _require(d, ("stream", "op", "cls", "units", "stage"), w, fix)
+    _check_fields(d, _EVENT_FIELDS, w, fix)
+    try:
+        e = Event(stream=Stream(d["stream"]), op=Op(d["op"]), cls=TensorClass(d["cls"]),
+                  units=tuple(d["units"]), stage=d["stage"], bytes=d.get("bytes", 0),
+                  seconds=float(d.get("seconds", 0.0)), passes=Passes(d.get("passes", "all")))
+    except ValueError as err:
+        raise UserError(f"{w}: {err}; {fix}") from None
+    if not e.units:
+        raise UserError(f"{w}: names no unit; {fix}")
+    for u in e.units:
+        if u not in units:
+            raise UserError(f"{w}: names unit {u!r}, which is not a unit of the plan; {fix}")
+    if "id" in d and d["id"] != e.id:
+        raise UserError(f"{w}: id {d['id']!r} does not match its fields (expected {e.id!r}); {fix}")
+    return e
+
+
+_EVENT_FIELDS = {"id": "str", "stream": "str", "op": "str", "cls": "str", "units": "strs",
+                 "stage": "count", "bytes": "bytes", "seconds": "number", "passes": "str"}
+
+
+def _schedule_from_dict(raw: dict, units: set, where: str, fix: str) -> dict:
+    """Stream name -> events, each well formed, under its own stream, naming known units, with
+    unique ids. Whether the events match the decisions is the simulator's check."""
+    schedule, ids = {}, set()
     for s, evs in raw.items():
         if s not in {x.value for x in Stream}:
             raise UserError(f"{where}: schedule stream {s!r} is not one of "
                             f"{', '.join(x.value for x in Stream)}; {fix}")
         if not isinstance(evs, list):
             raise UserError(f"{where}: schedule stream {s!r} must be a list of events; {fix}")
-        schedule[s] = [Event.from_dict(e, source, fix) for e in evs]
-    ids: set = set()
-    for s, evs in schedule.items():
-        for e in evs:
+        schedule[s] = [_event_from_dict(e, units, where, fix) for e in evs]
+        for e in schedule[s]:
             if e.stream.value != s:
                 raise UserError(f"{where}: event {e.id!r} is listed under stream {s!r} but says "
                                 f"stream {e.stream.value!r}; {fix}")
             if e.id in ids:
                 raise UserError(f"{where}: event id {e.id!r} appears twice; {fix}")
             ids.add(e.id)
-    for evs in schedule.values():
-        for e in evs:
-            for ref in e.after + ((e.issue,) if e.issue is not None else ()):
-                if ref not in ids:
-                    raise UserError(f"{where}: event {e.id!r} refers to {ref!r}, which is not "
-                                    f"an event of the schedule; {fix}")
     return schedule
 
 
@@ -606,7 +720,7 @@ def load_plan(path) -> Plan:
 def load_any(path) -> Profile | Plan:
     """Load a profile or a plan, whichever the file's schema says."""
     d = read_json(path, "plan")
-    if d.get("schema") == PLAN_SCHEMA:
+    if d.get("schema") in (PLAN_SCHEMA, PLAN_SCHEMA_V1):
         return Plan.from_dict(d, str(path))
     if d.get("schema") == PROFILE_SCHEMA:
         return Profile.from_dict(d, str(path))

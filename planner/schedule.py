@@ -1,70 +1,69 @@
-"""From per-unit decisions to the ordered events of every stream (``docs/file-formats.md``).
+"""From decisions and transfer shares to the events of every stream (``docs/file-formats.md``).
 
-The schedule is what the runtime replays and what the simulator judges: one compute stream
-(forwards, then recomputes and backwards in reverse order, then the optimizer step) and one
-stream per link (``d2h``, ``h2d``; one ``nvme`` stream because reads and writes share one
-device). Each transfer waits for what it needs (``after``) and, for a prefetch, for the
-compute event at whose start the plan chose to issue it (``issue``).
-
-This module decides nothing about *which* unit goes where; it only validates the decisions and
-lays out the events they imply, so the MILP, the baselines and hand-written plans all share it.
+The schedule is what the runtime replays and the simulator judges. Stages come from
+``planner.costmodel.Layout``; the rule between them is the stage barrier (``planner.events``).
+This module decides nothing about *which* unit goes where: it checks decisions against the
+rules and lays out the events they imply. Where no MILP chose the shares (a baseline, a
+hand-written plan), ``greedy_shares`` places them: each transfer as early (offloads) or as late
+(fetches) as its window allows, filling the stages' compute time first.
 """
 from __future__ import annotations
 
+from .costmodel import KINDS, REC, CostModel, decision_choice
 from .errors import UserError
-from .formats import Activation, Event, HardwareSpec, LayerDecision, Stream, Tier, UnitKind, UnitRecord
+from .events import Event, Op, Passes, Stream, TensorClass, compute, event_id, transfer
+from .formats import Activation, LayerDecision, Tier, UnitKind
 
+_CLS = {"act": TensorClass.ACT, "weight": TensorClass.WEIGHT, "grad": TensorClass.GRAD}
 
-# ----------------------------------------------------------------------------- event ids
-
-def fwd_id(name: str) -> str:
-    return f"F:{name}"
-
-
-def bwd_id(name: str) -> str:
-    return f"B:{name}"
-
-
-def rec_id(name: str) -> str:
-    return f"R:{name}"
-
-
-OPT_ID = "OPT"
-
-
-# ----------------------------------------------------------------------------- decisions
 
 def _ckpt(d: LayerDecision) -> Tier:
     return d.checkpoint or Tier.GPU
 
 
-def validate_layers(units: list[UnitRecord], layers: list[LayerDecision], hw: HardwareSpec) -> None:
-    """Raise UserError when the decisions break the rules of ``docs/file-formats.md`` (Layers)."""
+def validate_layers(cm: CostModel, layers: list[LayerDecision]) -> None:
+    """Raise UserError when decisions break the rules (docs/file-formats.md, Layers) or ask
+    for what this spec and these budgets do not have."""
+    units, hw = cm.units, cm.hw
     if len(units) != len(layers) or any(u.name != d.name for u, d in zip(units, layers)):
         raise UserError("plan layers do not match the profile's units (names or order); "
                         "give one decision per unit, in execution order")
     prev = None
-    for u, d in zip(units, layers):
-        if not isinstance(d.activation, Activation):
-            raise UserError(f"layer {d.name!r}: activation {d.activation!r} is not an Activation")
-        if u.kind in (UnitKind.EMBEDDING.value, UnitKind.HEAD.value) and d.activation is not Activation.KEEP:
+    for i, (u, d) in enumerate(zip(units, layers)):
+        if u.kind != UnitKind.BLOCK.value and d.activation is not Activation.KEEP:
             raise UserError(f"layer {d.name!r} ({u.kind}) must be 'keep' in this version, "
                             f"got {d.activation.value!r}")
         if d.activation is Activation.RECOMPUTE and _ckpt(d) is Tier.NONE:
             if prev is None or prev.activation is not Activation.RECOMPUTE:
                 raise UserError(f"layer {d.name!r}: checkpoint 'none' must follow a 'recompute' "
-                                f"unit, but follows {prev.activation.value if prev else 'nothing'!r}; "
-                                "give it a checkpoint tier (gpu, cpu, nvme)")
-        uses_cpu = d.activation is Activation.CPU or (
-            d.activation is Activation.RECOMPUTE and _ckpt(d) is Tier.CPU)
-        if uses_cpu and hw.unified_memory:
-            raise UserError(f"layer {d.name!r}: 'cpu' is not allowed on the unified-memory spec "
-                            f"{hw.name!r} (no host tier); use 'nvme' or 'recompute'")
-        uses_nvme = d.activation is Activation.NVME or (
-            d.activation is Activation.RECOMPUTE and _ckpt(d) is Tier.NVME)
-        if uses_nvme and (hw.nvme_read_bandwidth <= 0 or hw.nvme_write_bandwidth <= 0):
-            raise UserError(f"layer {d.name!r}: 'nvme' needs positive NVMe read/write bandwidth "
-                            f"in the hardware spec {hw.name!r}")
+                                f"unit, but follows {prev.activation.value if prev else 'nothing'!r}"
+                                "; give it a checkpoint tier (gpu, cpu, nvme)")
+        c = decision_choice(d)
+        uses = {t for t in (d.home.weights, d.home.grads, d.home.optimizer)} | (
+            {Tier.CPU} if c in ("cpu", "rc") else {Tier.NVME} if c in ("nvme", "rn") else set())
+        if Tier.CPU in uses and cm.unified:
+            raise UserError(f"layer {d.name!r}: 'cpu' is not a tier on the unified-memory spec "
+                            f"{hw.name!r} (no host tier); use 'nvme' or the device")
+        if Tier.CPU in uses and not cm.has_cpu:
+            raise UserError(f"layer {d.name!r} uses host memory but --cpu-mem is 0; give a host "
+                            "budget or keep it off the host")
+        if Tier.NVME in uses and not cm.has_nvme:
+            raise UserError(f"layer {d.name!r} uses NVMe but --nvme-mem is 0 (or the spec "
+                            f"{hw.name!r} has no NVMe bandwidth); give an NVMe budget")
+        if c not in cm.choices[i]:
+            raise UserError(f"layer {d.name!r}: activation {c!r} is not possible for this unit "
+                            "here (its transfer window is empty or its checkpoint could not "
+                            "come back in time)")
+        if d.home not in cm.homes[i]:
+            raise UserError(f"layer {d.name!r}: home {d.home.label()!r} is not possible here "
+                            "(tied weights stay on the device; a CPU step needs a host tier and "
+                            "the spec's cpu_adam_params_per_s; a gradient that leaves needs a "
+                            "stage after its backward)")
+        if d.home.streams_weights:
+            nxt = layers[i + 1] if i + 1 < len(layers) else None
+            if (c == "rz") or (nxt is not None and decision_choice(nxt) == "rz"):
+                raise UserError(f"layer {d.name!r} streams its weights, so it is recomputed "
+                                "only on its own: no 'none' checkpoint in it or right after it")
         prev = d
 
 
@@ -84,138 +83,282 @@ def segments(layers: list[LayerDecision]) -> list[list[int]]:
     return segs
 
 
-# ----------------------------------------------------------------------------- schedule
+# ----------------------------------------------------------------------------- shares
 
-def transfer_seconds(nbytes: int, bandwidth: float) -> float:
-    """A transfer takes bytes / bandwidth of its link (the spec's sustained rate)."""
-    if nbytes == 0:
-        return 0.0
-    assert bandwidth > 0, "validate_layers rejects offloads over a link of zero bandwidth"
-    return nbytes / bandwidth
+def kinds_needed(cm: CostModel, i: int, d: LayerDecision) -> list[str]:
+    """The transfer kinds unit i's decisions ask for (each must sum to one)."""
+    out = []
+    c = decision_choice(d)
+    if c == "cpu":
+        out += ["oc", "pc"]
+    if c == "nvme":
+        out += ["on", "pn"]
+    for tier, tag in ((Tier.CPU, "c"), (Tier.NVME, "n")):
+        if d.home.weights is tier:
+            out += ["wf" + tag] + (["wb" + tag] if i != cm.U - 1 else [])
+        if d.home.grads is tier:
+            out.append("gd" + tag)
+    return out
 
 
-def compute_order(units: list[UnitRecord], layers: list[LayerDecision]) -> list[str]:
-    """Ids of the compute stream in order: F:0..F:U-1, then per unit in reverse the segment's
-    recompute (at the backward of its last unit) and the backward, then OPT."""
-    seg_end = {s[-1] for s in segments(layers)}
-    order = [fwd_id(u.name) for u in units]
-    for i in range(len(units) - 1, -1, -1):
+def _link_rate(cm: CostModel, kind: str) -> float:
+    K, hw = KINDS[kind], cm.hw
+    if cm.unified:
+        return hw.nvme_write_bandwidth if K.dst == "nvme" else hw.nvme_read_bandwidth
+    return hw.d2h_bandwidth if K.src == "gpu" else hw.h2d_bandwidth
+
+
+def greedy_shares(cm: CostModel, layers: list[LayerDecision]) -> dict:
+    """(kind, i, stage) -> share for decisions no MILP timed: offloads leave as early as their
+    window allows and fetches arrive as late as it allows, each stage taking what its compute
+    time hides on the link; whatever does not fit goes to the window's last choice (that stage
+    then waits for its link)."""
+    L = cm.L
+    hide = {}
+    for s in L.pass_stages:
+        i = L.unit_of(s)
+        hide[s] = 0.0 if i is None else (cm.f[i] if s <= cm.U else cm.b[i])
+    used: dict = {}
+    out = {}
+    for i, d in enumerate(layers):
+        for kind in kinds_needed(cm, i, d):
+            size = cm.size(kind, i)
+            win = list(cm.window(kind, i))
+            if KINDS[kind].cls == "act":
+                # offloads within the forward, fetches within the backward: every byte is back
+                # only after it left, whatever the other transfers do
+                win = [s for s in win if (s <= cm.U) == (KINDS[kind].src == "gpu")] or win
+            if not win:
+                raise UserError(f"layer {d.name!r}: no stage can carry its {kind} transfer")
+            leaving = KINDS[kind].src == "gpu"
+            order = win if leaving else win[::-1]
+            rate = _link_rate(cm, kind)
+            link = ("out" if leaving else "in")
+            left = 1.0
+            for s in order:
+                if left <= 0:
+                    break
+                room = max(0.0, hide[s] * rate - used.get((link, s), 0.0))
+                take = min(left, room / size) if size else left
+                if s == order[-1]:
+                    take = left
+                if take > 0:
+                    out[kind, i, s] = out.get((kind, i, s), 0.0) + take
+                    used[link, s] = used.get((link, s), 0.0) + take * size
+                    left -= take
+    return out
+
+
+def _check_order(cm: CostModel, layers, shares: dict, tol: float = 1e-6) -> None:
+    """Offloaded activations come back only after they left: by every stage t, the share
+    arrived (up to and in t) is at most the share that left before t."""
+    for i, d in enumerate(layers):
+        for o, p in (("oc", "pc"), ("on", "pn")):
+            ins = sorted((s, v) for (k, ii, s), v in shares.items() if k == p and ii == i)
+            if not ins:
+                continue
+            outs = [(s, v) for (k, ii, s), v in shares.items() if k == o and ii == i]
+            for t, _ in ins:
+                arrived = sum(v for s, v in ins if s <= t)
+                left = sum(v for s, v in outs if s < t)
+                if arrived > left + tol:
+                    raise UserError(f"layer {d.name!r}: {arrived:.3f} of its activations come "
+                                    f"back by stage {t} but only {left:.3f} left before it; "
+                                    "regenerate the plan")
+
+
+def _split_bytes(shares: dict, cm: CostModel) -> dict:
+    """(kind, i, stage) -> whole bytes, each (kind, i) summing exactly to its size (largest
+    remainder), so that a plan's bytes add up."""
+    by = {}
+    for (kind, i, s), sh in shares.items():
+        by.setdefault((kind, i), []).append((s, sh))
+    out = {}
+    for (kind, i), parts in by.items():
+        size = cm.size(kind, i)
+        total = sum(sh for _, sh in parts)
+        raw = [(s, size * sh / total) for s, sh in parts]
+        whole = {s: int(x) for s, x in raw}
+        rest = size - sum(whole.values())
+        for s, x in sorted(raw, key=lambda p: p[1] - int(p[1]), reverse=True)[:rest]:
+            whole[s] += 1
+        for s, n in whole.items():
+            if n:
+                out[kind, i, s] = n
+    return out
+
+
+# ----------------------------------------------------------------------------- events
+
+def compute_order(cm: CostModel, layers: list[LayerDecision]) -> list[tuple]:
+    """(op, units, stage) of the compute events in order: forwards, then per unit in reverse
+    its segment's recompute (at the backward of the segment's last unit) and its backward,
+    then each unit's optimizer step."""
+    L = cm.L
+    seg_end = {s[-1]: s for s in segments(layers)}
+    names = [u.name for u in cm.units]
+    out = [(Op.FORWARD, (names[i],), L.fwd(i)) for i in range(cm.U)]
+    for i in range(cm.U - 1, -1, -1):
         if i in seg_end:
-            order.append(rec_id(units[i].name))
-        order.append(bwd_id(units[i].name))
-    order.append(OPT_ID)
-    return order
+            out.append((Op.RECOMPUTE, tuple(names[k] for k in seg_end[i]), L.bwd(i)))
+        out.append((Op.BACKWARD, (names[i],), L.bwd(i)))
+    for j in range(cm.U):
+        if cm.P[j] + cm.G[j] + cm.O[j]:
+            out.append((Op.STEP, (names[j],), L.opt_stage))
+    return out
 
 
-def build_schedule(units: list[UnitRecord], layers: list[LayerDecision], hw: HardwareSpec,
-                   prefetch_issue: dict[str, str] | None = None,
-                   optimizer_s: float = 0.0) -> dict[str, list[Event]]:
-    """Lay out every event the decisions imply, per stream, in the order each stream runs them.
+def build_schedule(cm: CostModel, layers: list[LayerDecision], shares: dict | None = None
+                   ) -> dict[str, list[Event]]:
+    """Every event the decisions imply, per stream, in the order each stream runs them.
 
-    ``prefetch_issue`` maps an offloaded unit (or a recompute unit whose checkpoint is on
-    cpu/nvme) to the compute event at whose start its prefetch is issued. Default: the backward
-    of the unit whose backward runs just before the consumer (reload one unit ahead, as
-    Megatron-LM's fine-grained offloading does).
+    ``shares`` maps (kind, unit index, stage) to the share of the unit's bytes that moves in
+    that stage (the MILP's read-back); missing: ``greedy_shares``.
     """
-    validate_layers(units, layers, hw)
-    U = len(units)
-    segs = segments(layers)
-    seg_of = {i: s for s in segs for i in s}
-    order = compute_order(units, layers)
-    pos = {eid: p for p, eid in enumerate(order)}
-    unified = hw.unified_memory
-
-    # -- compute stream
-    compute: dict[str, Event] = {}
-    for i, u in enumerate(units):
-        compute[fwd_id(u.name)] = Event(id=fwd_id(u.name), stream=Stream.COMPUTE, op="forward",
-                                        units=(u.name,), seconds=u.fwd_s, stage=i)
-    for s in segs:
-        e = units[s[-1]].name
-        compute[rec_id(e)] = Event(id=rec_id(e), stream=Stream.COMPUTE, op="recompute",
-                                   units=tuple(units[j].name for j in s),
-                                   seconds=sum(units[j].fwd_s for j in s), stage=2 * U - 1 - s[-1])
-    for i, u in enumerate(units):
-        compute[bwd_id(u.name)] = Event(id=bwd_id(u.name), stream=Stream.COMPUTE, op="backward",
-                                        units=(u.name,), seconds=u.bwd_s, stage=2 * U - 1 - i)
-    compute[OPT_ID] = Event(id=OPT_ID, stream=Stream.COMPUTE, op="optimizer", units=(),
-                            seconds=float(optimizer_s), stage=2 * U)
-    extra_after: dict[str, list[str]] = {eid: [] for eid in compute}
-
-    # -- what must be moved: (unit index, kind "act"|"ck", tier, bytes, consumer compute id)
-    moves = []
-    for i, (u, d) in enumerate(zip(units, layers)):
-        if d.activation in (Activation.CPU, Activation.NVME):
-            moves.append((i, "act", Tier(d.activation.value), u.activation_bytes, bwd_id(u.name)))
-        elif d.activation is Activation.RECOMPUTE and _ckpt(d) in (Tier.CPU, Tier.NVME):
-            moves.append((i, "ck", _ckpt(d), u.input_bytes, rec_id(units[seg_of[i][-1]].name)))
-
-    issue = dict(prefetch_issue or {})
-    movable = {units[i].name for i, *_ in moves}
-    for name in issue:
-        if name not in movable:
-            raise UserError(f"prefetch_issue names {name!r}, which is neither offloaded nor a "
-                            "recompute unit with a cpu/nvme checkpoint")
-
-    d2h, h2d, nvme = [], [], []   # (sort key, Event)
-    for i, kind, tier, nbytes, consumer in moves:
-        name = units[i].name
-        # The consumer runs at the backward of unit `last`; the default issue point is the
-        # backward of the unit after it, whose backward runs just before.
-        last = i if kind == "act" else seg_of[i][-1]
-        default = bwd_id(units[last + 1].name)
-        at = issue.get(name, default)
-        if at not in pos:
-            raise UserError(f"prefetch_issue[{name!r}] = {at!r} is not a compute event of this plan "
-                            "(ids look like 'B:blocks.7', 'F:head', 'R:blocks.3')")
-        if not pos[fwd_id(name)] < pos[at] < pos[consumer]:
-            raise UserError(f"prefetch_issue[{name!r}] = {at!r} must run after {fwd_id(name)} and "
-                            f"before {consumer}, which needs the prefetched bytes")
-        p = "" if kind == "act" else "ck"
-        out_, w_, r_, in_ = f"{p}out:{name}", f"{p}w:{name}", f"{p}r:{name}", f"{p}in:{name}"
-        fwd_stage, issue_stage = i + 1, compute[at].stage
-        wkey = (pos[fwd_id(name)] + 1, 0, pos[consumer])   # ready once the next compute starts
-        rkey = (pos[at], 1, pos[consumer])
-        if unified:
-            # No d2h/h2d: the write reads device memory and the read fills it (so r: is the prefetch).
-            nvme.append((wkey, Event(id=w_, stream=Stream.NVME, op="write", units=(name,), bytes=nbytes,
-                                     seconds=transfer_seconds(nbytes, hw.nvme_write_bandwidth),
-                                     after=(fwd_id(name),), stage=fwd_stage)))
-            nvme.append((rkey, Event(id=r_, stream=Stream.NVME, op="read", units=(name,), bytes=nbytes,
-                                     seconds=transfer_seconds(nbytes, hw.nvme_read_bandwidth),
-                                     after=(w_,), issue=at, stage=issue_stage)))
-            extra_after[consumer].append(r_)
-            continue
-        d2h.append(((pos[fwd_id(name)], 0, 0), Event(
-            id=out_, stream=Stream.D2H, op="offload", units=(name,), bytes=nbytes,
-            seconds=transfer_seconds(nbytes, hw.d2h_bandwidth), after=(fwd_id(name),),
-            stage=fwd_stage)))
-        if tier is Tier.NVME:
-            nvme.append((wkey, Event(id=w_, stream=Stream.NVME, op="write", units=(name,), bytes=nbytes,
-                                     seconds=transfer_seconds(nbytes, hw.nvme_write_bandwidth),
-                                     after=(out_,), stage=fwd_stage)))
-            nvme.append((rkey, Event(id=r_, stream=Stream.NVME, op="read", units=(name,), bytes=nbytes,
-                                     seconds=transfer_seconds(nbytes, hw.nvme_read_bandwidth),
-                                     after=(w_,), issue=at, stage=issue_stage)))
-            in_after, in_issue = (r_,), None
+    validate_layers(cm, layers)
+    if shares is None:
+        shares = greedy_shares(cm, layers)
+    need = {(k, i) for i, d in enumerate(layers) for k in kinds_needed(cm, i, d)
+            if cm.size(k, i) > 0}
+    shares = {key: v for key, v in shares.items() if (key[0], key[1]) in need and v > 0}
+    missing = need - {(k, i) for k, i, _ in shares}
+    if missing:
+        k, i = sorted(missing)[0]
+        raise UserError(f"layer {layers[i].name!r}: its {k} transfer has no share in any stage")
+    for (kind, i, s) in shares:
+        if not cm.valid_stage(kind, i, s):
+            raise UserError(f"layer {layers[i].name!r}: its {kind} transfer cannot move in stage "
+                            f"{s} (before its bytes exist or after they are needed)")
+    _check_order(cm, layers, shares)
+    nbytes = _split_bytes(shares, cm)
+    hw, L, U = cm.hw, cm.L, cm.U
+    names = [u.name for u in cm.units]
+    evs: list[Event] = []
+    seconds = {Op.FORWARD: cm.f, Op.BACKWARD: cm.b}
+    for op, units, stage in compute_order(cm, layers):
+        if op is Op.RECOMPUTE:
+            sec = sum(cm.f[names.index(n)] for n in units)
+            evs.append(compute(op, units, stage, sec))
+        elif op is Op.STEP:
+            j = names.index(units[0])
+            dev, cpu = cm.step_seconds(j, layers[j].home)
+            evs.append(compute(op, units, stage, dev or cpu,
+                               Stream.HOST if layers[j].home.step is Tier.CPU else Stream.COMPUTE))
         else:
-            # The host copy must be complete before it is read back (out: before in:).
-            in_after, in_issue = (out_,), at
-        h2d.append((rkey, Event(id=in_, stream=Stream.H2D, op="prefetch", units=(name,), bytes=nbytes,
-                                seconds=transfer_seconds(nbytes, hw.h2d_bandwidth), after=in_after,
-                                issue=in_issue, stage=issue_stage)))
-        extra_after[consumer].append(in_)
+            evs.append(compute(op, units, stage, seconds[op][names.index(units[0])]))
 
-    schedule = {Stream.COMPUTE.value: [
-        Event(**{**_fields(compute[eid]), "after": tuple(extra_after[eid])}) for eid in order]}
-    if not unified:
-        schedule[Stream.D2H.value] = [e for _, e in sorted(d2h, key=lambda x: x[0])]
-        schedule[Stream.H2D.value] = [e for _, e in sorted(h2d, key=lambda x: x[0])]
-    schedule[Stream.NVME.value] = [e for _, e in sorted(nvme, key=lambda x: x[0])]
-    assert all(e.id in pos or e.stream is not Stream.COMPUTE for evs in schedule.values() for e in evs)
-    return schedule
+    def xfer(stream, op, cls, i, s, n, passes=Passes.ALL):
+        rate = {Stream.D2H: hw.d2h_bandwidth, Stream.H2D: hw.h2d_bandwidth,
+                Stream.NVME: hw.nvme_write_bandwidth if op is Op.WRITE else hw.nvme_read_bandwidth,
+                Stream.HOST: 1.0}[stream]
+        sec = n * cm.accumulate_s_per_byte() if stream is Stream.HOST else (n / rate if rate else 0.0)
+        evs.append(transfer(stream, op, cls, names[i], s, n, sec, passes))
+
+    uni = cm.unified
+    for (kind, i, s), n in sorted(nbytes.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
+        K = KINDS[kind]
+        cls = _CLS[K.cls]
+        if kind == "gdn":
+            xfer(Stream.NVME, Op.READ, cls, i, s, n, Passes.REST)
+            xfer(Stream.HOST, Op.ACCUMULATE, cls, i, s, n, Passes.REST)
+            xfer(Stream.NVME, Op.WRITE, cls, i, s, n)
+            continue
+        if K.src == "gpu" and not uni:
+            xfer(Stream.D2H, Op.OFFLOAD, cls, i, s, n)
+        if K.src == "nvme":
+            xfer(Stream.NVME, Op.READ, cls, i, s, n)
+        if K.dst == "nvme":
+            xfer(Stream.NVME, Op.WRITE, cls, i, s, n)
+        if K.dst == "gpu" and not uni:
+            xfer(Stream.H2D, Op.PREFETCH, cls, i, s, n)
+        if kind == "gdc":
+            xfer(Stream.HOST, Op.ACCUMULATE, cls, i, s, n)
+    # checkpoints of segments whose head keeps its input on cpu/nvme
+    for seg in segments(layers):
+        k, e = seg[0], seg[-1]
+        ck = _ckpt(layers[k])
+        if ck not in (Tier.CPU, Tier.NVME):
+            continue
+        if not cm.ck_allowed(k, e):
+            raise UserError(f"layer {layers[k].name!r}: its {ck.value} checkpoint cannot come back "
+                            f"before the recompute at {names[e]!r}'s backward; keep it on the gpu")
+        out_s, back = L.fwd(k) + 1, cm.ck_return_stage(k, e)
+        n = cm.X[k]
+        if not uni:
+            xfer(Stream.D2H, Op.OFFLOAD, TensorClass.CKPT, k, out_s, n)
+        if ck is Tier.NVME:
+            xfer(Stream.NVME, Op.WRITE, TensorClass.CKPT, k, out_s, n)
+            xfer(Stream.NVME, Op.READ, TensorClass.CKPT, k, back, n)
+        if not uni:
+            xfer(Stream.H2D, Op.PREFETCH, TensorClass.CKPT, k, back, n)
+    # the optimizer phase: each unit read, stepped, written back (a pipeline, in unit order)
+    for j, d in enumerate(layers):
+        h = d.home
+        if h.resident:
+            continue
+        r, w = cm.step_reads(j, h), cm.step_writes(j, h)
+        reads = [(TensorClass.STATE, cm.opt_copy(j, h) if h.optimizer is Tier.NVME else 0),
+                 (TensorClass.WEIGHT, cm.P[j] if h.weights is Tier.NVME and cm.M[j] == 0 else 0),
+                 (TensorClass.GRAD, cm.G[j] if h.grads is Tier.NVME else 0)]
+        assert sum(n for _, n in reads) == r["nvme"]
+        for cls, n in reads:
+            if n:
+                xfer(Stream.NVME, Op.READ, cls, j, L.opt_stage, n)
+        if r["d2h"]:
+            xfer(Stream.D2H, Op.OFFLOAD, TensorClass.GRAD, j, L.opt_stage, r["d2h"])
+        writes = [(TensorClass.STATE, cm.opt_copy(j, h) if h.optimizer is Tier.NVME else 0),
+                  (TensorClass.WEIGHT, cm.P[j] if h.weights is Tier.NVME else 0)]
+        assert sum(n for _, n in writes) == w["nvme"]
+        for cls, n in writes:
+            if n:
+                xfer(Stream.NVME, Op.WRITE, cls, j, L.opt_stage, n)
+        if w["h2d"]:
+            xfer(Stream.H2D, Op.UPLOAD, TensorClass.WEIGHT, j, L.opt_stage, w["h2d"])
+    schedule: dict[str, list[Event]] = {}
+    order = {s: k for k, s in enumerate(Stream)}
+    for e in sorted(evs, key=lambda e: e.stage):   # stable: compute order kept within a stage
+        schedule.setdefault(e.stream.value, []).append(e)
+    return {k: schedule[k] for k in sorted(schedule, key=lambda k: order[Stream(k)])}
 
 
-def _fields(e: Event) -> dict:
-    return {"id": e.id, "stream": e.stream, "op": e.op, "units": e.units, "bytes": e.bytes,
-            "seconds": e.seconds, "after": e.after, "issue": e.issue, "stage": e.stage}
+# ----------------------------------------------------------------------------- reading back
+
+def shares_of(cm: CostModel, layers: list[LayerDecision], events) -> dict:
+    """(kind, i, stage) -> share, read from a schedule's transfer events: the inverse of
+    ``build_schedule`` (the simulator rebuilds the schedule from these and compares)."""
+    idx = {u.name: i for i, u in enumerate(cm.units)}
+    out = {}
+    for e in events:
+        if not e.is_transfer or e.stage not in cm.L.pass_stages:
+            continue
+        i = idx[e.unit]
+        d = layers[i]
+        c = decision_choice(d)
+        kind = None
+        if e.cls is TensorClass.ACT:
+            tier = "c" if c == "cpu" else "n"
+            if (e.stream is Stream.D2H) or (cm.unified and e.op is Op.WRITE):
+                kind = "o" + tier
+            elif (e.stream is Stream.H2D) or (cm.unified and e.op is Op.READ):
+                kind = "p" + tier
+        elif e.cls is TensorClass.WEIGHT and ((e.stream is Stream.H2D) or
+                                              (cm.unified and e.op is Op.READ)):
+            tag = "c" if d.home.weights is Tier.CPU else "n"
+            kind = ("wf" if e.stage < cm.L.fwd(i) else "wb") + tag
+        elif e.cls is TensorClass.GRAD and (e.stream is Stream.D2H or
+                                            (e.op is Op.WRITE and d.home.grads is Tier.NVME)):
+            kind = "gdc" if d.home.grads is Tier.CPU else "gdn"
+        if kind is None:
+            continue
+        size = cm.size(kind, i)
+        out[kind, i, e.stage] = out.get((kind, i, e.stage), 0.0) + (e.bytes / size if size else 1.0)
+    return out
+
+
+def event_ids(schedule: dict) -> dict:
+    """id -> (stream, bytes, passes) of every event: what two schedules are compared on."""
+    return {e.id: (e.stream, e.bytes, e.passes) for evs in schedule.values() for e in evs}
+
+
+__all__ = ["build_schedule", "compute_order", "event_id", "greedy_shares", "segments",
+           "shares_of", "validate_layers", "REC"]

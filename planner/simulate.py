@@ -1,491 +1,299 @@
-"""The judge of every plan: an event-driven replay of its schedule (``plan simulate``).
+"""The judge of every plan: a replay of its schedule, stage by stage (``plan simulate``).
 
-Written independently of the MILP. It trusts only the plan's decisions, its units (times and
-bytes from the profile) and its hardware spec: each event's duration is re-derived here (a
-forward takes ``fwd_s``, a transfer ``bytes / bandwidth`` of its link), each stream runs its
-events in list order, one at a time, and an event starts when its stream is free, everything in
-``after`` has finished and its ``issue`` event has started. Since the streams are FIFOs with no
-other shared resource, the start times are the longest paths of that dependency graph, computed
-exactly in topological order; a cycle is a deadlock and is reported by name.
-
-Memory follows ``docs/file-formats.md`` (Memory model). Every term is constant or, for bytes
-leaving during an offload, linear between two consecutive event boundaries, so each tier's peak
-is at a boundary: we evaluate the value just after every boundary and the limit just before it
-(an allocation and a free at the same instant are not counted together).
+It trusts only the plan's decisions, its units (times and bytes from the profile), its
+hardware spec and its events. It rebuilds the cost model for the plan's budgets, reads every
+transfer's share back from the events, checks that the schedule is exactly the one the
+decisions and those shares imply (``planner.schedule.build_schedule``), and then evaluates
+the cost model with these numbers: each stage lasts as long as its longest resource, memory
+per tier is carried from stage to stage (allocations at a stage's start, frees at its end).
+The MILP evaluates the same functions with its variables, so its objective and this replay
+agree by construction; what this module adds is the check that a plan file is consistent,
+and the timeline (``plan inspect``, ``--plot``).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 
-import networkx as nx
-import numpy as np
-
+from .costmodel import RESOURCES, TIERS, CostModel, View, decision_choice, evaluate
 from .errors import UserError
-from .formats import Activation, Plan, Stream, Tier
-from .schedule import OPT_ID, bwd_id, compute_order, fwd_id, rec_id, segments, validate_layers
+from .events import Op, Stream
+from .formats import Plan, Tier
+from .schedule import build_schedule, event_ids, segments, shares_of
 from .sizes import fmt_bytes, fmt_seconds
 
-# Pinned staging pool for NVMe traffic: two buffers (double buffering) of the largest NVMe
-# transfer, each capped at 256 MiB (docs/file-formats.md, Memory model). The one definition:
-# the MILP (formulation.py) imports these. A CPU device has no staging at all: its runtime
-# writes each saved tensor's own memory to disk (docs/runtime.md, CPU row; counting 2 x 256 MiB
-# made cpu-host's predicted offload-all peak 39% too high, docs/benchmarks.md).
-STAGING_BUFFERS = 2
-STAGING_CAP_BYTES = 256 * 1024**2
 
-
-def staging_buffers(hw) -> int:
-    """How many pinned staging buffers the runtime allocates on ``hw``: 0 on a CPU device."""
-    return 0 if hw.device == "cpu" else STAGING_BUFFERS
-
-TIERS = ("gpu", "cpu", "nvme")
-
-
-class DeadlockError(UserError):
-    """The schedule's dependencies form a cycle: no event order can satisfy them."""
+class PlanInconsistent(UserError):
+    """The plan's schedule is not what its decisions imply (an edited or corrupted file)."""
 
 
 @dataclass(frozen=True)
 class StageRecord:
-    """One compute event as replayed."""
+    """One stage as replayed (the first pass, then the optimizer phase)."""
 
-    id: str
-    op: str
-    units: tuple
     stage: int
+    phase: str                    # prologue | forward | backward | optimizer
+    unit: str | None              # whose compute opens it (or whose step runs in it)
     start: float
-    end: float
-    stall_s: float          # time the compute stream waited for transfers before it
-    peak_gpu_bytes: int     # GPU bytes at the highest point while it runs
+    seconds: float
+    seconds_rest: float           # in the passes after the first (== seconds unless they differ)
+    loads: dict                   # resource -> seconds
+    bound: str                    # the resource that sets its duration
+    memory: dict                  # tier -> bytes held during it (the later passes' figure)
 
 
 @dataclass(frozen=True)
 class SimResult:
     step_s: float
-    compute_s: float                 # sum of fwd + bwd + optimizer: no recompute, no stalls
-    recompute_s: float
+    compute_s: float                 # K x (fwd + bwd) + device optimizer: no recompute, no waits
+    pass_s: float                    # the first pass
+    rest_pass_s: float               # each later pass
+    optimizer_s: float               # the optimizer phase
+    recompute_s: float               # per pass
+    micro_batches: int
     peak_gpu_bytes: int
     peak_cpu_bytes: int
     peak_nvme_bytes: int
-    budgets: dict                    # gpu_bytes, cpu_bytes, nvme_bytes
+    budgets: dict
     fits: bool
-    budget_violations: tuple         # one line per tier over budget
-    busy_s: dict                     # stream -> seconds it runs events
-    stall_s: dict                    # stream -> seconds events waited for their `after`
-    compute_stall_s: float
-    static_bytes: int
-    staging_bytes: int               # pinned NVMe staging pool (host, or GPU when unified)
-    peak_gpu_time: float
-    stages: tuple                    # StageRecord per compute event, in order
-    events: dict                     # event id -> (start, end)
-    transfers: dict                  # unit name -> {event id: (start, end)}
-    timeline: tuple                  # (time, gpu, cpu, nvme) at every event boundary
+    budget_violations: tuple
+    busy_s: dict                     # resource -> busy seconds per step
+    stall_s: float                   # time stages last beyond their compute, per step
+    static_bytes: int                # resident on the device
+    staging_bytes: int
+    stages: tuple                    # StageRecord per stage
+    events: dict                     # event id -> (start, end) in the first pass / the optimizer phase
+    flops: float                     # model FLOPs of one step (no recompute)
 
     @property
     def overhead(self) -> float | None:
-        """Step time over compute-only time (None for an empty step)."""
         return self.step_s / self.compute_s if self.compute_s > 0 else None
 
     def summary(self) -> dict:
         """The scalar figures (what ``plan simulate --json`` prints)."""
-        return {"step_s": self.step_s, "compute_s": self.compute_s,
-                "recompute_s": self.recompute_s, "overhead": self.overhead,
-                "peak_gpu_bytes": self.peak_gpu_bytes, "peak_cpu_bytes": self.peak_cpu_bytes,
-                "peak_nvme_bytes": self.peak_nvme_bytes, "budgets": dict(self.budgets),
-                "fits": self.fits, "budget_violations": list(self.budget_violations),
-                "busy_s": dict(self.busy_s), "stall_s": dict(self.stall_s),
-                "compute_stall_s": self.compute_stall_s, "static_bytes": self.static_bytes,
-                "staging_bytes": self.staging_bytes}
-
-    def to_dict(self) -> dict:
-        d = self.summary()
-        d["peak_gpu_time"] = self.peak_gpu_time
-        d["stages"] = [dataclasses.asdict(s) | {"units": list(s.units)} for s in self.stages]
-        d["events"] = {k: list(v) for k, v in self.events.items()}
-        d["transfers"] = {u: {k: list(v) for k, v in ev.items()} for u, ev in self.transfers.items()}
-        d["timeline"] = [list(x) for x in self.timeline]
-        return d
+        return {"step_s": self.step_s, "compute_s": self.compute_s, "pass_s": self.pass_s,
+                "rest_pass_s": self.rest_pass_s, "optimizer_s": self.optimizer_s,
+                "recompute_s": self.recompute_s, "micro_batches": self.micro_batches,
+                "overhead": self.overhead, "peak_gpu_bytes": self.peak_gpu_bytes,
+                "peak_cpu_bytes": self.peak_cpu_bytes, "peak_nvme_bytes": self.peak_nvme_bytes,
+                "budgets": dict(self.budgets), "fits": self.fits,
+                "budget_violations": list(self.budget_violations), "busy_s": dict(self.busy_s),
+                "stall_s": self.stall_s, "static_bytes": self.static_bytes,
+                "staging_bytes": self.staging_bytes, "flops": self.flops,
+                "tflops": self.flops / self.step_s / 1e12 if self.step_s > 0 else 0.0}
 
 
-# ----------------------------------------------------------------------------- checks
+class PlanView(View):
+    """The cost model's questions, answered from a plan's decisions and events."""
 
-def _expected_transfers(plan: Plan, unified: bool) -> dict[str, tuple[str, str, str, int]]:
-    """Event id -> (stream, op, unit, bytes, source) of every transfer the decisions imply."""
-    exp = {}
-    for u, d in zip(plan.units, plan.layers):
-        if d.activation in (Activation.CPU, Activation.NVME):
-            tier, p, nbytes = Tier(d.activation.value), "", u.activation_bytes
-        elif d.activation is Activation.RECOMPUTE and d.checkpoint in (Tier.CPU, Tier.NVME):
-            tier, p, nbytes = d.checkpoint, "ck", u.input_bytes
-        else:
-            continue
-        n = u.name
-        # The last field is what the event must wait for: the bytes it moves exist only then.
-        if not unified:
-            exp[f"{p}out:{n}"] = ("d2h", "offload", n, nbytes, fwd_id(n))
-            exp[f"{p}in:{n}"] = ("h2d", "prefetch", n, nbytes,
-                                 f"{p}r:{n}" if tier is Tier.NVME else f"{p}out:{n}")
-        if tier is Tier.NVME:
-            exp[f"{p}w:{n}"] = ("nvme", "write", n, nbytes, fwd_id(n) if unified else f"{p}out:{n}")
-            exp[f"{p}r:{n}"] = ("nvme", "read", n, nbytes, f"{p}w:{n}")
-    return exp
+    def __init__(self, cm: CostModel, layers, shares: dict):
+        self.cm = cm
+        self._x = [decision_choice(d) for d in layers]
+        self._h = [cm.homes[i].index(d.home) for i, d in enumerate(layers)]
+        self._s = shares
+        self._at: dict = {}
+        for kind, i, s in shares:
+            self._at.setdefault(s, []).append((kind, i))
+        self._e, self._q, self._y, self._rec, self._ck = {}, {}, {}, {}, {}
+        for seg in segments(layers):
+            first, last = seg[0], seg[-1]
+            self._e[last] = 1
+            for k in seg[:-1]:
+                self._q[k, last] = 1
+                self._rec.setdefault(last, []).append(k)
+            c = self._x[first]
+            if c in ("rc", "rn"):
+                self._y[c, first, last] = 1
+                self._ck.setdefault(cm.ck_return_stage(first, last), []).append((first, last, c))
 
+    def x(self, i, c):
+        return 1 if self._x[i] == c else 0
 
-def _check_events(plan: Plan, events: dict, unified: bool) -> None:
-    src = "plan"
-    want_compute = compute_order(plan.units, plan.layers)
-    got_compute = [e.id for e in plan.schedule.get(Stream.COMPUTE.value, [])]
-    if got_compute != want_compute:
-        raise UserError(f"{src}: the compute stream is not forwards, then recomputes and backwards "
-                        "in reverse, then OPT, as the layers imply; regenerate it with 'plan solve'")
-    if unified and (plan.schedule.get("d2h") or plan.schedule.get("h2d")):
-        raise UserError(f"{src}: d2h/h2d events on the unified-memory spec "
-                        f"{plan.hardware.get('name')!r}; regenerate it with 'plan solve'")
-    exp = _expected_transfers(plan, unified)
-    got = {eid: e for eid, e in events.items() if e.stream is not Stream.COMPUTE}
-    if set(got) != set(exp):
-        missing, extra = sorted(set(exp) - set(got)), sorted(set(got) - set(exp))
-        raise UserError(f"{src}: transfers do not match the layers (missing {missing[:4]}, "
-                        f"unexpected {extra[:4]}); regenerate it with 'plan solve'")
-    for eid, (stream, op, unit, nbytes, source) in exp.items():
-        e = got[eid]
-        if e.stream.value != stream or e.op != op or e.bytes != nbytes or tuple(e.units) != (unit,):
-            raise UserError(f"{src}: event {eid} should be a {op} of {nbytes} bytes of {unit} on "
-                            f"{stream}; regenerate it with 'plan solve'")
-        if source not in e.after:
-            raise UserError(f"{src}: event {eid} does not wait for {source}, which makes the bytes "
-                            "it moves; regenerate it with 'plan solve'")
-    for e in events.values():
-        for dep in (*e.after, *([e.issue] if e.issue else [])):
-            if dep not in events:
-                raise UserError(f"{src}: event {e.id} waits for {dep!r}, which is not in the schedule")
-    # The consumer of each prefetch must wait for it, or the replay would read missing bytes.
-    segs = segments(plan.layers)
-    seg_end = {i: s[-1] for s in segs for i in s}
-    for i, (u, d) in enumerate(zip(plan.units, plan.layers)):
-        fetched = None
-        if d.activation in (Activation.CPU, Activation.NVME):
-            fetched, consumer = (f"r:{u.name}" if unified else f"in:{u.name}"), bwd_id(u.name)
-        elif d.activation is Activation.RECOMPUTE and d.checkpoint in (Tier.CPU, Tier.NVME):
-            fetched = f"ckr:{u.name}" if unified else f"ckin:{u.name}"
-            consumer = rec_id(plan.units[seg_end[i]].name)
-        if fetched and fetched not in events[consumer].after:
-            raise UserError(f"{src}: {consumer} does not wait for {fetched}; regenerate the plan")
+    def h(self, i, k):
+        return 1 if self._h[i] == k else 0
+
+    def share(self, kind, i, s):
+        return self._s.get((kind, i, s), 0.0)
+
+    def e(self, i):
+        return self._e.get(i, 0)
+
+    def q(self, k, i):
+        return self._q.get((k, i), 0)
+
+    def y(self, c, k, e):
+        return self._y.get((c, k, e), 0)
+
+    def at(self, s):
+        return self._at.get(s, ())
+
+    def recomputed_at(self, i):
+        return self._rec.get(i, ())
+
+    def ck_returns(self, s):
+        return self._ck.get(s, ())
 
 
-def _duration(e, plan: Plan, hw, by_name) -> float:
-    if e.stream is Stream.COMPUTE:
-        if e.op == "forward":
-            return by_name[e.units[0]].fwd_s
-        if e.op == "backward":
-            return by_name[e.units[0]].bwd_s
-        if e.op == "recompute":
-            return sum(by_name[n].fwd_s for n in e.units)
-        if e.op == "optimizer":
-            return float(plan.optimizer_s)
-    elif e.stream is Stream.D2H:
-        return e.bytes / hw.d2h_bandwidth if e.bytes else 0.0
-    elif e.stream is Stream.H2D:
-        return e.bytes / hw.h2d_bandwidth if e.bytes else 0.0
-    elif e.stream is Stream.NVME:
-        bw = hw.nvme_write_bandwidth if e.op == "write" else hw.nvme_read_bandwidth
-        return e.bytes / bw if e.bytes else 0.0
-    raise UserError(f"plan: event {e.id} has op {e.op!r} on stream {e.stream.value}; regenerate it")
+def cost_model_of(plan: Plan) -> CostModel:
+    """The cost model a plan was made under (its budgets, micro-batches and windows)."""
+    return CostModel(plan.units, plan.hardware_spec, gpu_bytes=plan.budgets.gpu_bytes,
+                     cpu_bytes=plan.budgets.cpu_bytes, nvme_bytes=plan.budgets.nvme_bytes,
+                     micro_batches=plan.micro_batches, optimizer_s=plan.optimizer_s,
+                     optimizer_workspace_bytes=plan.optimizer_workspace_bytes)
 
 
-# ----------------------------------------------------------------------------- timing
-
-def _times(plan: Plan, events: dict, dur: dict) -> tuple[dict, dict]:
-    """Start and end of every event: the longest path through stream order, after and issue."""
-    g = nx.DiGraph()
-    g.add_nodes_from(events)
-    for evs in plan.schedule.values():
-        for a, b in zip(evs, evs[1:]):
-            g.add_edge(a.id, b.id, why="stream")
-    for e in events.values():
-        for a in e.after:
-            g.add_edge(a, e.id, why="after")
-        if e.issue:
-            g.add_edge(e.issue, e.id, why="issue")
-    try:
-        topo = list(nx.topological_sort(g))
-    except nx.NetworkXUnfeasible:
-        cycle = nx.find_cycle(g)
-        how = {"stream": "runs after {a} on its stream", "after": "waits for {a} to finish",
-               "issue": "waits for {a} to start"}
-        chain = "; ".join(f"{b} " + how[g.edges[a, b]["why"]].format(a=a) for a, b in cycle)
-        raise DeadlockError(f"plan schedule deadlocks: {chain}; move the prefetch issue points "
-                            "earlier or regenerate the plan") from None
-    prev = {}
-    for evs in plan.schedule.values():
-        for a, b in zip(evs, evs[1:]):
-            prev[b.id] = a.id
-    start, end = {}, {}
-    for eid in topo:
-        e = events[eid]
-        t = 0.0
-        if eid in prev:
-            t = max(t, end[prev[eid]])
-        for a in e.after:
-            t = max(t, end[a])
-        if e.issue:
-            t = max(t, start[e.issue])
-        start[eid], end[eid] = t, t + dur[eid]
-    return start, end
+def _check_schedule(plan: Plan, cm: CostModel, shares: dict) -> None:
+    """The plan's events must be exactly those its decisions and shares imply."""
+    want = event_ids(build_schedule(cm, plan.layers, shares))
+    got = event_ids(plan.schedule)
+    if set(want) != set(got):
+        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        raise PlanInconsistent(f"plan: its schedule does not match its layers (missing "
+                               f"{missing[:3]}, unexpected {extra[:3]}); regenerate it with "
+                               "'plan solve'")
+    for eid, w in want.items():
+        if got[eid] != w:
+            raise PlanInconsistent(f"plan: event {eid} should be {w[1]} bytes on {w[0].value} "
+                                   f"({w[2].value} passes), the plan says {got[eid][1]} bytes "
+                                   f"on {got[eid][0].value}; regenerate it with 'plan solve'")
 
 
-# ----------------------------------------------------------------------------- memory
-
-class _Memory:
-    """Per-tier bytes as constant steps on [a, b) and linear ramps down to 0 over [a, b)."""
-
-    def __init__(self, times):
-        self.T = np.array(sorted(set(times)), dtype=np.float64)
-        self.k = {t: i for i, t in enumerate(self.T.tolist())}
-        M = len(self.T)
-        self.right = {t: np.zeros(M) for t in TIERS}   # value just after each boundary
-        self.left = {t: np.zeros(M) for t in TIERS}    # limit just before each boundary
-        self.owned = {}                                 # compute event id -> transient gpu bytes
-        self.impulses = []                              # (index, owner) of zero-length events
-
-    def step(self, tier, a, b, nbytes, owner=None):
-        if nbytes == 0:
-            return
-        ia, ib = self.k[a], self.k[b]
-        if owner is not None:
-            self.owned[owner] = self.owned.get(owner, 0) + nbytes
-            if ia == ib:
-                self.impulses.append((ia, owner))
-        if ia >= ib:
-            return
-        self.right[tier][ia:ib] += nbytes
-        self.left[tier][ia + 1:ib + 1] += nbytes
-
-    def ramp(self, tier, a, b, nbytes):
-        """``nbytes`` leaving progressively (tensors go one by one) over [a, b)."""
-        if nbytes == 0:
-            return
-        ia, ib = self.k[a], self.k[b]
-        if ia >= ib:
-            return
-        T = self.T
-        self.right[tier][ia:ib] += nbytes * (b - T[ia:ib]) / (b - a)
-        self.left[tier][ia + 1:ib + 1] += nbytes * (b - T[ia + 1:ib + 1]) / (b - a)
-
-    def constant(self, tier, nbytes):
-        self.right[tier] += nbytes
-        self.left[tier][1:] += nbytes
-
-
-
-def _moved_away(mem, S, E, n, prefix, nbytes, held_from, held_to, to_host, unified):
-    """GPU, host and NVMe bytes of something offloaded after ``held_from`` and needed by
-    ``held_to``: held in full until its transfer out starts, freed progressively while it
-    leaves, held again from the start of its prefetch. ``prefix`` is "" for a unit's
-    activations and "ck" for its checkpoint (event ids ``out:``/``ckout:`` and so on)."""
-    if unified:
-        leave, fetch = f"{prefix}w:{n}", f"{prefix}r:{n}"
-    else:
-        leave, fetch = f"{prefix}out:{n}", f"{prefix}in:{n}"
-    mem.step("gpu", held_from, S[leave], nbytes)
-    mem.ramp("gpu", S[leave], E[leave], nbytes)
-    mem.step("gpu", S[fetch], held_to, nbytes)
-    if to_host:
-        mem.step("cpu", S[f"{prefix}out:{n}"], E[f"{prefix}in:{n}"], nbytes)
-    else:
-        mem.step("nvme", S[f"{prefix}w:{n}"], E[f"{prefix}r:{n}"], nbytes)
-
-
-def _memory(plan: Plan, hw, start, end, staging: int) -> _Memory:
-    mem = _Memory([0.0, *start.values(), *end.values()])
-    S, E = start, end
-    units = plan.units
-    by_name = {u.name: u for u in units}
-    static = sum(u.static_bytes for u in units)
-    mem.constant("gpu", static)
-    mem.constant("gpu" if hw.unified_memory else "cpu", staging)
-
-    # Shared tensors: one per producer, alive from its forward to the end of the last backward
-    # among its readers. Readers come from the unit graph (edge producer -> reader), so a
-    # tensor read far downstream stays counted whatever the list order says.
-    g = nx.DiGraph()
-    g.add_nodes_from(u.name for u in units)
-    for a, b in zip(units, units[1:]):
-        g.add_edge(a.name, b.name, shared=0)
-    for u in units:
-        if u.shared_saved_bytes > 0:
-            producer = u.shared_from if u.shared_from is not None else units[0].name
-            if producer not in by_name:
-                raise UserError(f"plan: unit {u.name!r} reads shared tensors from {producer!r}, "
-                                "which is not a unit of the plan; regenerate the profile")
-            old = g.edges[producer, u.name]["shared"] if g.has_edge(producer, u.name) else 0
-            g.add_edge(producer, u.name, shared=max(old, u.shared_saved_bytes))
-    for p in g.nodes:
-        readers = [(r, d["shared"]) for _, r, d in g.out_edges(p, data=True) if d["shared"] > 0]
-        if readers:
-            nbytes = max(b for _, b in readers)   # one tensor for all readers, counted once
-            mem.step("gpu", S[fwd_id(p)], max(E[bwd_id(r)] for r, _ in readers), nbytes)
-
-    unified = hw.unified_memory
-    segs = segments(plan.layers)
-    for u, d in zip(units, plan.layers):
-        n, A, X = u.name, u.activation_bytes, u.input_bytes
-        f, b = fwd_id(n), bwd_id(n)
-        mem.step("gpu", S[f], E[f], u.workspace_bytes, owner=f)
-        mem.step("gpu", S[b], E[b], u.workspace_bytes, owner=b)
-        act = d.activation
-        if act is Activation.KEEP:
-            mem.step("gpu", S[f], E[b], A)
-        elif act in (Activation.CPU, Activation.NVME):
-            _moved_away(mem, S, E, n, "", A, S[f], E[b], act is Activation.CPU, unified)
-        else:  # recompute: A_i lives only while F:i runs, then the checkpoint X_i (if any)
-            mem.step("gpu", S[f], E[f], A, owner=f)
-            ck = d.checkpoint or Tier.GPU
-            if ck is Tier.GPU:
-                mem.step("gpu", E[f], E[b], X)
-            elif ck in (Tier.CPU, Tier.NVME):
-                _moved_away(mem, S, E, n, "ck", X, E[f], E[b], ck is Tier.CPU, unified)
-    for s in segs:
-        r = rec_id(units[s[-1]].name)
-        for j in s:   # the whole segment is rebuilt at once; B:j frees its part
-            mem.step("gpu", S[r], E[bwd_id(units[j].name)], units[j].activation_bytes)
-        # NB: the recompute runs the segment's forwards one after another, so its transient is
-        # the largest of their workspaces (the file-format doc names only F and B transients).
-        mem.step("gpu", S[r], E[r], max(units[j].workspace_bytes for j in s), owner=r)
-    mem.step("gpu", S[OPT_ID], E[OPT_ID], int(plan.optimizer_workspace_bytes), owner=OPT_ID)
-    return mem
-
-
-# ----------------------------------------------------------------------------- simulate
-
-def staging_pool_bytes(plan: Plan) -> int:
-    """Bytes of the pinned NVMe staging pool: staging_buffers x min(largest NVMe transfer, cap)."""
-    largest = max((e.bytes for e in plan.schedule.get(Stream.NVME.value, [])), default=0)
-    return staging_buffers(plan.hardware_spec) * min(largest, STAGING_CAP_BYTES) if largest else 0
+def _stage_seconds(cm: CostModel, s: int, v: View, rest: bool) -> tuple[float, dict]:
+    if s in cm.L.pass_stages:
+        vals = {r: evaluate(t) for r, t in cm.loads(s, v, rest).items()}
+        return max(vals.values(), default=0.0), vals
+    vals = {r: evaluate(t) for r, t in cm.opt_loads(v).items()}
+    chain = max((evaluate(t) for t in cm.opt_chains(v)), default=0.0)
+    return max([chain, *vals.values()]), vals
 
 
 def simulate(plan: Plan) -> SimResult:
-    """Replay ``plan`` event by event; see the module docstring."""
-    hw = plan.hardware_spec
-    validate_layers(plan.units, plan.layers, hw)
-    events = {}
-    for stream, evs in plan.schedule.items():
-        for e in evs:
-            if e.id in events:
-                raise UserError(f"plan: event id {e.id!r} appears twice; regenerate the plan")
-            if e.stream.value != stream:
-                raise UserError(f"plan: event {e.id} is listed under {stream} but says {e.stream.value}")
-            events[e.id] = e
-    unified = hw.unified_memory
-    _check_events(plan, events, unified)
-    by_name = {u.name: u for u in plan.units}
-    dur = {eid: _duration(e, plan, hw, by_name) for eid, e in events.items()}
-    start, end = _times(plan, events, dur)
+    cm = cost_model_of(plan)
+    events = [e for evs in plan.schedule.values() for e in evs]
+    shares = shares_of(cm, plan.layers, events)
+    _check_schedule(plan, cm, shares)
+    v = PlanView(cm, plan.layers, shares)
+    L, K = cm.L, cm.K
+    rest = cm.needs_rest_pass()
 
-    staging = staging_pool_bytes(plan)
-    mem = _memory(plan, hw, start, end, staging)
-
-    # Zero-length compute events (an optimizer step profiled at 0 s, say) still hold their
-    # transient for an instant: on top of what is live then, less the next compute event's.
-    compute = plan.schedule[Stream.COMPUTE.value]
-    starting = {}
-    for e in compute:
-        if end[e.id] > start[e.id]:
-            starting[mem.k[start[e.id]]] = e.id
-    impulse_at = {}
-    for k, owner in mem.impulses:
-        base = mem.right["gpu"][k] - mem.owned.get(starting.get(k), 0)
-        impulse_at[k] = max(impulse_at.get(k, 0.0), base + mem.owned[owner])
-
-    peaks = {}
-    for t in TIERS:
-        peaks[t] = max(float(mem.right[t].max()), float(mem.left[t].max()))
-    if impulse_at:
-        peaks["gpu"] = max(peaks["gpu"], max(impulse_at.values()))
-    peaks = {t: int(round(v)) for t, v in peaks.items()}
-    gk = int(np.argmax(np.maximum(mem.right["gpu"], mem.left["gpu"])))
-    peak_gpu_time = float(mem.T[gk])
-
-    # Stages: compute events with their stall and their own GPU peak.
-    stages, prev_end = [], 0.0
-    for e in compute:
-        s, t = start[e.id], end[e.id]
-        ks, kt = mem.k[s], mem.k[t]
-        if kt > ks:
-            pk = max(mem.right["gpu"][ks:kt].max(), mem.left["gpu"][ks + 1:kt + 1].max())
+    base = {t: evaluate(x) for t, x in cm.base(v).items()}
+    staging = max((evaluate(n) for n in cm.staging_needs(v)), default=0.0)
+    pool_tier = "gpu" if cm.unified else "cpu"
+    stages, mem_peak = [], {t: 0.0 for t in TIERS}
+    carried = {t: 0.0 for t in TIERS}
+    prev_free = {t: 0.0 for t in TIERS}
+    t0 = 0.0
+    pass_s = rest_s = opt_s = recompute_s = stall = 0.0
+    busy = {r: 0.0 for r in RESOURCES}
+    for s in range(L.n_stages):
+        in_pass = s in L.pass_stages
+        if in_pass:
+            alloc = {t: evaluate(x) for t, x in cm.alloc(s, v, rest).items()}
+            for t in TIERS:
+                carried[t] += alloc[t] - prev_free[t]
+            prev_free = {t: evaluate(x) for t, x in cm.free(s, v, rest).items()}
+            ws = max(evaluate(c) for c in cm.transient(s, v))
+            mem = {t: base[t] + carried[t] for t in TIERS}
+            mem["gpu"] += cm.shared[s] + ws
         else:
-            pk = impulse_at.get(ks, mem.right["gpu"][ks])
-        stages.append(StageRecord(id=e.id, op=e.op, units=tuple(e.units), stage=e.stage, start=s,
-                                  end=t, stall_s=s - prev_end, peak_gpu_bytes=int(round(pk))))
-        prev_end = t
-
-    busy, stall = {}, {}
-    for stream, evs in plan.schedule.items():
-        busy[stream] = sum(dur[e.id] for e in evs)
-        waited, free = 0.0, 0.0
-        for e in evs:
-            ready = max(free, start[e.issue] if e.issue else 0.0)
-            waited += start[e.id] - ready
-            free = end[e.id]
-        stall[stream] = waited
-
-    transfers: dict = {}
-    for eid, e in events.items():
-        if e.stream is not Stream.COMPUTE:
-            transfers.setdefault(e.units[0], {})[eid] = (start[eid], end[eid])
-
-    timeline = []
-    for k, t in enumerate(mem.T.tolist()):
-        lv = tuple(int(round(mem.left[x][k])) for x in TIERS)
-        rv = tuple(int(round(mem.right[x][k])) for x in TIERS)
-        if k > 0 and lv != rv:
-            timeline.append((t, *lv))
-        timeline.append((t, *rv))
-
-    budgets = {k: int(plan.budgets.get(k, 0) or 0) for k in ("gpu_bytes", "cpu_bytes", "nvme_bytes")}
+            held = {t: max((evaluate(x) for x in per), default=0.0)
+                    for t, per in cm.opt_transients(v).items()}
+            mem = {t: base[t] + cm.OPT_DEPTH * held[t] for t in TIERS}
+            mem["gpu"] += cm.opt_ws
+        if staging:
+            mem[pool_tier] += staging
+        for t in TIERS:
+            mem_peak[t] = max(mem_peak[t], mem[t])
+        dur, loads = _stage_seconds(cm, s, v, False)
+        dur_r = _stage_seconds(cm, s, v, True)[0] if (in_pass and rest) else dur
+        if in_pass:
+            pass_s += dur
+            rest_s += dur_r
+            i = L.unit_of(s)
+            if s > cm.U and i is not None:
+                recompute_s += loads["compute"] - cm.b[i]
+            stall += (dur - loads["compute"]) + (K - 1) * (dur_r - loads["compute"])
+        else:
+            opt_s += dur
+            stall += dur - max(loads["compute"], loads["host"])
+        for r in RESOURCES:
+            busy[r] += loads.get(r, 0.0) * (K if in_pass else 1)
+        i = L.unit_of(s)
+        bound = max(loads, key=lambda r: (loads[r], r == "compute")) if loads else "compute"
+        stages.append(StageRecord(stage=s, phase=L.phase(s),
+                                  unit=None if i is None else cm.units[i].name, start=t0,
+                                  seconds=dur, seconds_rest=dur_r, loads=loads, bound=bound,
+                                  memory={t: int(round(mem[t])) for t in TIERS}))
+        t0 += dur
+    step = pass_s + (K - 1) * rest_s + opt_s
+    budgets = plan.budgets
+    peaks = {t: int(round(mem_peak[t])) for t in TIERS}
     violations = []
-    for tier in TIERS:
-        peak, budget = peaks[tier], budgets[f"{tier}_bytes"]
-        if peak > budget:
-            if budget == 0:
-                violations.append(f"{tier}: budget 0 means the tier stays unused, but the plan "
-                                  f"peaks at {fmt_bytes(peak)} ({peak} B)")
+    for t in TIERS:
+        cap = cm.budget[t]
+        if peaks[t] > cap:
+            what = "the pinned-memory limit" if (t == "cpu" and cap < budgets.of(t)) else "the budget"
+            if cap == 0:
+                violations.append(f"{t}: budget 0 means the tier stays unused, but the plan "
+                                  f"peaks at {fmt_bytes(peaks[t])} ({peaks[t]} B)")
             else:
-                violations.append(f"{tier}: peak {fmt_bytes(peak)} ({peak} B) exceeds the budget "
-                                  f"{fmt_bytes(budget)} ({budget} B) by {fmt_bytes(peak - budget)}")
-
-    compute_s = sum(u.fwd_s + u.bwd_s for u in plan.units) + float(plan.optimizer_s)
-    recompute_s = sum(dur[e.id] for e in compute if e.op == "recompute")
+                violations.append(f"{t}: peak {fmt_bytes(peaks[t])} ({peaks[t]} B) exceeds "
+                                  f"{what} {fmt_bytes(cap)} ({cap} B) by "
+                                  f"{fmt_bytes(peaks[t] - cap)}")
+    flops = K * sum(u.fwd_flops + u.bwd_flops for u in cm.units)
     return SimResult(
-        step_s=max(end.values()), compute_s=compute_s, recompute_s=recompute_s,
+        step_s=step, compute_s=cm.compute_only(), pass_s=pass_s, rest_pass_s=rest_s,
+        optimizer_s=opt_s, recompute_s=recompute_s, micro_batches=K,
         peak_gpu_bytes=peaks["gpu"], peak_cpu_bytes=peaks["cpu"], peak_nvme_bytes=peaks["nvme"],
-        budgets=budgets, fits=not violations, budget_violations=tuple(violations),
-        busy_s=busy, stall_s=stall, compute_stall_s=stall[Stream.COMPUTE.value],
-        static_bytes=sum(u.static_bytes for u in plan.units), staging_bytes=staging,
-        peak_gpu_time=peak_gpu_time, stages=tuple(stages),
-        events={eid: (start[eid], end[eid]) for eid in events}, transfers=transfers,
-        timeline=tuple(timeline))
+        budgets=budgets.to_dict(), fits=not violations, budget_violations=tuple(violations),
+        busy_s=busy, stall_s=stall, static_bytes=int(base["gpu"]), staging_bytes=int(staging),
+        stages=tuple(stages), events=_event_times(plan, cm, stages), flops=float(flops))
+
+
+def _event_times(plan: Plan, cm: CostModel, stages) -> dict:
+    """(start, end) of every event in the first pass and the optimizer phase: each stream
+    runs its events of a stage back to back from the stage's start (for plots and tables;
+    the stage's duration is what the cost model says)."""
+    start = {r.stage: r.start for r in stages}
+    hw = cm.hw
+    out, cursor = {}, {}
+    for e in plan.all_events():
+        if e.stage not in start:
+            continue
+        key = (e.stream, e.stage)
+        t = cursor.get(key, start[e.stage])
+        if e.is_transfer:
+            rate = {Stream.D2H: hw.d2h_bandwidth, Stream.H2D: hw.h2d_bandwidth,
+                    Stream.NVME: hw.nvme_write_bandwidth if e.op is Op.WRITE else hw.nvme_read_bandwidth}.get(e.stream)
+            d = e.bytes / rate if rate else e.seconds
+        else:
+            d = e.seconds
+        out[e.id] = (t, t + d)
+        cursor[key] = t + d
+    return out
 
 
 # ----------------------------------------------------------------------------- CLI
 
 def format_summary(plan: Plan, r: SimResult, source: str = "plan") -> str:
     lines = [f"{source}: policy {plan.policy}, {len(plan.units)} units, hardware "
-             f"{plan.hardware.get('name')}"]
+             f"{plan.hardware.get('name')}, {r.micro_batches} pass(es) per optimizer step"]
     lines.append(f"step {fmt_seconds(r.step_s)}   compute-only {fmt_seconds(r.compute_s)}   "
-                 f"({r.overhead or 0:.3f}x; recompute {fmt_seconds(r.recompute_s)}, compute waits for "
-                 f"transfers {fmt_seconds(r.compute_stall_s)})")
+                 f"({r.overhead or 0:.3f}x; recompute {fmt_seconds(r.recompute_s)} per pass, "
+                 f"waiting on transfers {fmt_seconds(r.stall_s)})")
+    lines.append(f"  pass {fmt_seconds(r.pass_s)}"
+                 + (f" (later passes {fmt_seconds(r.rest_pass_s)})" if r.rest_pass_s != r.pass_s else "")
+                 + f"   optimizer phase {fmt_seconds(r.optimizer_s)}   "
+                 f"{r.flops / r.step_s / 1e12 if r.step_s else 0:.1f} TFLOP/s")
     for tier in TIERS:
         peak, budget = getattr(r, f"peak_{tier}_bytes"), r.budgets[f"{tier}_bytes"]
         ok = "ok" if peak <= budget else "OVER"
         lines.append(f"  {tier:<5} peak {fmt_bytes(peak):>11} / budget {fmt_bytes(budget):>11}  {ok}")
-    lines.append(f"  {'stream':<8} {'busy':>10} {'stall':>10}")
-    for s in ("compute", "d2h", "h2d", "nvme"):
-        if s in r.busy_s:
-            lines.append(f"  {s:<8} {fmt_seconds(r.busy_s[s]):>10} {fmt_seconds(r.stall_s[s]):>10}")
-    pred = plan.predicted.get("step_s") if isinstance(plan.predicted, dict) else None
+    lines.append(f"  {'resource':<8} {'busy per step':>14}")
+    for res, b in r.busy_s.items():
+        if b:
+            lines.append(f"  {res:<8} {fmt_seconds(b):>14}")
+    pred = plan.predicted.step_s
     if pred:
         lines.append(f"plan predicted step {fmt_seconds(pred)} "
                      f"({(r.step_s / pred - 1) * 100:+.2f}% in this replay)")
@@ -507,3 +315,6 @@ def cli_simulate(args) -> int:
     else:
         print(format_summary(plan, r, args.plan))
     return 0
+
+
+__all__ = ["SimResult", "StageRecord", "simulate", "cost_model_of", "Tier"]

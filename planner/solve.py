@@ -1,11 +1,19 @@
-"""``plan solve``: budgets in, a plan that the simulator says fits out.
+"""``plan solve``: budgets in, the fastest plan that the simulator says fits out.
 
-Every plan is simulated before it is written and one that breaks a budget never is. For the
-``optimal`` policy the baselines are simulated too: the best that fits warm-starts the MILP,
-and the MILP's plan is written only if it is at least as fast (in the simulator) as that
-baseline; otherwise the baseline's decisions are written and the solver status says so. When
-the MILP's plan needs budget tightening or simulates more than 2% off its objective, the exact
-prefetch-start model is solved too, in the time left (``_escalate``, docs/formulation.md).
+Plans come from strategies, each returning ``Candidate(plan, simulation, origin)``:
+
+- the baselines (keep-all, recompute-all, sqrt, offload-all, and stream-all where the spec and
+  budgets allow homes off the device), their transfers placed greedily;
+- the activation-only MILP (every tensor class at home on the device), when the static state
+  fits on the device;
+- the joint MILP (activations and the home of every tensor class), warm-started from the best
+  candidate so far, when the activation-only plan cannot be proven within the gap of it.
+
+``_pick`` is the one place that chooses: the fastest candidate that fits; the plan records
+which strategy won (``solver.origin``). The MILP and the simulator evaluate the same cost
+model, so a MILP plan's objective is its simulated step. When nothing fits, the GPU-minimising
+joint MILP names the smallest ``--gpu-mem`` that fits (or the host/NVMe budget that is short).
+``docs/formulation.md`` ("Solving") documents the sequence.
 """
 from __future__ import annotations
 
@@ -18,18 +26,30 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import solvers
+from .costmodel import CostModel, evaluate
 from .errors import NoFitError, UserError
-from .formats import Plan, Policy, Profile, load_profile, write_json_atomic
-from .formulation import Budgets, Infeasible, Options, run_solver, Formulation, GB
+from .formats import (Activation, Budgets, Home, LayerDecision, Plan, Policy, Profile,
+                      SolverRecord, Tier, UnitKind, load_profile, write_json_atomic)
+from .milp import GB, Model, Options
+from .plans import cost_model, make_plan
 from .sizes import fmt_bytes, fmt_seconds, parse_size
 
-# How often an optimistic MILP plan (overflowing in the simulator) is re-solved with the GPU
-# budget tightened by the overflow before we give up (exit 3).
-MAX_TIGHTEN = 3
-# The fast model counts a prefetch's bytes share by share, the simulator holds the whole buffer
-# from its start; past this relative miss (simulated step vs objective) the exact prefetch-start
-# model is solved too (8-block test profile: 215.8 ms model vs 226.5 ms simulated, 5%).
-EXACT_MISS = 0.02
+STREAM_MODES = ("auto", "on", "off")
+# The MILP's rows bound memory in GB with the solvers' feasibility tolerance (1e-6 on the row,
+# i.e. a kilobyte) and bytes are rounded to whole numbers when written: solve against the
+# budget less this margin, so that every written plan fits to the byte.
+MARGIN_BYTES = 64 * 1024
+# A MILP of more stage rows than this is not built within a --time-limit that leaves it under
+# a second per thousand units (PuLP builds ~10k rows a second on this class of host).
+BUILD_ROWS_PER_S = 10_000
+
+
+@dataclass(frozen=True)
+class Candidate:
+    plan: Plan
+    sim: object          # SimResult
+    origin: str          # milp | milp-act | baseline:<policy> | min-gpu
 
 
 @dataclass
@@ -37,289 +57,254 @@ class SolveOutcome:
     """The written plan and what was tried on the way (for benches and tests)."""
 
     plan: Plan
-    milp_objective: float | None
-    baselines: dict          # policy -> (step_s, fits, peak_gpu_bytes)
-    fallback: str | None     # baseline written instead of the MILP's plan, if any
-    attempts: int
+    sim: object
+    tried: dict          # origin -> (step_s, fits, peak_gpu_bytes)
+    milp_objective: float | None = None
 
 
-def _simulate(plan):
-    from .simulate import simulate
-    return simulate(plan)
+class _Clock:
+    """The one --time-limit of the whole ``plan solve``."""
 
+    def __init__(self, limit: float | None):
+        self.t0 = time.perf_counter()
+        self.limit = limit
 
-def _make(profile, path, hw, budgets, policy, layers, issue=None, info=None, nvme_dir=None):
-    from .plans import make_plan
-    return make_plan(profile, path, hw, budgets, policy, layers, prefetch_issue=issue,
-                     solver_info=info, nvme_dir=nvme_dir)
-
-
-def _budget_dict(b: Budgets) -> dict:
-    return {"gpu_bytes": b.gpu_bytes, "cpu_bytes": b.cpu_bytes, "nvme_bytes": b.nvme_bytes}
+    def left(self) -> float | None:
+        if self.limit is None:
+            return None
+        return self.limit - (time.perf_counter() - self.t0)
 
 
 def _size(n: int) -> str:
     return f"{fmt_bytes(n)} ({n} B)"
 
 
-def check_static(profile: Profile, budgets: Budgets) -> None:
-    """Parameters, gradients and optimizer state stay on the GPU in this version."""
-    static = profile.static_bytes + int(profile.optimizer_workspace_bytes)
-    if static > budgets.gpu_bytes:
-        raise NoFitError(
-            f"static state (weights, grads, optimizer) needs {_size(static)} > --gpu-mem "
-            f"{_size(budgets.gpu_bytes)}: the static state alone exceeds --gpu-mem, before any "
-            f"activation; parameter offloading is not supported yet (a later step)",
-            budget="gpu", needed_bytes=static)
+# ----------------------------------------------------------------------------- strategies
 
-
-def evaluate_baselines(profile, path, hw, budgets: Budgets, policies, nvme_dir=None) -> dict:
-    """policy -> (plan, SimResult) for each baseline that is valid on ``hw``."""
-    from .baselines import baseline_layers
-    out = {}
-    for pol in policies:
-        try:
-            layers = baseline_layers(pol, profile.layers, hw)
-            plan = _make(profile, path, hw, _budget_dict(budgets), pol, layers, nvme_dir=nvme_dir)
-        except UserError:
+def stream_all_layers(cm: CostModel, base: list[LayerDecision]) -> list[LayerDecision] | None:
+    """``base``'s activation decisions with every block's tensors streamed: weights and
+    gradients on the host where there is one, optimizer state on the host if it fits there,
+    else NVMe (NVMe everything on unified memory). None when no such home exists here."""
+    out = []
+    host_room = cm.budget["cpu"]
+    want = []
+    for i, d in enumerate(base):
+        if cm.units[i].kind != UnitKind.BLOCK.value or len(cm.homes[i]) == 1:
+            want.append(None)
             continue
-        out[pol] = (plan, _simulate(plan))
+        # the home that takes the most off the device, preferring the host to NVMe
+        def key(h, i=i):
+            r = cm.resident(i, h)
+            return (-r["gpu"] - (0 if cm.unified else 0), r["nvme"])
+        cands = sorted(cm.homes[i], key=key)
+        want.append(cands)
+    if all(w is None for w in want):
+        return None
+    used = 0
+    for i, d in enumerate(base):
+        if want[i] is None:
+            out.append(d)
+            continue
+        pick = None
+        for h in want[i]:
+            r = cm.resident(i, h)
+            if used + r["cpu"] <= host_room * 0.9:
+                pick = h
+                break
+        pick = pick or want[i][-1]
+        used += cm.resident(i, pick)["cpu"]
+        act, ck = d.activation, d.checkpoint
+        if pick.streams_weights and act is Activation.RECOMPUTE and ck is Tier.NONE:
+            ck = Tier.GPU
+        out.append(LayerDecision(d.name, act, ck, pick))
     return out
 
 
-def _prefetch_key(name: str, r) -> str | None:
-    """The id of the prefetch event of ``name`` in the simulator's transfers (None if none)."""
-    ev = r.transfers.get(name, {})
-    # the H2D copy where there is a host tier; the disk read fills device memory when unified
-    for kind in ("in", "ckin", "r", "ckr"):
-        if f"{kind}:{name}" in ev:
-            return f"{kind}:{name}"
-    return None
-
-
-def _repair(profile, path, hw, bd, policy, layers, issue, info, nvme_dir, plan, r, limit):
-    """Delay, one at a time, the explicitly placed prefetches whose buffer is held at the GPU
-    peak (the simulator holds a prefetch's whole buffer from its start), earliest start first,
-    to the schedule's default one-ahead point, until the plan fits or none is left.
-
-    Returns (plan, r) of the last plan tried; at most ``limit`` simulations.
-    """
-    issue = dict(issue)
-    for _ in range(limit):
-        if r.fits or r.peak_gpu_bytes <= bd["gpu_bytes"]:
-            break
-        t = r.peak_gpu_time
-        held = []
-        for name in issue:
-            eid = _prefetch_key(name, r)
-            if eid is None:
-                continue
-            start = r.transfers[name][eid][0]
-            # a buffer is held from its start to its consumer's end; a start after the peak
-            # cannot be part of it
-            if start <= t:
-                held.append((start, name))
-        if not held:
-            break
-        del issue[min(held)[1]]
-        plan = _make(profile, path, hw, bd, policy, layers, issue, info, nvme_dir)
-        r = _simulate(plan)
-    return plan, r
-
-
-def place_prefetches(profile, path, hw, budgets: Budgets, policy, layers, candidates, info=None,
-                     nvme_dir=None):
-    """Simulate the MILP's decisions with each candidate set of prefetch issue points (and a
-    greedy repair of the one closest to fitting); return ((plan, r) of the fastest that fits
-    or None, (plan, r) of the one with the smallest GPU peak)."""
-    bd = _budget_dict(budgets)
-    tried = []
-    for issue in candidates or [{}]:
+def baselines(profile, path, hw, budgets, cm: CostModel, nvme_dir, K) -> list[Candidate]:
+    from .baselines import BASELINES, baseline_layers
+    out = []
+    for pol in BASELINES:
         try:
-            plan = _make(profile, path, hw, bd, policy, layers, issue, info, nvme_dir)
-        except UserError:   # an issue point the schedule rejects: not a candidate
+            layers = baseline_layers(pol, profile.layers, hw)
+            plan, r = make_plan(profile, path, hw, budgets, pol, layers, nvme_dir=nvme_dir,
+                                micro_batches=K, cm=cm)
+        except UserError:
+            continue                      # not valid on this spec / these budgets
+        out.append(Candidate(plan, r, f"baseline:{pol.value}"))
+    for pol in (Policy.RECOMPUTE_ALL, Policy.KEEP_ALL):
+        layers = stream_all_layers(cm, baseline_layers(pol, profile.layers, hw))
+        if layers is None:
+            break
+        try:
+            plan, r = make_plan(profile, path, hw, budgets, "stream-all", layers,
+                                nvme_dir=nvme_dir, micro_batches=K, cm=cm)
+        except UserError:
             continue
-        tried.append((issue, plan, _simulate(plan)))
-    fitting = [(p, r) for _, p, r in tried if r.fits]
-    if not fitting and tried:
-        issue, plan, r = min(tried, key=lambda x: x[2].peak_gpu_bytes)
-        if r.peak_cpu_bytes <= bd["cpu_bytes"] and r.peak_nvme_bytes <= bd["nvme_bytes"]:
-            plan, r = _repair(profile, path, hw, bd, policy, layers, issue, info, nvme_dir,
-                              plan, r, limit=len(issue) + 1)
-            tried.append((None, plan, r))
-            if r.fits:
-                fitting = [(plan, r)]
-    best = min(fitting, key=lambda x: x[1].step_s) if fitting else None
-    lowest = min(((p, r) for _, p, r in tried), key=lambda x: x[1].peak_gpu_bytes, default=None)
-    return best, lowest
+        out.append(Candidate(plan, r, f"baseline:stream-all+{pol.value}"))
+    return out
 
 
-def _min_gpu(profile, path, hw, budgets: Budgets, options: Options, solver, time_limit,
-             nvme_dir=None):
-    """(plan, r) of the MILP minimising the GPU peak, placed like any MILP plan; None if the
-    model has no solution under the host/NVMe budgets."""
-    f = Formulation(profile.layers, hw, budgets, profile.optimizer_s,
-                    profile.optimizer_workspace_bytes,
-                    dataclasses.replace(options, minimise="gpu"))
+def _milp_size(cm: CostModel) -> int:
+    """Rows the MILP will have, roughly (memory and time per stage, shares, segments)."""
+    per_unit = 8 + sum(len(cm.window(k, i)) for i in range(cm.U) for k in cm.kinds_of(i)) / max(cm.U, 1)
+    return int(cm.U * (20 + per_unit))
+
+
+def milp(profile, path, hw, budgets, cm: CostModel, *, origin, solver, gap, clock, warm,
+         nvme_dir, K, progress, share: float = 1.0) -> Candidate | None:
+    """One MILP strategy: solve within ``share`` of the time left; None if it has no
+    solution or no time."""
+    left = clock.left()
+    if left is not None:
+        if _milp_size(cm) / BUILD_ROWS_PER_S > left * 0.5:
+            return None               # it would not even be built in time: baselines only
+        left = max(1.0, left * share)
+    t0 = time.perf_counter()
+    tight = dataclasses.replace(budgets, gpu_bytes=max(0, budgets.gpu_bytes - MARGIN_BYTES))
+    m = Model(_with_budget(cm, tight))
+    if clock.left() is not None:
+        left = max(0.5, min(left, clock.left()))
     try:
-        res = run_solver(f, solver, time_limit, 1e-3)
-    except Infeasible:
+        out = solvers.solve(m, solver, left, gap, warm=warm, progress=progress)
+    except (solvers.Infeasible, solvers.NoIncumbent):
         return None
-    info = res.solver_info()
-    info["status"] += " (smallest GPU peak: no faster plan fitted)"
-    info["objective"] = None
-    best, lowest = place_prefetches(profile, path, hw, budgets, "optimal", res.layers,
-                                    res.prefetch_alternatives, info, nvme_dir)
-    return best or lowest
+    rec = SolverRecord(name=solver, status=out.status, origin=origin,
+                       objective=out.solution.objective, gap=out.gap,
+                       solve_s=round(time.perf_counter() - t0, 4), variables=out.variables,
+                       constraints=out.constraints)
+    plan, r = make_plan(profile, path, hw, budgets, "optimal", out.solution.layers,
+                        shares=out.solution.shares, solver=rec, nvme_dir=nvme_dir,
+                        micro_batches=K, cm=cm)
+    return Candidate(plan, r, origin)
 
 
-def _escalate(profile, path, hw, budgets: Budgets, policy, opts: Options, solver, gap, nvme_dir,
-              progress, res, fit, time_limit, t0):
-    """(res, fit) of the exact prefetch-start model when the fast model's plan needs budget
-    tightening (``fit`` is None) or simulates more than EXACT_MISS off its objective, and the
-    exact plan fits and simulates faster; None to keep the fast one.
+def _with_budget(cm: CostModel, b: Budgets) -> CostModel:
+    """The same cost model under other budgets (homes and windows unchanged)."""
+    c = object.__new__(CostModel)
+    c.__dict__.update(cm.__dict__)
+    c.budget = dict(cm.budget, gpu=b.gpu_bytes)
+    return c
 
-    The exact model is solved in what is left of ``time_limit``, warm-started from the fast
-    model's decisions (CBC 3.2 / 14.4 / >60 s at 48 / 96 / 192 blocks, docs/formulation.md).
-    """
-    if fit is not None and abs(fit[1].step_s - res.objective) <= EXACT_MISS * res.objective:
+
+def _pick(cands: list[Candidate]) -> Candidate | None:
+    """The fastest candidate that fits (ties: the MILP's, then the first tried)."""
+    fitting = [c for c in cands if c.sim.fits]
+    if not fitting:
         return None
-    left = None
-    if time_limit is not None:
-        left = time_limit - (time.perf_counter() - t0)
-        if left < 1.0:
-            return None
+    return min(fitting, key=lambda c: (c.sim.step_s, not c.origin.startswith("milp")))
+
+
+# ----------------------------------------------------------------------------- no plan fits
+
+def _min_budget(profile, path, hw, budgets, cm, solver, clock, tier: str):
+    """The smallest budget of ``tier`` for which a plan exists with the other two as given,
+    from the joint MILP minimising it (gap 1e-4); None when none exists."""
+    m = Model(cm, Options(minimise=tier))
+    left = clock.left()
     try:
-        ex = run_solver(Formulation(profile.layers, hw, budgets, profile.optimizer_s,
-                                    profile.optimizer_workspace_bytes,
-                                    dataclasses.replace(opts, exact_prefetch=True)),
-                        solver, left, gap, res.layers, progress)
-    except Infeasible:
+        out = solvers.solve(m, solver, None if left is None else max(2.0, left), 1e-4)
+    except (solvers.Infeasible, solvers.NoIncumbent):
         return None
-    info = ex.solver_info()
-    why = ("needed budget tightening" if fit is None else
-           f"simulated {fit[1].step_s / res.objective - 1:+.1%} off its objective")
-    info["status"] += f" (exact prefetch model: the fast model's plan {why})"
-    xfit, _ = place_prefetches(profile, path, hw, budgets, policy, ex.layers,
-                               ex.prefetch_alternatives, info, nvme_dir)
-    if xfit is None or (fit is not None and xfit[1].step_s >= fit[1].step_s):
-        return None
-    return ex, xfit
+    need = int(math.ceil((m.Gvar if tier == "gpu" else m.Hvar).value() * GB)) + MARGIN_BYTES
+    return need, out.solution
 
 
-def _no_fit(budgets: Budgets, tried: dict, extra) -> NoFitError:
-    """Name the short budget and the smallest --gpu-mem tierplan found a plan for (a bound
-    from the baselines and the GPU-minimising MILP, checked in the simulator, not a proof)."""
-    best = None   # peak gpu bytes
-    for plan, r in [*tried.values(), *([extra] if extra else [])]:
-        if r.peak_cpu_bytes <= budgets.cpu_bytes and r.peak_nvme_bytes <= budgets.nvme_bytes:
-            if best is None or r.peak_gpu_bytes < best:
-                best = r.peak_gpu_bytes
-    tiers = f"--cpu-mem {_size(budgets.cpu_bytes)} and --nvme-mem {_size(budgets.nvme_bytes)}"
-    if best is None:
-        return NoFitError(f"tierplan found no plan for --gpu-mem {_size(budgets.gpu_bytes)} with "
-                          f"{tiers}, nor for any --gpu-mem with these host/NVMe budgets; raise "
-                          "--cpu-mem/--nvme-mem or --gpu-mem", budget="gpu")
-    return NoFitError(f"tierplan found no plan for --gpu-mem {_size(budgets.gpu_bytes)} with "
-                      f"{tiers}: the smallest --gpu-mem it found a plan for is {_size(best)}; "
-                      "raise --gpu-mem to that", budget="gpu", needed_bytes=best)
+def _no_fit(profile, path, hw, budgets, cm, solver, clock) -> NoFitError:
+    """Name the short budget and the smallest that fits (found by the solver)."""
+    tiers = (f"--cpu-mem {_size(budgets.cpu_bytes)} and --nvme-mem {_size(budgets.nvme_bytes)}")
+    got = _min_budget(profile, path, hw, budgets, cm, solver, clock, "gpu")
+    static = sum(u.static_bytes for u in profile.layers)
+    if got is not None:
+        need = got[0]
+        why = ""
+        if static > budgets.gpu_bytes and len({h for hs in cm.homes for h in hs}) == 1:
+            why = (f" (the static state alone, {_size(static)}, exceeds it, and with these "
+                   "budgets nothing can live off the device: give --cpu-mem or --nvme-mem)")
+        return NoFitError(f"no plan fits --gpu-mem {_size(budgets.gpu_bytes)} with {tiers}{why}: "
+                          f"the smallest --gpu-mem with a plan is {_size(need)}; raise --gpu-mem "
+                          "to that", budget="gpu", needed_bytes=need)
+    if not cm.unified:
+        big = _with_budget(cm, budgets)
+        big.budget = dict(cm.budget, cpu=10**15)
+        big.has_cpu = True
+        got = _min_budget(profile, path, hw, budgets, big, solver, clock, "cpu")
+        if got is not None:
+            return NoFitError(f"no plan fits --gpu-mem {_size(budgets.gpu_bytes)} with {tiers}, "
+                              f"whatever the GPU budget: host memory is short; the smallest "
+                              f"--cpu-mem with a plan at this --gpu-mem is {_size(got[0])}",
+                              budget="cpu", needed_bytes=got[0])
+    return NoFitError(f"no plan fits --gpu-mem {_size(budgets.gpu_bytes)} with {tiers}, whatever "
+                      "the GPU budget: raise --cpu-mem and/or --nvme-mem (the model's static "
+                      f"state is {_size(static)})", budget="cpu")
 
 
-def _share(time_limit: float | None, t0: float, attempt: int, opts: Options) -> float | None:
-    """Seconds for the fast model's solve number ``attempt`` within the one --time-limit of the
-    whole ``plan solve``: the first gets half, so that the exact re-solve (``_escalate``) has the
-    other half when it is needed; later ones (budget tightening) what is left, at least 2 s."""
-    if time_limit is None:
-        return None
-    left = time_limit - (time.perf_counter() - t0)
-    if attempt == 1 and not opts.exact_prefetch:
-        return max(1.0, min(left, time_limit / 2))
-    return max(2.0, left)
-
+# ----------------------------------------------------------------------------- plan solve
 
 def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: str = "optimal",
-                  *, solver: str = "cbc", time_limit: float | None = 60.0, gap: float = 0.01,
-                  nvme_dir: str | None = None, progress: bool = False,
-                  options: Options | None = None) -> SolveOutcome:
+                  *, solver: str = "highs", time_limit: float | None = 60.0, gap: float = 0.005,
+                  nvme_dir: str | None = None, progress: bool = False, micro_batches: int = 1,
+                  stream: str = "auto") -> SolveOutcome:
     """The plan ``plan solve`` writes: fits in the simulator, or ``NoFitError``."""
-    from .baselines import BASELINES
     policy = getattr(policy, "value", policy)
-    check_static(profile, budgets)
-    bd = _budget_dict(budgets)
+    if stream not in STREAM_MODES:
+        raise UserError(f"--stream {stream!r}: use {', '.join(STREAM_MODES)}")
+    clock = _Clock(time_limit)
+    K = int(micro_batches)
+    cm = cost_model(profile, hw, budgets, K, allow_streaming=stream != "off",
+                    allow_offload=policy != Policy.REMAT_ONLY.value)
+    act_cm = cost_model(profile, hw, budgets, K, allow_streaming=False,
+                        allow_offload=policy != Policy.REMAT_ONLY.value)
 
     if policy not in (Policy.OPTIMAL.value, Policy.REMAT_ONLY.value):
-        tried = evaluate_baselines(profile, profile_path, hw, budgets, [policy], nvme_dir)
-        if policy not in tried:
-            raise UserError(f"--policy {policy}: not valid on the hardware spec {hw.name!r}")
-        plan, r = tried[policy]
+        from .baselines import baseline_layers
+        layers = baseline_layers(policy, profile.layers, hw)
+        plan, r = make_plan(profile, profile_path, hw, budgets, policy, layers,
+                            nvme_dir=nvme_dir, micro_batches=K, cm=act_cm)
         if not r.fits:
             raise NoFitError(f"the {policy} plan does not fit: {r.budget_violations[0]}; "
                              f"raise that budget to at least its peak, or use --policy optimal",
                              budget=r.budget_violations[0].split(":")[0])
-        return SolveOutcome(plan, None, {policy: (r.step_s, r.fits, r.peak_gpu_bytes)}, None, 0)
+        return SolveOutcome(plan, r, {f"baseline:{policy}": (r.step_s, True, r.peak_gpu_bytes)})
 
-    remat = policy == Policy.REMAT_ONLY.value
-    opts = options or Options()
-    if remat:
-        opts = dataclasses.replace(opts, allow_offload=False)
-    pols = [p.value for p in BASELINES]
-    if remat:
-        pols = [p for p in pols if p != Policy.OFFLOAD_ALL.value]
-    tried = evaluate_baselines(profile, profile_path, hw, budgets, pols, nvme_dir)
-    fitting = {p: v for p, v in tried.items() if v[1].fits}
-    best = min(fitting, key=lambda p: fitting[p][1].step_s) if fitting else None
-    warm = fitting[best][0].layers if best else None
+    if policy == Policy.OPTIMAL.value:
+        cands = baselines(profile, profile_path, hw, budgets, cm, nvme_dir, K)
+    else:   # remat-only: the same strategies with nothing moved off the device
+        cands = [c for c in baselines(profile, profile_path, hw, budgets, act_cm, nvme_dir, K)
+                 if c.origin != "baseline:offload-all"]
+    best = _pick(cands)
+    act = milp(profile, profile_path, hw, budgets, act_cm, origin="milp-act", solver=solver,
+               gap=gap, clock=clock, warm=best.plan.layers if best and all(
+                   d.home.resident for d in best.plan.layers) else None,
+               nvme_dir=nvme_dir, K=K, progress=progress, share=0.5 if stream != "off" else 1.0)
+    if act is not None:
+        cands.append(act)
+    best = _pick(cands)
+    homes_matter = any(len(h) > 1 for h in cm.homes) and policy == Policy.OPTIMAL.value
+    if homes_matter and (best is None or stream == "on" or _streaming_may_pay(cm, best, gap)):
+        joint = milp(profile, profile_path, hw, budgets, cm, origin="milp", solver=solver,
+                     gap=gap, clock=clock, warm=best.plan.layers if best else None,
+                     nvme_dir=nvme_dir, K=K, progress=progress)
+        if joint is not None:
+            cands.append(joint)
+    best = _pick(cands)
+    tried = {c.origin: (c.sim.step_s, c.sim.fits, c.sim.peak_gpu_bytes) for c in cands}
+    if best is None:
+        raise _no_fit(profile, profile_path, hw, budgets, cm, solver, clock)
+    plan = best.plan
+    if not best.origin.startswith("milp"):
+        rec = dataclasses.replace(plan.solver, status=f"{plan.solver.status}: fastest candidate",
+                                  origin=best.origin)
+        plan = dataclasses.replace(plan, solver=rec)
+    plan = dataclasses.replace(plan, policy=policy)
+    milp_obj = best.plan.solver.objective if best.origin.startswith("milp") else None
+    return SolveOutcome(plan, best.sim, tried, milp_obj)
 
-    model_budgets = budgets
-    cand, res, attempts = None, None, 0
-    t0 = time.perf_counter()
-    while attempts <= MAX_TIGHTEN:
-        attempts += 1
-        try:
-            res = run_solver(Formulation(profile.layers, hw, model_budgets, profile.optimizer_s,
-                                         profile.optimizer_workspace_bytes, opts),
-                             solver, _share(time_limit, t0, attempts, opts), gap, warm, progress)
-        except Infeasible:
-            break
-        info = res.solver_info()
-        if model_budgets.gpu_bytes != budgets.gpu_bytes:
-            info["status"] += f" (gpu budget tightened to {model_budgets.gpu_bytes} B)"
-        # The decisions first, with other prefetch issue points; tighten only if none fits.
-        fit, (plan, r) = place_prefetches(profile, profile_path, hw, budgets, policy, res.layers,
-                                          res.prefetch_alternatives, info, nvme_dir)
-        if attempts == 1 and not opts.exact_prefetch:
-            ex = _escalate(profile, profile_path, hw, budgets, policy, opts, solver, gap,
-                           nvme_dir, progress, res, fit, time_limit, t0)
-            if ex is not None:
-                res, fit = ex
-        if fit is not None:
-            cand = fit
-            break
-        over = r.peak_gpu_bytes - budgets.gpu_bytes
-        if over <= 0:   # a host/NVMe overflow: tightening the GPU budget would not help
-            break
-        model_budgets = dataclasses.replace(
-            model_budgets, gpu_bytes=model_budgets.gpu_bytes - over - 1)
 
-    summary = {p: (v[1].step_s, v[1].fits, v[1].peak_gpu_bytes) for p, v in tried.items()}
-    if cand is not None and (best is None or cand[1].step_s <= fitting[best][1].step_s * (1 + 1e-9)):
-        return SolveOutcome(cand[0], res.objective, summary, None, attempts)
-    if best is not None:
-        bplan, br = fitting[best]
-        why = ("MILP plan simulated slower" if cand is not None else
-               "MILP plan did not fit in the simulator" if res is not None else "MILP infeasible")
-        info = {"name": solver, "status": f"fallback:{best} ({why})", "objective": br.step_s,
-                "gap": res.gap if res else None, "solve_s": res.solve_s if res else 0.0,
-                "variables": res.variables if res else 0,
-                "constraints": res.constraints if res else 0}
-        plan = dataclasses.replace(bplan, policy=policy, solver=info)
-        return SolveOutcome(plan, res.objective if res else None, summary, best, attempts)
-    # Before exit 3: the plan with the smallest GPU peak the MILP finds; if it fits, write it.
-    low = _min_gpu(profile, profile_path, hw, budgets, opts, solver, time_limit, nvme_dir)
-    if low is not None and low[1].fits:
-        return SolveOutcome(dataclasses.replace(low[0], policy=policy), None, summary, None,
-                            attempts + 1)
-    raise _no_fit(budgets, tried, low)
+def _streaming_may_pay(cm: CostModel, best: Candidate, gap: float) -> bool:
+    """Whether a plan with homes off the device can beat ``best`` by more than the gap: no
+    plan is faster than the passes' compute alone (K x forward and backward)."""
+    floor = cm.K * (sum(cm.f) + sum(cm.b))
+    return best.sim.step_s > floor * (1 + gap)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -353,12 +338,21 @@ def parse_budgets(args, hw) -> Budgets:
 
 def summary_line(plan: Plan) -> str:
     p, b = plan.predicted, plan.budgets
-    ratio = p["step_s"] / p["compute_s"] if p["compute_s"] else float("nan")
-    return (f"{plan.policy}: step {fmt_seconds(p['step_s'])} = {ratio:.3f}x compute-only "
-            f"({fmt_seconds(p['compute_s'])}); peaks GPU {fmt_bytes(p['peak_gpu_bytes'])} / "
-            f"{fmt_bytes(b['gpu_bytes'])}, host {fmt_bytes(p['peak_cpu_bytes'])} / "
-            f"{fmt_bytes(b['cpu_bytes'])}, NVMe {fmt_bytes(p['peak_nvme_bytes'])} / "
-            f"{fmt_bytes(b['nvme_bytes'])}")
+    ratio = p.step_s / p.compute_s if p.compute_s else float("nan")
+    streamed = sum(1 for d in plan.layers if not d.home.resident)
+    tail = f"; {streamed} unit(s) with tensors off the device" if streamed else ""
+    return (f"{plan.policy} ({plan.solver.origin}): step {fmt_seconds(p.step_s)} = {ratio:.3f}x "
+            f"compute-only ({fmt_seconds(p.compute_s)}), {p.tflops:.1f} TFLOP/s; peaks GPU "
+            f"{fmt_bytes(p.peak_gpu_bytes)} / {fmt_bytes(b.gpu_bytes)}, host "
+            f"{fmt_bytes(p.peak_cpu_bytes)} / {fmt_bytes(b.cpu_bytes)}, NVMe "
+            f"{fmt_bytes(p.peak_nvme_bytes)} / {fmt_bytes(b.nvme_bytes)}{tail}")
+
+
+def default_solver() -> str:
+    """HiGHS where highspy is installed (``bash setup.sh`` installs it): on this project's
+    benchmarks it proves the same gap 1-4x sooner than CBC (docs/formulation.md, Solving);
+    else PuLP's bundled CBC."""
+    return "highs" if solvers.highs_available() else "cbc"
 
 
 def cli_solve(args) -> int:
@@ -376,12 +370,16 @@ def cli_solve(args) -> int:
     budgets = parse_budgets(args, hw)
     if args.time_limit is not None and not (math.isfinite(args.time_limit) and args.time_limit > 0):
         raise UserError(f"--time-limit {args.time_limit}: give a positive number of seconds")
-    if not (math.isfinite(args.gap) and args.gap >= 0):
-        raise UserError(f"--gap {args.gap}: give a relative gap of 0 or more, e.g. 0.01")
+    if not (math.isfinite(args.gap) and 0 <= args.gap < 1):
+        raise UserError(f"--gap {args.gap}: give a relative gap from 0 to below 1, e.g. 0.005")
+    if not 1 <= args.micro_batches <= 4096:
+        raise UserError(f"--micro-batches {args.micro_batches}: give 1 to 4096 passes per "
+                        "optimizer step")
     nvme_dir = args.nvme_dir or os.path.join(tempfile.gettempdir(), "tierplan-nvme")
-    out = solve_profile(profile, args.profile, hw, budgets, args.policy, solver=args.solver,
-                        time_limit=args.time_limit, gap=args.gap, nvme_dir=nvme_dir,
-                        progress=sys.stderr.isatty())
+    out = solve_profile(profile, args.profile, hw, budgets, args.policy,
+                        solver=args.solver or default_solver(), time_limit=args.time_limit,
+                        gap=args.gap, nvme_dir=nvme_dir, progress=sys.stderr.isatty(),
+                        micro_batches=args.micro_batches, stream=args.stream)
     path = Path(args.output) if args.output else (
         Path("plans") / f"{Path(args.profile).stem}-{str(args.gpu_mem).strip()}.json")
     write_json_atomic(path, out.plan.to_dict())

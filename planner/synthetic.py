@@ -42,7 +42,7 @@ def uniform_profile(
         saved = int(j(saved))
         units.append(UnitRecord(
             name=name, kind=kind, param_bytes=params, grad_bytes=params,
-            optimizer_bytes=6 * params, input_bytes=input_bytes, output_bytes=input_bytes,
+            optimizer_bytes=6 * params, master_bytes=2 * params, input_bytes=input_bytes, output_bytes=input_bytes,
             saved_bytes=saved, workspace_bytes=workspace_bytes,
             fwd_flops=int(f * flops_per_s), bwd_flops=int(2 * f * flops_per_s),
             fwd_s=f, bwd_s=2 * f, param_count=params // 2))

@@ -1,0 +1,473 @@
+"""The MILP: per unit, the activation decision and the home of every tensor class, and how
+many bytes every transfer moves in every stage.
+
+Every row is built from ``planner.costmodel``: the model adds only variables and the rules
+that tie them (one choice per unit, segments, shares that sum to their decision), then bounds
+the cost model's memory per tier and stage and takes the cost model's stage durations as its
+objective. Symbols follow ``docs/formulation.md``; each constraint family is one method whose
+docstring holds its equation, and every row is named ``<family>_<index>`` (``mem_gpu_7``).
+
+Bytes enter the model in GB (1e9) and times in seconds, so coefficients stay near 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pulp
+
+from .costmodel import CHOICE_DECISION, CHOICES, EPS_S_PER_BYTE, REC, TIERS, CostModel, View
+from .formats import Home, LayerDecision, Tier
+
+GB = 1e9
+# Shares below this are solver noise, not a decision to move bytes.
+SHARE_EPS = 1e-7
+
+
+@dataclass(frozen=True)
+class Options:
+    """Switches of the formulation (each in docs/formulation.md)."""
+
+    minimise: str = "time"          # time | gpu | cpu: what the objective minimises
+
+
+def lin(terms, scale: float = 1.0, constant: float = 0.0) -> pulp.LpAffineExpression:
+    """A PuLP expression from cost-model terms ``(value, coef)`` where value is a variable or a
+    number; repeated variables are summed (pulp's own constructor keeps the last)."""
+    e = pulp.LpAffineExpression(constant=constant)
+    for v, c in terms:
+        if isinstance(v, (int, float)):
+            e.constant += v * c * scale
+        else:
+            e.addterm(v, c * scale)
+    return e
+
+
+class _Vars(View):
+    """The MILP's answer to the cost model's questions: variables, or 0 where a decision is
+    not available."""
+
+    def __init__(self, m: "Model"):
+        self.m = m
+
+    def x(self, i, c):
+        return self.m.xv[i].get(c, 0)
+
+    def h(self, i, k):
+        return self.m.hv[i][k]
+
+    def share(self, kind, i, s):
+        return self.m.sv.get((kind, i, s), 0)
+
+    def e(self, i):
+        return self.m.ev.get(i, 0)
+
+    def q(self, k, i):
+        return self.m.qv.get((k, i), 0)
+
+    def y(self, c, k, e):
+        return self.m.yv.get((c, k, e), 0)
+
+    def at(self, s):
+        return self.m.at_stage.get(s, ())
+
+    def recomputed_at(self, i):
+        return self.m.rec_at.get(i, ())
+
+    def ck_returns(self, s):
+        return self.m.ck_at.get(s, ())
+
+
+@dataclass
+class Solution:
+    """What the model chose, read back as plain values."""
+
+    layers: list                   # list[LayerDecision]
+    shares: dict                   # (kind, unit index, stage) -> share in (0, 1]
+    objective: float               # the step (or the budget minimised), solver's incumbent
+    stage_s: list = field(default_factory=list)
+
+
+class Model:
+    """The MILP over one ``CostModel``."""
+
+    def __init__(self, cm: CostModel, options: Options = Options()):
+        self.cm = cm
+        self.opt = options
+        self.prob = pulp.LpProblem("tierplan", pulp.LpMinimize)
+        self.violated: list[str] = []
+        self.v = _Vars(self)
+        self._variables()
+        self.c_choice()
+        self.c_segments()
+        self.c_streamed_segments()
+        self.c_shares()
+        self.c_out_before_in()
+        self.c_memory()
+        self.c_time()
+        self.c_link_totals()
+        self.c_peak_knapsack()
+        self.prob += self.objective()
+
+    # -- variables ---------------------------------------------------------------------------
+
+    def _var(self, name, low=0, up=None, cat="Continuous"):
+        return self.prob.add_variable(name, low, up, cat=cat)
+
+    def _variables(self):
+        cm, U = self.cm, self.cm.U
+        # x_{c,i}: activation choice; h_{k,i}: home; a unit with one option gets the constant 1
+        self.xv = []
+        for i in range(U):
+            ch = cm.choices[i]
+            self.xv.append({c: (1 if len(ch) == 1 else self._var(f"x_{c}_{i}", 0, 1, "Binary"))
+                            for c in ch})
+        self.hv = []
+        for i in range(U):
+            hs = cm.homes[i]
+            self.hv.append([1 if len(hs) == 1 else self._var(f"h_{k}_{i}", 0, 1, "Binary")
+                            for k in range(len(hs))])
+        # shares: s^{kind}_{i,t} in [0, 1]
+        self.sv = {}
+        for i in range(U):
+            for kind in cm.kinds_of(i):
+                for t in cm.window(kind, i):
+                    self.sv[kind, i, t] = self._var(f"{kind}_{i}_{t}", 0, 1)
+        # segments: e_i (i ends one), m_{k,i} (k..i one segment), q_{k,i} (k recomputed at bwd(i))
+        self.ev, self.mv, self.qv = {}, {}, {}
+        rec = [any(c in cm.choices[i] for c in REC) for i in range(U)]
+        for i in range(U):
+            if rec[i]:
+                self.ev[i] = self._var(f"e_{i}", 0, 1)
+        for i in range(U):
+            for k in range(max(0, i - cm.windows.seg + 1), i):
+                if all("rz" in cm.choices[t] for t in range(k + 1, i + 1)):
+                    self.mv[k, i] = self._var(f"m_{k}_{i}", 0, 1)
+                    self.qv[k, i] = self._var(f"q_{k}_{i}", 0, 1)
+        # y^c_{k,e}: k's offloaded checkpoint returns for a segment ending at e
+        self.yv = {}
+        for k in range(U):
+            for c in ("rc", "rn"):
+                if c not in cm.choices[k]:
+                    continue
+                for e in [k] + [i for (kk, i) in self.mv if kk == k]:
+                    if cm.ck_allowed(k, e):
+                        self.yv[c, k, e] = self._var(f"y{c[1]}_{k}_{e}", 0, 1)
+        # what the cost model asks per stage: the shares, segment members, checkpoint returns
+        self.at_stage, self.rec_at, self.ck_at = {}, {}, {}
+        for kind, i, t in self.sv:
+            self.at_stage.setdefault(t, []).append((kind, i))
+        for k, i in self.qv:
+            self.rec_at.setdefault(i, []).append(k)
+        for c, k, e in self.yv:
+            self.ck_at.setdefault(cm.ck_return_stage(k, e), []).append((k, e, c))
+        L = cm.L
+        self.rest = cm.needs_rest_pass()
+        self.T = {s: self._var(f"T_{s}") for s in L.pass_stages}
+        self.T2 = {s: self._var(f"Tr_{s}") for s in L.pass_stages} if self.rest else {}
+        self.To = self._var("To")
+        self.C = {(t, s): self._var(f"C{t[0]}_{s}") for t in self._tiers() for s in L.pass_stages}
+        self.pool = self._var("pi") if cm.staging_needs(self.v) else None
+        if self.opt.minimise == "gpu":
+            self.Gvar = self._var("G")
+        if self.opt.minimise == "cpu":
+            self.Hvar = self._var("Hc")
+
+    def _tiers(self):
+        cm = self.cm
+        return [t for t in TIERS if t == "gpu" or (t == "cpu" and cm.has_cpu)
+                or (t == "nvme" and cm.has_nvme)]
+
+    def budget(self, tier: str):
+        """The budget of ``tier`` in GB, or the variable being minimised."""
+        if tier == "gpu" and self.opt.minimise == "gpu":
+            return self.Gvar
+        if tier == "cpu" and self.opt.minimise == "cpu":
+            return self.Hvar
+        return self.cm.budget[tier] / GB
+
+    def _c(self, expr, name):
+        if isinstance(expr, bool):          # a row with no variable left
+            if not expr:
+                self.violated.append(name)
+            return
+        self.prob += expr, name
+
+    def rec(self, i):
+        return [(self.v.x(i, c), 1.0) for c in REC if c in self.cm.choices[i]]
+
+    # -- constraint families -----------------------------------------------------------------
+
+    def c_choice(self):
+        """choice_i:  Σ_c x_{c,i} = 1        home_i:  Σ_k h_{k,i} = 1"""
+        for i in range(self.cm.U):
+            if len(self.xv[i]) > 1:
+                self._c(pulp.lpSum(self.xv[i].values()) == 1, f"choice_{i}")
+            if len(self.hv[i]) > 1:
+                self._c(pulp.lpSum(self.hv[i]) == 1, f"home_{i}")
+
+    def c_segments(self):
+        """Segment recompute (Chen et al. 2016): a ``none`` unit (rz) is rebuilt with the
+        segment it continues, at the backward of the segment's last unit.
+
+        none_follows_i:  rz_i <= rec_{i-1}
+        seg_len_i:       Σ_{t=i-w_seg+1..i} rz_t <= w_seg - 1
+        seg_chain_k_i:   m_{k,i} >= m_{k,i-1} + rz_i - 1,   m_{k,k} = 1
+        seg_end_i:       e_i >= rec_i - rz_{i+1}
+        seg_rec_k_i:     q_{k,i} >= m_{k,i} + e_i - 1
+        ck_home_c_k:     Σ_e y^c_{k,e} = x_{c,k}                      (c = rc, rn)
+        ck_end_c_k_e:    y^c_{k,e} >= m_{k,e} + e_e + x_{c,k} - 2      (y^c_{k,k} >= e_k + x_{c,k} - 1)
+        ck_late_k_i:     m_{k,i} + x_{rc,k} + x_{rn,k} <= 1   where X_k could not come back
+        Only lower bounds: m, q, e, y only ever make a row harder or the objective larger.
+        """
+        cm, U, w = self.cm, self.cm.U, self.cm.windows.seg
+        for i in range(U):
+            if "rz" in self.xv[i]:
+                self._c(lin([(self.xv[i]["rz"], 1.0)] + [(v, -c) for v, c in self.rec(i - 1)])
+                        <= 0, f"none_follows_{i}")
+            if i >= w:
+                zs = [self.xv[t]["rz"] for t in range(i - w + 1, i + 1) if "rz" in self.xv[t]]
+                if len(zs) == w:
+                    self._c(pulp.lpSum(zs) <= w - 1, f"seg_len_{i}")
+        for (k, i), m in self.mv.items():
+            prev = 1 if i == k + 1 else self.mv[k, i - 1]
+            self._c(m >= prev + self.xv[i]["rz"] - 1, f"seg_chain_{k}_{i}")
+            off = [self.xv[k][c] for c in ("rc", "rn") if c in self.xv[k]]
+            if off and not cm.ck_allowed(k, i):
+                self._c(m + pulp.lpSum(off) <= 1, f"ck_late_{k}_{i}")
+        for i, e in self.ev.items():
+            nxt = [(self.xv[i + 1]["rz"], -1.0)] if i + 1 < U and "rz" in self.xv[i + 1] else []
+            self._c(lin(self.rec(i) + [(e, -1.0)] + nxt) <= 0, f"seg_end_{i}")
+        for (k, i), q in self.qv.items():
+            if i in self.ev:
+                self._c(q >= self.mv[k, i] + self.ev[i] - 1, f"seg_rec_{k}_{i}")
+        for k in range(U):
+            for c in ("rc", "rn"):
+                if c not in self.xv[k]:
+                    continue
+                xs = self.xv[k][c]
+                ys = {e: v for (cc, kk, e), v in self.yv.items() if cc == c and kk == k}
+                self._c(pulp.lpSum(ys.values()) == xs, f"ck_home_{c}_{k}")
+                if k in ys and k in self.ev:
+                    self._c(ys[k] >= self.ev[k] + xs - 1, f"ck_end_{c}_{k}_{k}")
+                for e, v in ys.items():
+                    if e != k and e in self.ev:
+                        self._c(v >= self.mv[k, e] + self.ev[e] + xs - 2, f"ck_end_{c}_{k}_{e}")
+                if not cm.ck_allowed(k, k):
+                    self._c(xs <= 0, f"ck_late_{c}_{k}")
+
+    def c_streamed_segments(self):
+        """A unit whose weights stream is recomputed only on its own (its weights are fetched
+        once for its backward stage, which holds its recompute):
+
+        stream_rz_i:   rz_i + Σ_{k streams} h_{k,i} <= 1        (i continues no segment)
+        stream_next_i: rz_{i+1} + Σ_{k streams} h_{k,i} <= 1    (no segment continues after i)
+        """
+        cm = self.cm
+        for i in range(cm.U):
+            st = [self.hv[i][k] for k, h in enumerate(cm.homes[i]) if h.streams_weights]
+            if not st:
+                continue
+            if "rz" in self.xv[i]:
+                self._c(self.xv[i]["rz"] + pulp.lpSum(st) <= 1, f"stream_rz_{i}")
+            if i + 1 < cm.U and "rz" in self.xv[i + 1]:
+                self._c(self.xv[i + 1]["rz"] + pulp.lpSum(st) <= 1, f"stream_next_{i}")
+
+    def c_shares(self):
+        """Every byte a decision moves moves exactly once:
+
+        share_kind_i:  Σ_{t in window(kind, i)} s^{kind}_{i,t} = gate_kind(i)
+        (gate: x_{cpu,i} / x_{nvme,i} for activations, Σ of the homes that stream the class)
+        """
+        cm = self.cm
+        for i in range(cm.U):
+            for kind in cm.kinds_of(i):
+                terms = [(self.sv[kind, i, t], 1.0) for t in cm.window(kind, i)]
+                terms += [(v, -c) for v, c in cm.gate(kind, i, self.v)]
+                self._c(lin(terms) == 0, f"share_{kind}_{i}")
+
+    def c_out_before_in(self):
+        """Offloaded activations come back only after they left (when the windows overlap):
+
+        order_c_i_t:  Σ_{τ<=t} p^c_{i,τ} <= Σ_{τ<t} o^c_{i,τ}        (and the same for nvme)
+        """
+        cm = self.cm
+        for i in range(cm.U):
+            for o, p in (("oc", "pc"), ("on", "pn")):
+                if p not in cm.kinds_of(i):
+                    continue
+                out_w, in_w = cm.window(o, i), cm.window(p, i)
+                for t in in_w:
+                    if t > max(out_w):
+                        break
+                    terms = [(self.sv[p, i, tt], 1.0) for tt in in_w if tt <= t]
+                    terms += [(self.sv[o, i, tt], -1.0) for tt in out_w if tt < t]
+                    self._c(lin(terms) <= 0, f"order_{p[1]}_{i}_{t}")
+
+    def c_memory(self):
+        """Memory per tier and stage, as the cost model counts it (bytes carried from stage to
+        stage as a running sum, so each row has O(w) terms):
+
+        carried_t_s:  C_{t,s} = C_{t,s-1} - free_t(s-1) + alloc_t(s),   C_{t,-1} = 0
+        mem_t_s:      base_t + shared_t(s) + C_{t,s} + ws_s [gpu] + pi [cpu; gpu on unified] <= B_t
+        opt_held_t_j: tmax_t >= what unit j's step holds on tier t (read to write)
+        mem_t_opt:    base_t + 3 tmax_t [+ optimizer workspace on gpu] + pi [host] <= B_t
+        ws_s >= each workspace candidate of stage s (the largest of a recomputed segment's)
+        staging_n:    pi >= each staging need (two buffers of the largest NVMe transfer)
+        """
+        cm, L, v = self.cm, self.cm.L, self.v
+        base = cm.base(v)
+        if self.pool is not None:
+            for n, need in enumerate(cm.staging_needs(v)):
+                self._c(self.pool - lin(need, 1 / GB) >= 0, f"staging_{n}")
+        pool_tier = None if self.pool is None else ("gpu" if cm.unified else "cpu")
+        for t in self._tiers():
+            prev_free = None
+            for s in L.pass_stages:
+                a = cm.alloc(s, v, self.rest)[t]
+                terms = [(self.C[t, s], -1.0)] + [(x, c / GB) for x, c in a]
+                if s > 0:
+                    terms += [(self.C[t, s - 1], 1.0)] + [(x, -c / GB) for x, c in prev_free]
+                self._c(lin(terms) == 0, f"carried_{t}_{s}")
+                prev_free = cm.free(s, v, self.rest)[t]
+                row = lin(base[t], 1 / GB, constant=cm.shared[s] / GB if t == "gpu" else 0.0)
+                row += self.C[t, s]
+                if t == "gpu":
+                    cands = [c for c in cm.transient(s, v) if c]
+                    if len(cands) == 1:
+                        row += lin(cands[0], 1 / GB)
+                    elif cands:
+                        ws = self._var(f"ws_{s}")
+                        for n, c in enumerate(cands):
+                            self._c(ws - lin(c, 1 / GB) >= 0, f"ws_{s}_{n}")
+                        row += ws
+                if t == pool_tier:
+                    row += self.pool
+                self._c(row - self.budget(t) <= 0, f"mem_{t}_{s}")
+        for t, per_unit in cm.opt_transients(v).items():
+            if t not in self._tiers():
+                continue
+            tmax = self._var(f"tmax_{t}") if per_unit else 0
+            for j, terms in enumerate(per_unit):
+                self._c(tmax - lin(terms, 1 / GB) >= 0, f"opt_held_{t}_{j}")
+            row = lin(base[t], 1 / GB) + cm.OPT_DEPTH * tmax
+            if t == "gpu" and cm.opt_ws:
+                row += cm.opt_ws / GB
+            if t == pool_tier:
+                row += self.pool
+            self._c(row - self.budget(t) <= 0, f"mem_{t}_opt")
+
+    def c_time(self):
+        """A stage lasts as long as its longest resource (transfers overlap compute):
+
+        time_r_s:   T_s >= load_r(s)            r in compute, d2h, h2d, duplex, nvme, host
+        (and Tr_s for the passes after the first, which also read gradient accumulators back)
+        timeo_r:       To >= Σ_j load_r(j)       the optimizer phase: its busiest resource
+        timeo_chain_j: To >= read_j + step_j + write_j     or one unit's chain, if longer
+        """
+        cm, L, v = self.cm, self.cm.L, self.v
+        for s in L.pass_stages:
+            for T, rest, tag in ((self.T, False, ""), (self.T2, True, "r")):
+                if not T:
+                    continue
+                for r, terms in cm.loads(s, v, rest).items():
+                    if terms:
+                        self._c(T[s] - lin(terms) >= 0, f"time{tag}_{r}_{s}")
+        for r, terms in cm.opt_loads(v).items():
+            if terms:
+                self._c(self.To - lin(terms) >= 0, f"timeo_{r}")
+        for j, terms in enumerate(cm.opt_chains(v)):
+            self._c(self.To - lin(terms) >= 0, f"timeo_chain_{j}")
+
+    def c_link_totals(self):
+        """Valid inequalities (implied in integer solutions; they tighten the LP relaxation):
+
+        time_total:   Σ_s T_s >= Σ_i (f_i + b_i) + Σ_i f_i rec_i   (each recomputed unit runs
+                      its forward once more: without it the relaxation spreads ``none`` so
+                      thinly that no segment seems to end and recompute looks free)
+        link_total_r: Σ_s T_s >= Σ_s load_r(s)   for each link r (d2h, h2d, duplex, nvme)
+        """
+        cm, L, v = self.cm, self.cm.L, self.v
+        terms = [(self.T[s], 1.0) for s in L.pass_stages]
+        for i in range(cm.U):
+            terms += [(x, -cm.f[i]) for x, _ in self.rec(i)]
+        self._c(lin(terms) >= sum(cm.f) + sum(cm.b), "time_total")
+        for r in ("d2h", "h2d", "duplex", "nvme", "host"):
+            load = [t for s in L.pass_stages for t in cm.loads(s, v, False)[r]]
+            if load:
+                self._c(lin([(self.T[s], 1.0) for s in L.pass_stages]) - lin(load) >= 0,
+                        f"link_total_{r}")
+
+    def c_peak_knapsack(self):
+        """Valid inequality over binaries alone (implied by mem_gpu at the first backward
+        stage, where every kept activation and checkpoint is held at once); the solvers' cover
+        cuts need it stated without the continuous shares:
+
+        peak_knapsack: Σ_i [A_i x_keep_i + X_i x_rg_i] + Σ_{i,k} R^gpu_{i,k} h_{k,i}
+                       + A_{U-1} + W_{U-1} + shared(U+1) <= G
+        """
+        cm, v = self.cm, self.v
+        i_head = cm.U - 1
+        terms = list(cm.base(v)["gpu"])
+        for i in range(cm.U - 1):
+            if "keep" in cm.choices[i]:
+                terms.append((v.x(i, "keep"), float(cm.A[i])))
+            if "rg" in cm.choices[i]:
+                terms.append((v.x(i, "rg"), float(cm.X[i])))
+        const = cm.A[i_head] + cm.W[i_head] + cm.shared[cm.L.bwd(i_head)]
+        self._c(lin(terms, 1 / GB, const / GB) - self.budget("gpu") <= 0, "peak_knapsack")
+
+    # -- objective -----------------------------------------------------------------------------
+
+    def step_expr(self) -> pulp.LpAffineExpression:
+        """step = Σ_s T_s (first pass) + (K-1) Σ_s T'_s (later passes) + To"""
+        K = self.cm.K
+        first = pulp.lpSum(self.T.values())
+        later = pulp.lpSum(self.T2.values()) if self.T2 else first
+        return first + (K - 1) * later + self.To
+
+    def objective(self):
+        """min step + eps · bytes moved per pass (10 us per GB: moving bytes that gain nothing
+        loses the tie to not moving them); or the budget of a tier (+1e-4 · step) when finding
+        the smallest that fits."""
+        step = self.step_expr()
+        if self.opt.minimise == "gpu":
+            return self.Gvar + 1e-4 * step
+        if self.opt.minimise == "cpu":
+            return self.Hvar + 1e-4 * step
+        return step + lin(self.cm.moved_bytes(self.v), EPS_S_PER_BYTE * self.cm.K)
+
+    # -- warm start and read-back -----------------------------------------------------------
+
+    def warm_start(self, layers: list[LayerDecision]) -> bool:
+        """Set the choice binaries to ``layers``; False if one is not available here."""
+        from .costmodel import decision_choice
+        picks = []
+        for i, d in enumerate(layers):
+            c = decision_choice(d)
+            if c not in self.xv[i] or d.home not in self.cm.homes[i]:
+                return False
+            picks.append((c, self.cm.homes[i].index(d.home)))
+        for i, (c, k) in enumerate(picks):
+            for cc, var in self.xv[i].items():
+                if not isinstance(var, int):
+                    var.setInitialValue(1 if cc == c else 0)
+            for kk, var in enumerate(self.hv[i]):
+                if not isinstance(var, int):
+                    var.setInitialValue(1 if kk == k else 0)
+        return True
+
+    def solution(self) -> Solution:
+        cm = self.cm
+
+        def val(x):
+            return float(x) if isinstance(x, (int, float)) else float(x.value() or 0.0)
+        layers = []
+        for i, u in enumerate(cm.units):
+            c = max(self.xv[i], key=lambda cc: val(self.xv[i][cc]))
+            k = max(range(len(self.hv[i])), key=lambda kk: val(self.hv[i][kk]))
+            act, ck = CHOICE_DECISION[c]
+            layers.append(LayerDecision(u.name, act, ck, cm.homes[i][k]))
+        shares = {key: val(x) for key, x in self.sv.items() if val(x) > SHARE_EPS}
+        stage_s = [val(self.T[s]) for s in cm.L.pass_stages] + [val(self.To)]
+        return Solution(layers=layers, shares=shares,
+                        objective=float(pulp.value(self.step_expr())), stage_s=stage_s)

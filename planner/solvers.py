@@ -1,0 +1,484 @@
+"""Running the MILP: the solver is chosen here and only here, and every solve cleans up after
+itself on every path (done, infeasible, failed, interrupted): its temporary directory (PuLP's
+MPS/solution files, CBC's log) is removed and a CBC child process still running is killed.
+
+The reported gap is relative to the step time: the model's objective has no constant term
+(every stage's duration is a variable), so the solver's own relative gap already is that.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+
+import pulp
+
+from .errors import UserError
+from .milp import Model, Solution
+
+SOLVERS = ("cbc", "highs")
+
+
+class Infeasible(Exception):
+    """The model has no solution under its budgets (``plan solve`` turns it into exit 3)."""
+
+
+class NoIncumbent(Exception):
+    """The solver stopped (time limit) before it found any solution."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One solve: the solution read back and the solver's account of it."""
+
+    solution: Solution
+    solver: str
+    status: str          # optimal | feasible (stopped at the time limit with a solution)
+    gap: float | None    # (incumbent - bound) / incumbent
+    solve_s: float
+    variables: int
+    constraints: int
+
+
+# ----------------------------------------------------------------------------- the solvers
+
+class _QuietHiGHS(pulp.HiGHS):
+    """PuLP's HiGHS without the banner ``highspy.Highs()`` prints on stdout before any option
+    can silence it (``plan solve`` prints the plan's path as its first stdout line), with an
+    optional callback on HiGHS's MIP interrupt event (progress, and stopping on Ctrl-C)."""
+
+    def __init__(self, *a, callback=None, start=None, **k):
+        super().__init__(*a, **k)
+        self.callback = callback
+        self.start = start          # {variable name: value}: a MIP start (HiGHS checks it)
+
+    def createAndConfigureSolver(self, lp):
+        import highspy
+        sys.stdout.flush()
+        saved = os.dup(1)
+        try:
+            with open(os.devnull, "w") as null:
+                os.dup2(null.fileno(), 1)
+                h = highspy.Highs()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        h.setOptionValue("output_flag", bool(self.msg))
+        for key, val in (("mip_rel_gap", self.gapRel), ("threads", self.threads),
+                         ("time_limit", None if self.timeLimit is None else float(self.timeLimit))):
+            if val is not None:
+                h.setOptionValue(key, val)
+        if self.callback is not None:
+            h.cbMipInterrupt.subscribe(self.callback)
+        lp.solverModel = h
+
+    def buildSolverModel(self, lp):
+        super().buildSolverModel(lp)
+        if self.start:
+            import highspy
+            sol = highspy.HighsSolution()
+            sol.col_value = [float(self.start.get(v.name, 0.0)) for v in lp.variables()]
+            sol.value_valid = True
+            lp.solverModel.setSolution(sol)
+
+
+def highs_available() -> bool:
+    try:
+        import highspy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_solver(name: str, time_limit: float | None, gap: float, warm: bool, tmp_dir: str,
+                log_path: str | None, callback=None, start: dict | None = None):
+    """``cbc`` (PuLP's bundled CBC) or ``highs`` (highspy); the one place a solver is made."""
+    if name == "cbc":
+        # NB: PuLP 3.x warns that its bundled CBC goes away in PuLP 4; we pin pulp<4 for it.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            s = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=gap, warmStart=warm,
+                                  logPath=log_path, threads=1)
+        s.tmpDir = tmp_dir           # its MPS, solution and start files go where we clean up
+        return s
+    if name == "highs":
+        if not highs_available():
+            raise UserError("--solver highs: highspy is not installed; pip install highspy "
+                            "(bash setup.sh installs it) or use --solver cbc")
+        return _QuietHiGHS(msg=False, timeLimit=time_limit, gapRel=gap, threads=1,
+                           callback=callback, start=start)
+    raise UserError(f"--solver '{name}': unknown solver; use {' or '.join(SOLVERS)}")
+
+
+class _Children:
+    """Records the processes PuLP starts during one solve (it keeps no handle we could reach
+    when the solve is interrupted), so that ``kill`` can end one left running."""
+
+    def __init__(self):
+        self.procs: list[subprocess.Popen] = []
+
+    def Popen(self, *a, **k):          # noqa: N802 -- stands in for subprocess.Popen
+        p = subprocess.Popen(*a, **k)
+        self.procs.append(p)
+        return p
+
+    def __getattr__(self, name):       # everything else PuLP uses from subprocess
+        return getattr(subprocess, name)
+
+    def kill(self):
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(OSError):
+                    p.kill()
+                with contextlib.suppress(Exception):
+                    p.wait(timeout=5)
+
+
+_PATCH_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _tracked_children():
+    """Route PuLP's ``subprocess.Popen`` (in its CBC module) through ``_Children`` for the
+    duration of one solve."""
+    from pulp.apis import coin_api
+    children = _Children()
+    with _PATCH_LOCK:
+        saved = coin_api.subprocess
+        coin_api.subprocess = children
+        try:
+            yield children
+        finally:
+            coin_api.subprocess = saved
+            children.kill()
+
+
+# ----------------------------------------------------------------------------- progress and gap
+
+_CBC_PROGRESS = re.compile(r"Cbc0010I After (\d+) nodes.*?([-\d.e+]+) best solution, best possible "
+                           r"([-\d.e+]+) \(([\d.]+) seconds\)")
+_CBC_BOUND = re.compile(r"best possible ([-\d.e+]+)")
+
+
+def rel_gap(incumbent: float, bound: float) -> float:
+    return max(0.0, incumbent - bound) / max(abs(incumbent), 1e-12)
+
+
+def _progress_line(elapsed: float, incumbent: float, gap: float) -> None:
+    print(f"  solve: {elapsed:6.1f} s  incumbent {incumbent:.5f}  gap {gap:.2%}", file=sys.stderr)
+
+
+def _tail_progress(log_path: str, stop: threading.Event) -> None:
+    """Print elapsed time, incumbent and gap from CBC's log on stderr (TTY only)."""
+    pos = 0
+    while not stop.wait(1.0):
+        try:
+            with open(log_path) as fh:
+                fh.seek(pos)
+                text = fh.read()
+                pos = fh.tell()
+        except OSError:
+            continue
+        for m in _CBC_PROGRESS.finditer(text):
+            inc, bound = float(m.group(2)), float(m.group(3))
+            _progress_line(float(m.group(4)), inc, rel_gap(inc, bound))
+
+
+class _HighsCallback:
+    """HiGHS's MIP interrupt callback: progress once a second (when asked) and a stop when
+    the process was interrupted (HiGHS runs in this process: Ctrl-C waits for it otherwise)."""
+
+    def __init__(self, progress: bool):
+        self.progress = progress
+        self.last = -1.0
+        self.stop = False
+
+    def __call__(self, event) -> None:
+        if self.stop:
+            event.interrupt()
+            return
+        if not self.progress:
+            return
+        d = event.data_out
+        t = float(d.running_time)
+        inc, bound = float(d.mip_primal_bound), float(d.mip_dual_bound)
+        if t - self.last < 1.0 or not (math.isfinite(inc) and math.isfinite(bound)):
+            return
+        self.last = t
+        _progress_line(t, inc, rel_gap(inc, bound))
+
+
+def _cbc_gap(log_path: str, objective: float, allowed: float) -> float | None:
+    """CBC's gap from its log: the last ``best possible`` bound (its final ``Lower bound`` line
+    keeps 3 decimals, too coarse); a completed search proved the allowed gap at least."""
+    try:
+        text = open(log_path).read()
+    except OSError:
+        return None
+    bounds = _CBC_BOUND.findall(text)
+    g = rel_gap(objective, float(bounds[-1])) if bounds else None
+    if "Search completed" in text or "Result - Optimal solution found" in text:
+        if "tolerance" not in text:
+            return 0.0
+        return min(g, allowed) if g is not None else allowed
+    return g
+
+
+# ----------------------------------------------------------------------------- solving
+
+@contextlib.contextmanager
+def _solver_run(solver, time_limit, gap, warm, start, progress):
+    """A solver and the run around it: its own temp directory, its children killed and the
+    directory removed on every path; yields (pulp solver, CBC log path, HiGHS callback)."""
+    tmp = tempfile.mkdtemp(prefix="tierplan-solve-")
+    log_path = os.path.join(tmp, "cbc.log") if solver == "cbc" else None
+    stop = threading.Event()
+    th = None
+    callback = _HighsCallback(progress) if solver == "highs" else None
+    if progress and solver == "cbc":
+        open(log_path, "w").close()
+        th = threading.Thread(target=_tail_progress, args=(log_path, stop), daemon=True)
+        th.start()
+    try:
+        s = make_solver(solver, time_limit, gap, warm, tmp, log_path, callback, start)
+        with _tracked_children():
+            yield s, log_path, callback
+    finally:
+        stop.set()
+        if th:
+            th.join(timeout=2)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run(model: Model, solver, time_limit, gap, warm=False, start=None, progress=False):
+    """One solve of ``model.prob`` as it stands; (status, objective, gap or None)."""
+    with _solver_run(solver, time_limit, gap, warm, start, progress) as (s, log_path, cb):
+        try:
+            model.prob.solve(s)
+        except KeyboardInterrupt:
+            if cb is not None:
+                cb.stop = True
+            raise
+        except pulp.PulpSolverError as e:
+            raise UserError(f"the {solver} solver failed ({str(e).splitlines()[0][:120]}); "
+                            "try --solver highs or a larger --time-limit") from None
+        status = model.prob.sol_status
+        if status == pulp.LpSolutionNoSolutionFound:
+            return status, None, None
+        if status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+            raise Infeasible(pulp.LpStatus[model.prob.status])
+        obj = float(pulp.value(model.prob.objective))
+        if solver == "cbc":
+            g = _cbc_gap(log_path, obj, gap)
+        else:
+            bound = float(model.prob.solverModel.getInfo().mip_dual_bound)
+            g = rel_gap(obj, bound) if math.isfinite(bound) else None
+        return status, obj, g
+
+
+def _binaries(model: Model):
+    """The model's binaries (PuLP stores a binary as an integer in [0, 1])."""
+    return [v for v in model.prob.variables() if v.cat == pulp.LpInteger]
+
+
+def _groups(model: Model) -> list[tuple[list, list]]:
+    """Per unit, its groups of one-of binaries: (keys, variables) for the activation choice
+    and for the home, each only where there is a choice."""
+    out = []
+    for i in range(model.cm.U):
+        g = []
+        xs = [(c, v) for c, v in model.xv[i].items() if not isinstance(v, int)]
+        if xs:
+            g.append(("x", xs))
+        hs = [(k, v) for k, v in enumerate(model.hv[i]) if not isinstance(v, int)]
+        if hs:
+            g.append(("h", hs))
+        out.append(g)
+    return out
+
+
+class _Rounder:
+    """Whole choices that follow the LP relaxation's fractional ones along the chain.
+
+    The relaxation typically spreads a choice thinly (offload 30% of each of 40 blocks); any
+    whole plan must instead take it for some units. Going along the units, each takes the
+    choice whose running LP total most exceeds how often it was taken so far (the
+    'chairman assignment'), so that at every prefix the count of each choice stays within one
+    of the LP's: the chosen units end up evenly spaced, as links and memory want them.
+    ``offset`` starts the running totals at different fractions, giving other evenly spaced
+    picks. The state carries over from one batch of units to the next."""
+
+    def __init__(self, model: Model, offset: float):
+        self.model = model
+        self.offset = offset
+        self.deficit: dict = {}
+        self.prev = None
+        self.run = 0
+        self.groups = _groups(model)
+
+    def round(self, units, lp: dict) -> dict:
+        from .costmodel import REC
+        m = self.model
+        wseg = m.cm.windows.seg
+        fixed = {}
+        for i in units:
+            home = None
+            groups = self.groups[i]
+            for kind, items in groups:
+                best, best_d = None, None
+                for n, (key, var) in enumerate(items):
+                    d = self.deficit.get((kind, key), (self.offset * (n + 1)) % 1.0) + \
+                        lp.get(var.name, 0.0)
+                    self.deficit[(kind, key)] = d
+                    if kind == "x" and key == "rz" and (self.prev not in REC or self.run >= wseg - 1):
+                        continue        # none follows a recompute unit; segments <= w_seg
+                    if best_d is None or d > best_d + 1e-12:
+                        best, best_d = (key, var), d
+                key, var = best
+                self.deficit[(kind, key)] -= 1.0
+                for _, v2 in items:
+                    fixed[v2.name] = 1 if v2 is var else 0
+                if kind == "h":
+                    home = key
+                else:
+                    self.run = self.run + 1 if key == "rz" else 0
+                    self.prev = key
+            if not any(k == "x" for k, _ in groups):
+                self.prev, self.run = next(iter(m.xv[i])), 0
+            # a unit whose weights stream is recomputed only alone (c_streamed_segments)
+            if home is not None and m.cm.homes[i][home].streams_weights and self.prev == "rz":
+                fixed[m.xv[i]["rz"].name] = 0
+                fixed[m.xv[i]["rg"].name] = 1
+                self.prev, self.run = "rg", 0
+        return fixed
+
+
+def _fixed_lp(model: Model, solver: str, time_limit, fixed: dict):
+    """Objective and all values of ``model`` with the binaries in ``fixed`` pinned: an LP."""
+    saved = []
+    by_name = {v.name: v for v in model.prob.variables()}
+    for name, val in fixed.items():
+        v = by_name[name]
+        saved.append((v, v.lowBound, v.upBound, v.cat))
+        v.lowBound = v.upBound = val
+        v.cat = pulp.LpContinuous
+    try:
+        try:
+            _, obj, _ = _run(model, solver, time_limit, 0.0)
+        except Infeasible:
+            return None, None
+        return obj, {v.name: v.value() for v in model.prob.variables()}
+    finally:
+        for v, lo, up, cat in saved:
+            v.lowBound, v.upBound, v.cat = lo, up, cat
+
+
+def _relaxation(model: Model, solver: str, time_limit, fixed: dict):
+    """The LP relaxation with the binaries in ``fixed`` pinned: (bound, values) or
+    (None, None) when infeasible."""
+    bins = _binaries(model)
+    for v in bins:
+        v.cat = pulp.LpContinuous
+    try:
+        obj, values = _fixed_lp(model, solver, time_limit, fixed)
+    finally:
+        for v in bins:
+            v.cat = pulp.LpInteger
+    return obj, values
+
+
+def _dive(model: Model, solver: str, time_limit, gap: float):
+    """A global bound and a first plan. The LP relaxation's value bounds every plan; then,
+    batch by batch along the chain, its choices are rounded (``_Rounder``) and fixed, and the
+    relaxation re-solved with them fixed, so the units still open adapt to what the fixed ones
+    use; the last LP, with everything fixed, times the plan. A batch that makes the relaxation
+    infeasible is retried with the next offset. Why: on this project's instances the
+    relaxation is within a fraction of a percent of the optimum, and what the MILP solvers
+    lack is a good first plan (gpt2-xl at 30G: HiGHS's root bound is 0.2% below the optimum,
+    but it finds that plan after 28 s). Returns (bound, values of the plan, its objective)."""
+    t0 = time.perf_counter()
+
+    def over():
+        return time_limit is not None and time.perf_counter() - t0 > time_limit
+    bound, lp = _relaxation(model, solver, time_limit, {})
+    if bound is None:
+        return None, None, None
+    U = model.cm.U
+    batch = max(4, U // 6)
+    for offset in (0.5, 0.0, 0.25, 0.75):
+        r = _Rounder(model, offset)
+        fixed, cur = {}, lp
+        ok = True
+        for start in range(0, U, batch):
+            if over():
+                return bound, None, None
+            trial = dict(fixed, **r.round(range(start, min(U, start + batch)), cur))
+            obj, values = _relaxation(model, solver, time_limit, trial)
+            if obj is None:
+                ok = False
+                break
+            fixed, cur = trial, values
+        if ok:
+            obj, values = _fixed_lp(model, solver, time_limit, fixed)
+            if obj is not None:
+                return bound, values, obj
+    return bound, None, None
+
+
+def solve(model: Model, solver: str = "highs", time_limit: float | None = 60.0,
+          gap: float = 0.005, warm=None, progress: bool = False) -> Outcome:
+    """Solve ``model``; raise ``Infeasible`` when nothing fits, ``NoIncumbent`` when the time
+    limit ends the search before a solution.
+
+    First ``_dive`` (a few LPs): when its plan is within ``gap`` of the LP's bound
+    it is the answer, proven; otherwise it starts the full search (with ``warm``,
+    a list of decisions such as the best baseline's, as the start where it has none)."""
+    if model.violated:
+        raise Infeasible(f"constant rows violated: {', '.join(model.violated[:3])}")
+    t0 = time.perf_counter()
+
+    def left(share=1.0):
+        if time_limit is None:
+            return None
+        return max(0.5, (time_limit - (time.perf_counter() - t0)) * share)
+
+    bound, start, obj = _dive(model, solver, left(0.3), gap)
+    if start is not None and bound is not None and rel_gap(obj, bound) <= gap:
+        for v in model.prob.variables():
+            v.varValue = start.get(v.name, v.varValue)
+        status, g = "optimal", rel_gap(obj, bound)
+    else:
+        if start is None and warm:
+            use = model.warm_start(warm)
+            start = {v.name: v.varValue for v in model.prob.variables()} if use else None
+        elif start is not None:
+            for v in model.prob.variables():
+                x = start.get(v.name, 0.0) or 0.0
+                lo = -math.inf if v.lowBound is None else v.lowBound
+                up = math.inf if v.upBound is None else v.upBound
+                v.setInitialValue(min(max(x, lo), up))
+        st, obj2, g = _run(model, solver, left(), gap, warm=start is not None,
+                           start=start if solver == "highs" else None, progress=progress)
+        if obj2 is None:
+            if start is None:
+                raise NoIncumbent(f"{solver} found no solution within {time_limit} s")
+            for v in model.prob.variables():
+                v.varValue = start.get(v.name, v.varValue)
+            status, g = "feasible", rel_gap(obj, bound) if bound is not None else None
+        else:
+            status = "optimal" if st == pulp.LpSolutionOptimal else "feasible"
+            if bound is not None and g is not None:
+                g = min(g, rel_gap(obj2, bound))
+    sol = model.solution()
+    return Outcome(solution=sol, solver=solver, status=status, gap=g,
+                   solve_s=time.perf_counter() - t0, variables=len(model.prob.variables()),
+                   constraints=model.prob.numConstraints())
