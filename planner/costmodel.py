@@ -734,8 +734,31 @@ class CostModel:
     # -- totals ----------------------------------------------------------------------------
 
     def compute_only(self) -> float:
-        """K passes of forward and backward plus the device optimizer: every plan's floor."""
-        return self.K * (sum(self.f) + sum(self.b)) + sum(self.t_dev_opt)
+        """Every plan's floor: K passes of forward and backward, and the optimizer phase at its
+        shortest, which is the device's own step unless the host's CPU can take a share of it
+        in parallel (the split that balances the two, fractional)."""
+        return self.K * (sum(self.f) + sum(self.b)) + self.optimizer_floor()
+
+    def optimizer_floor(self) -> float:
+        """min over fractional splits x of max(Σ dev_j (1 - x_j), Σ cpu_j x_j), over the units
+        whose step may run on the host: move the units that free the most device time per host
+        second first, until the host's share would exceed the device's."""
+        dev = sum(self.t_dev_opt)
+        movable = []
+        for j in range(self.U):
+            cpu = min((self.step_seconds(j, h)[1] for h in self.homes[j] if h.step is Tier.CPU),
+                      default=None)
+            if cpu and self.t_dev_opt[j] > 0:
+                movable.append((self.t_dev_opt[j] / cpu, self.t_dev_opt[j], cpu))
+        host = 0.0
+        for _, d, c in sorted(movable, reverse=True):
+            # moving a fraction x of this unit: dev - d x = host + c x
+            x = min(1.0, max(0.0, (dev - host) / (d + c)))
+            dev -= d * x
+            host += c * x
+            if x < 1.0:
+                break
+        return max(dev, host)
 
     def moved_bytes(self, v: View) -> Lin:
         """Bytes moved per pass (the tie-break's measure)."""

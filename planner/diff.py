@@ -14,17 +14,12 @@ import json
 import sys
 
 from .errors import UserError
-from .formats import PLAN_SCHEMA, PROFILE_SCHEMA, Activation, LayerDecision, Plan, read_json
+from .formats import PLAN_SCHEMA, PLAN_SCHEMA_V1, PROFILE_SCHEMA, Plan, read_json
 from .sizes import fmt_bytes, fmt_seconds
+from .table import unit_table
 
-PREDICTED_KEYS = ("step_s", "compute_s", "peak_gpu_bytes", "peak_cpu_bytes", "peak_nvme_bytes")
-
-
-def decision_label(d: LayerDecision) -> str:
-    """``keep``, ``cpu``, ``nvme`` or ``recompute/<checkpoint tier>``."""
-    if d.activation is Activation.RECOMPUTE:
-        return f"recompute/{(d.checkpoint.value if d.checkpoint else 'gpu')}"
-    return d.activation.value
+PREDICTED_KEYS = ("step_s", "compute_s", "pass_s", "optimizer_s", "peak_gpu_bytes",
+                  "peak_cpu_bytes", "peak_nvme_bytes")
 
 
 def load_plan_for(path: str, role: str) -> Plan:
@@ -34,7 +29,7 @@ def load_plan_for(path: str, role: str) -> Plan:
     if schema == PROFILE_SCHEMA:
         raise UserError(f"plan {role} '{path}' is a profile, not a plan; run 'plan solve {path} "
                         "--gpu-mem SIZE' and diff the plans it writes")
-    if schema != PLAN_SCHEMA:
+    if schema not in (PLAN_SCHEMA, PLAN_SCHEMA_V1):
         raise UserError(f"plan {role} '{path}' has schema {schema!r}, expected {PLAN_SCHEMA!r}; "
                         "give a plan written by 'plan solve'")
     return Plan.from_dict(d, path)
@@ -71,8 +66,9 @@ def _setting_sections(p: Plan) -> dict:
     """Everything about a plan other than its decisions, schedule and units, flattened."""
     model = {k: v for k, v in p.model.items() if k != "config"}
     return _flat("", {
-        "budgets": p.budgets, "hardware": p.hardware, "profile": p.profile, "model": model,
-        "solver": p.solver, "policy": p.policy, "nvme_dir": p.nvme_dir,
+        "budgets": p.budgets.to_dict(), "hardware": p.hardware, "profile": p.profile,
+        "model": model, "solver": p.solver.to_dict(), "policy": p.policy,
+        "nvme_dir": p.nvme_dir, "micro_batches": p.micro_batches,
     })
 
 
@@ -87,22 +83,25 @@ def diff_plans(a: Plan, b: Plan, path_a: str = "A", path_b: str = "B") -> dict:
     fa, fb = _setting_sections(a), _setting_sections(b)
     settings = [{"field": k, "a": fa.get(k), "b": fb.get(k)}
                 for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
+    # the per-unit tables of both plans, joined on the unit's name
+    ta, tb = unit_table(a), unit_table(b)
+    joined = ta[["decision", "home"]].join(tb[["decision", "home"]], lsuffix="_a", rsuffix="_b")
     changed = []
-    for i, (da, db) in enumerate(zip(a.layers, b.layers)):
-        if da != db:
-            changed.append({"index": i, "name": da.name,
-                            "a": decision_label(da), "b": decision_label(db)})
+    for i, (name, r) in enumerate(joined.iterrows()):
+        la = r["decision_a"] + ("" if r["home_a"] == "gpu" else f" [{r['home_a']}]")
+        lb = r["decision_b"] + ("" if r["home_b"] == "gpu" else f" [{r['home_b']}]")
+        if la != lb:
+            changed.append({"index": i, "name": name, "a": la, "b": lb})
     predicted = {}
+    pa, pb = a.predicted.to_dict(), b.predicted.to_dict()
     for k in PREDICTED_KEYS:
-        va, vb = a.predicted.get(k), b.predicted.get(k)
+        va, vb = pa.get(k), pb.get(k)
         delta = vb - va if isinstance(va, (int, float)) and isinstance(vb, (int, float)) else None
         predicted[k] = {"a": va, "b": vb, "delta": delta}
     counts = {}
-    for role, p in (("a", a), ("b", b)):
-        c = {}
-        for d in p.layers:
-            c[decision_label(d)] = c.get(decision_label(d), 0) + 1
-        counts[role] = dict(sorted(c.items()))
+    for role, t in (("a", ta), ("b", tb)):
+        labels = [d + ("" if h == "gpu" else f" [{h}]") for d, h in zip(t["decision"], t["home"])]
+        counts[role] = {k: labels.count(k) for k in sorted(set(labels))}
     return {"a": path_a, "b": path_b, "model": a.model.get("name"), "units": len(a.units),
             "settings": settings, "changed": changed, "predicted": predicted,
             "decision_counts": counts}

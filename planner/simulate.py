@@ -219,7 +219,11 @@ def simulate(plan: Plan) -> SimResult:
         for r in RESOURCES:
             busy[r] += loads.get(r, 0.0) * (K if in_pass else 1)
         i = L.unit_of(s)
-        bound = max(loads, key=lambda r: (loads[r], r == "compute")) if loads else "compute"
+        # the resource that sets the duration; compute unless another exceeds it (beyond
+        # rounding: the MILP sets link loads exactly equal to compute where it can)
+        top = max(loads.values(), default=0.0)
+        bound = "compute" if loads.get("compute", 0.0) >= top * (1 - 1e-9) else \
+            max(loads, key=loads.get)
         stages.append(StageRecord(stage=s, phase=L.phase(s),
                                   unit=None if i is None else cm.units[i].name, start=t0,
                                   seconds=dur, seconds_rest=dur_r, loads=loads, bound=bound,

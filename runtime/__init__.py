@@ -8,7 +8,7 @@ Never imports pulp; reads plans through ``planner.formats``.
 """
 from .apply import Handle, InputTooLargeError, PlanMismatchError, UnsupportedModelError, apply_plan
 from .recompute import RecomputeMismatch
-from .report import Report, StepRecord
+from planner.report import Report, StepRecord
 
 __all__ = ["apply_plan", "Handle", "Report", "StepRecord", "PlanMismatchError",
            "InputTooLargeError", "UnsupportedModelError", "RecomputeMismatch"]

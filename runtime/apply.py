@@ -1,12 +1,14 @@
 """``apply_plan``: replay a plan inside an ordinary PyTorch training loop.
 
-The runtime decides nothing. For every block it reads the plan's decision (``keep``,
-``recompute`` with a checkpoint tier, ``cpu``, ``nvme``) and, for every prefetch, the compute
-event at whose start the plan issues it. It acts through two things only: each block's
-``forward`` is wrapped (an instance attribute, removed again by ``remove()``) so that the block
-runs under ``torch.autograd.graph.saved_tensors_hooks``, and the model's ``forward`` is wrapped to
-check the input size and to delimit a forward pass. With gradients off, both wrappers call
-straight through.
+The runtime decides nothing. It knows when each compute event of the plan starts — a block's
+forward (its ``forward`` is wrapped), the start of a forward pass (the model's ``forward`` is
+wrapped), each unit's backward (gradient hooks on the blocks' outputs and inputs, and on the
+loss) — and at each such moment the stage driver (``runtime.stages``) waits for the previous
+stage's transfers and starts this stage's, as the plan lists them. Saved activations go
+through ``saved_tensors_hooks`` (offloaded a byte range per stage, or recomputed from a
+checkpoint); weights, gradients and optimizer state homed off the device go through
+``runtime.streaming``; the optimizer step goes through the handle. ``remove()`` undoes all of
+it. With gradients off, blocks run as they are (streamed weights fetched around the call).
 """
 from __future__ import annotations
 
@@ -14,22 +16,27 @@ import contextlib
 import dataclasses
 import functools
 import time
+import types
 import warnings
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.autograd.graph import saved_tensors_hooks
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from planner.blocks import find_blocks, structure_hash
 from planner.errors import UserError
-from planner.formats import Activation, Plan, Stream, Tier, UnitKind, load_plan
+from planner.events import Op, Stream
+from planner.formats import Activation, Plan, Tier, UnitKind, load_plan
+from planner.report import LINKS, Report, StepRecord
 
-from .offload import Counters, Mover
+from .offload import Counters, Group, Mover
 from .recompute import Placeholder, Segment
-from .report import LINKS, Report, StepRecord, malloc_trim, read_status, reset_hwm
+from .report import malloc_trim, read_status, reset_hwm
+from .stages import StageDriver, plan_actions
+from .streaming import OffloadedGrad, OptimizerPhase, UnitStatic
 
 
 class PlanMismatchError(UserError, ValueError):
@@ -72,6 +79,26 @@ def _hidden_of(out):
                 return o
     raise PlanMismatchError(f"a block returned {type(out).__name__}; tierplan needs a tensor or a "
                             "tuple whose first tensor is the hidden state")
+
+
+def _strip_hidden(args, kwargs, loc):
+    if loc[0] == "a":
+        a = list(args)
+        a[loc[1]] = None
+        return tuple(a), dict(kwargs)
+    k = dict(kwargs)
+    k[loc[1]] = None
+    return tuple(args), k
+
+
+def _put_hidden(args, kwargs, loc, x):
+    if loc[0] == "a":
+        a = list(args)
+        a[loc[1]] = x
+        return tuple(a), kwargs
+    k = dict(kwargs)
+    k[loc[1]] = x
+    return args, k
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -158,11 +185,10 @@ class _Pass:
     """What one forward pass (with gradients) left for its backward.
 
     Its lifetime is the autograd graph's: only what the graph holds refers to it strongly (each
-    offloaded unit's packer, each segment), and the pass refers to nothing that holds the graph
-    once its forward has returned (``prev_out`` and ``seg`` are cleared then; segments are held
-    weakly; hooks on tensors hold the pass weakly). So when the graph is freed (its backward has
-    run, or the output was dropped without one) the pass goes at once, by reference counting,
-    and its finalizer discards the groups that are left: their files are deleted then."""
+    offloaded unit's packer, each segment, the gradient hooks); the stage driver holds it weakly.
+    So when the graph is freed (its backward has run, or the output was dropped without one)
+    the pass goes at once, and its finalizer discards the groups that are left (their files
+    are deleted then)."""
 
     def __init__(self, idx: int):
         self.idx = idx
@@ -171,7 +197,7 @@ class _Pass:
         self.seg: Segment | None = None  # during the forward only
         self.prev_out = None             # during the forward only
         self.keeps: list[_KeepCount] = []
-        self.head_started = False        # B:head has been triggered
+        self.backward_started = False
         fin = weakref.finalize(self, _abandon_groups, self.groups)
         fin.atexit = False               # at exit the store's own close deletes every file
 
@@ -201,35 +227,31 @@ def _abandon_groups(groups: dict):
 
 
 class _Trigger:
-    """A gradient hook that triggers compute events of one pass, held weakly (see ``_Pass``).
-    ``B:head`` is triggered once per pass, by whichever of its hooks backward reaches first."""
+    """A gradient hook that starts a backward stage of one pass. The graph owns the hook, so
+    the hook may own the pass: the pass then lives exactly as long as its graph."""
 
-    __slots__ = ("r", "wp", "ids")
+    __slots__ = ("r", "p", "stage")
 
-    def __init__(self, r, p, ids):
-        self.r, self.wp, self.ids = r, weakref.ref(p), ids
+    def __init__(self, r, p, stage):
+        self.r, self.p, self.stage = r, p, stage
 
     def __call__(self, *_):
-        p = self.wp()
-        if p is None or self.r.closed:
+        p = self.p
+        if self.r.closed:
             return
-        for eid in self.ids:
-            if eid == "B:head":
-                if p.head_started:
-                    continue
-                p.head_started = True
-            self.r.trigger(p, eid)
+        if not p.backward_started:
+            p.backward_started = True
+            # the end of this backward ends the pass: whatever stage never got a trigger runs
+            torch.autograd.Variable._execution_engine.queue_callback(
+                functools.partial(self.r.end_backward, weakref.ref(p)))
+        self.r.enter(p, self.stage)
 
 
 class _KeepCount:
-    """The runtime's resident-bytes figure for a kept unit, without a hook on its tensors.
-
-    A kept block needs nothing from the runtime, so it runs with no saved-tensor hook at all:
-    packing each saved tensor through Python cost about 2 us per tensor (27 tensors per GPT
-    block), which was most of keep-all's measured overhead on small blocks. Its bytes are the
-    plan's own A_i (``activation_bytes``: saved bytes less shared side tensors, which every
-    mode keeps by reference), counted from the block's forward until the
-    gradient of its input is complete, i.e. its backward has run and autograd freed them."""
+    """The runtime's resident-bytes figure for a kept unit, without a hook on its tensors
+    (packing each saved tensor through Python cost about 2 us per tensor, most of keep-all's
+    measured overhead on small blocks). Its bytes are the plan's A_i, counted from the block's
+    forward until its backward has run."""
 
     __slots__ = ("r", "n")
 
@@ -248,7 +270,7 @@ class _KeepCount:
 
 class _Offload:
     """A ``cpu``/``nvme`` unit: every saved tensor except parameters, buffers and shared side
-    inputs goes to its group; identical views are sent once."""
+    inputs joins its group; identical views join once."""
 
     __slots__ = ("r", "group", "keys", "pass_")
 
@@ -262,9 +284,8 @@ class _Offload:
         key = (_storage_ptr(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
         hit = self.keys.get(key)
         if hit is None:
-            # Hold the tensor until the block's forward ends: its address cannot be reused by
-            # another tensor meanwhile, so equal keys mean the same bytes (the plan counts A_i
-            # in full while F:i runs, so this costs nothing it did not plan for).
+            # Held until the block's forward ends: its address cannot be reused meanwhile, so
+            # equal keys mean the same bytes.
             hit = self.keys[key] = (self.group.put(t), t)
         s = hit[0]
         s.refs += 1
@@ -300,40 +321,48 @@ class _SegUnit:
 # ----------------------------------------------------------------------------- the runner
 
 class _Runner:
-    def __init__(self, model, plan: Plan, plan_path: str | None, blocks, nvme_dir, trim: bool):
+    def __init__(self, model, plan: Plan, plan_path: str | None, blocks, nvme_dir, trim: bool,
+                 optimizer):
         self.model = model
         self.plan = plan
         self.plan_path = plan_path
         self.block_names = [n for n, _ in blocks]
         self.blocks = [m for _, m in blocks]
+        self.U = len(plan.units)
         dec = {d.name: d for d in plan.layers}
         self.decisions = [dec[n] for n in self.block_names]
         units = {u.name: u for u in plan.units}
         self.keep_bytes = [int(units[n].activation_bytes) for n in self.block_names]
-        # Parameters' and buffers' storages matter only to units whose saved tensors are hooked.
-        self.hooked = any(d.activation is not Activation.KEEP for d in self.decisions)
+        self.unit_index = {u.name: i for i, u in enumerate(plan.units)}
         p0 = next(model.parameters(), None)
         self.device = p0.device if p0 is not None else torch.device("cpu")
         self.counters = Counters()
         self.mover = Mover(self.device, nvme_dir, self.counters)
+        self.param_ids = {id(p) for p in model.parameters()}
         self.static_ptrs: set = set()
         self.pass_: _Pass | None = None
         self.n_passes = 0
         self._recomputing = False
         self.closed = False
-        # compute event id -> [(kind, unit)] whose prefetch the plan issues at its start
-        self.issue_map: dict[str, list[tuple[str, str]]] = {}
-        for stream in (Stream.NVME, Stream.H2D):
-            for e in plan.events(stream):
-                if e.issue and e.op in ("read", "prefetch"):
-                    kind = "ck" if e.id.startswith("ck") else "act"
-                    self.issue_map.setdefault(e.issue, []).append((kind, e.units[0]))
-        self.predicted_moved = {link: 0 for link in LINKS}
-        op_link = {"offload": "d2h", "prefetch": "h2d", "write": "nvme_write", "read": "nvme_read"}
-        for evs in plan.schedule.values():
-            for e in evs:
-                if e.op in op_link:
-                    self.predicted_moved[op_link[e.op]] += e.bytes
+        self.hooked = any(d.activation is not Activation.KEEP for d in self.decisions)
+        # units whose tensors live off the device between uses
+        self.statics: dict[str, UnitStatic] = {}
+        self.unit_params = _unit_params(model, plan, dict(blocks))
+        for i, (u, d) in enumerate(zip(plan.units, plan.layers)):
+            if not d.home.resident:
+                self.statics[u.name] = UnitStatic(u.name, self.unit_params[u.name], d.home,
+                                                  self.device, self.mover.nvme_store,
+                                                  self.counters)
+        self.by_stage_unit = {}              # pass stage -> unit index computing in it
+        for i in range(self.U):
+            self.by_stage_unit[1 + i] = i
+            self.by_stage_unit[2 * self.U - i] = i
+        self.driver = StageDriver(plan_actions(plan, bool(plan.hardware.get("unified_memory"))),
+                                  2 * self.U, self._run_action, self._barrier, self._on_stage)
+        self.phase = None
+        if optimizer is not None and self.statics:
+            self.phase = OptimizerPhase(optimizer, list(self.statics.values()), self.param_ids)
+        self.predicted_moved = _predicted_moved(plan)
         # step measurement
         self.step_open = False
         self.step_t0 = 0.0
@@ -341,38 +370,29 @@ class _Runner:
         self.step_base = None
         self.step_static = 0
         self.optimizers: "weakref.WeakSet" = weakref.WeakSet()
-        self.param_ids = {id(p) for p in model.parameters()}
+        self.sub_optimizers = {id(s) for _, subs in (self.phase.subs if self.phase else [])
+                               for s, _ in subs}
         self.hwm_ok = True
         self.trim = trim
+        from planner.simulate import cost_model_of
+        cm = cost_model_of(plan)
+        static_pred = sum(cm.resident(i, d.home)["gpu"] for i, d in enumerate(plan.layers))
         self.report = Report(
             plan_path=plan_path, policy=str(plan.policy), device=self.device.type,
             hardware=str(plan.hardware.get("name")), batch=int(plan.model.get("batch", 0)),
-            seq=int(plan.model.get("seq", 0)), predicted=dict(plan.predicted),
-            predicted_moved=self.predicted_moved)
+            seq=int(plan.model.get("seq", 0)), micro_batches=plan.micro_batches,
+            predicted=plan.predicted.to_dict(), predicted_moved=self.predicted_moved,
+            predicted_static_bytes=int(static_pred))
         self.wrapped: list[tuple] = []
 
     # -- helpers the segments use
     def is_static(self, t: torch.Tensor) -> bool:
+        if id(t) in self.param_ids or (t._base is not None and id(t._base) in self.param_ids):
+            return True
         return _storage_ptr(t) in self.static_ptrs
 
-    def strip_hidden(self, args, kwargs, loc):
-        if loc[0] == "a":
-            a = list(args)
-            a[loc[1]] = None
-            return tuple(a), dict(kwargs)
-        k = dict(kwargs)
-        k[loc[1]] = None
-        return tuple(args), k
-
-    def put_hidden(self, args, kwargs, loc, x):
-        if loc[0] == "a":
-            a = list(args)
-            a[loc[1]] = x
-            return tuple(a), kwargs
-        k = dict(kwargs)
-        k[loc[1]] = x
-        return args, k
-
+    strip_hidden = staticmethod(_strip_hidden)
+    put_hidden = staticmethod(_put_hidden)
     hidden_of = staticmethod(_hidden_of)
 
     @contextlib.contextmanager
@@ -383,14 +403,72 @@ class _Runner:
         finally:
             self._recomputing = prev
 
-    def trigger(self, p: _Pass, event_id: str):
-        """The compute event ``event_id`` starts: issue the prefetches the plan put there."""
-        if self.closed:
+    def trigger(self, p: _Pass, event: str):
+        """The segment's recompute starts: it runs inside its backward stage, nothing to do."""
+
+    # -- the stage driver's hooks
+    def enter(self, p: _Pass, stage: int) -> None:
+        if self.closed or self.driver.ctx is None or self.driver.ctx() is not p:
             return
-        for kind, name in self.issue_map.get(event_id, ()):
-            g = p.groups.get((kind, name))
-            if g is not None:
-                g.prefetch()
+        self.driver.enter(stage)
+
+    def end_backward(self, pref) -> None:
+        p = pref()
+        if self.closed or p is None or self.driver.ctx is None or self.driver.ctx() is not p:
+            return
+        self.driver.finish()
+
+    def _ctx_pass(self, ctx):
+        return ctx() if ctx is not None else None
+
+    def _run_action(self, ctx, a) -> None:
+        if a.what in ("weight_fwd", "weight_bwd"):
+            self.statics[a.unit].fetch_weights(a.fa, a.fb)
+            return
+        if a.what == "grad_out":
+            self.statics[a.unit].send_grads(a.fa, a.fb)
+            return
+        p = self._ctx_pass(ctx)
+        if p is None:
+            return
+        kind = "act" if a.what.startswith("act") else "ck"
+        g = p.groups.get((kind, a.unit))
+        if g is None:
+            return
+        lo, hi = g.span(a.fa, a.fb)
+        if a.what.endswith("_out"):
+            g.send(lo, hi)
+        else:
+            g.fetch(lo, hi)
+
+    def _barrier(self, ctx) -> None:
+        p = self._ctx_pass(ctx)
+        if p is not None:
+            for g in list(p.groups.values()):
+                g.wait()
+        for s in self.statics.values():
+            s.wait()
+        if self.mover.cuda:
+            cur = torch.cuda.current_stream(self.device)
+            cur.wait_stream(self.mover.d2h)
+            cur.wait_stream(self.mover.h2d)
+
+    def _on_stage(self, ctx, stage: int) -> None:
+        """Stage ``stage`` begins (its transfers not yet issued): the unit that computed in the
+        previous stage is done with its weights, the one that computes now needs them."""
+        prev = self.by_stage_unit.get(stage - 1)
+        cur = self.by_stage_unit.get(stage)
+        if prev is not None and not (prev == self.U - 1 and stage == self.U + 1):
+            s = self.statics.get(self.plan.units[prev].name)
+            if s is not None and s.in_use:
+                s.release()
+        if cur is not None and stage <= 2 * self.U:
+            s = self.statics.get(self.plan.units[cur].name)
+            if s is not None:
+                if stage > self.U:
+                    s.begin_backward()
+                s.use()
+                self.static_ptrs.update(_storage_ptr(q) for _, q in s.params)
 
     # -- wrappers
     def wrap(self):
@@ -416,37 +494,49 @@ class _Runner:
                 del mod.forward
         self.wrapped = []
 
+    def _nongrad_units(self):
+        """Streamed units that are not blocks (embedding, head): present around a no-grad call."""
+        return [s for n, s in self.statics.items() if n not in set(self.block_names)]
+
     def _model_forward(self, orig, *args, **kwargs):
-        if self._recomputing or not torch.is_grad_enabled():
+        if self._recomputing:
             return orig(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            with contextlib.ExitStack() as st:
+                for s in self._nongrad_units():
+                    st.enter_context(s.weights_present())
+                return orig(*args, **kwargs)
         self._check_input(args, kwargs)
         if not self.step_open:
             self._begin_step()
         self.step_passes += 1
         p = _Pass(self.n_passes)
         self.n_passes += 1
-        if self.hooked:
-            ptrs = {_storage_ptr(t) for t in self.model.parameters()}
-            ptrs.update(_storage_ptr(t) for t in self.model.buffers())
-            self.static_ptrs = ptrs
+        ptrs = {_storage_ptr(t) for t in self.model.parameters()}
+        ptrs.update(_storage_ptr(t) for t in self.model.buffers())
+        ptrs.discard(0)
+        self.static_ptrs = ptrs
+        if self.driver.ctx is not None and self.driver.ctx() is not None:
+            self.driver.finish()          # the previous pass never ran its backward
         self.pass_ = p
-        self.trigger(p, "F:embedding")
+        self.driver.begin(weakref.ref(p))
         try:
+            self.driver.enter(1)          # the prologue, then the first unit's forward
             out = orig(*args, **kwargs)
         except BaseException:
             p.discard()   # an exception (or Ctrl-C) inside the forward: nothing is left behind
+            self.driver.finish()
             raise
         finally:
             self.pass_ = None
             p.end_forward()
-        if "B:head" in self.issue_map:
-            # The head's backward is where backward starts: at the loss's node, or, for a loss
-            # computed outside the model, when the first output's gradient is complete; both
-            # run before any block's backward. The last block's output hook is the fallback
-            # (an output that does not require grad).
-            t = _Trigger(self, p, ("B:head",))
-            for root in _backward_roots(out):
-                root.grad_fn.register_prehook(t)
+        roots = _backward_roots(out)
+        t = _Trigger(self, p, self.U + 1)
+        for root in roots:
+            root.grad_fn.register_prehook(t)
+        if not roots:
+            # nothing to go backward from: the pass is over
+            self.driver.finish()
         return out
 
     def _check_input(self, args, kwargs):
@@ -464,19 +554,22 @@ class _Runner:
 
     def _block_forward(self, i, orig, *args, **kwargs):
         p = self.pass_
-        if p is None or self._recomputing or not torch.is_grad_enabled():
-            return orig(*args, **kwargs)
         name = self.block_names[i]
+        if p is None or self._recomputing or not torch.is_grad_enabled():
+            s = self.statics.get(name)
+            if s is not None and not self._recomputing and not s.in_use:
+                with s.weights_present():
+                    return orig(*args, **kwargs)
+            return orig(*args, **kwargs)
+        ui = self.unit_index[name]
         d = self.decisions[i]
         loc, hidden = _find_hidden(args, kwargs)
         if hidden is None:
             raise PlanMismatchError(f"block {name} was called without a tensor argument; tierplan "
                                     "needs the hidden state as its first tensor argument")
-        if self.mover.cuda:
-            self.mover.poll()
-        self.trigger(p, "F:" + name)
-        if i == 0 and hidden.requires_grad and "B:embedding" in self.issue_map:
-            hidden.register_hook(_Trigger(self, p, ("B:embedding",)))
+        self.driver.enter(1 + ui)
+        if i == 0 and hidden.requires_grad:
+            hidden.register_hook(_Trigger(self, p, 2 * self.U))
 
         act = d.activation
         if act is Activation.KEEP:
@@ -486,14 +579,12 @@ class _Runner:
             p.keeps.append(k)
             out = orig(*args, **kwargs)
             hid = _hidden_of(out)
-            # Its saved tensors are freed by its backward, which has run once the gradient of
-            # its input is complete; without an input gradient, count until its backward starts.
             anchor = hidden if hidden.requires_grad else hid
             if anchor.requires_grad:
                 anchor.register_hook(k.release)
             else:
                 k.release()
-            return self._block_done(p, i, name, out, hid)
+            return self._block_done(p, i, ui, out, hid)
 
         # Shared side inputs (masks, rotary tables, encoder outputs) are kept by reference.
         for a in list(args) + list(kwargs.values()):
@@ -517,7 +608,7 @@ class _Runner:
             u = p.seg.begin_unit(args, kwargs, loc, hidden)
             h = _SegUnit(p.seg, u)
         else:
-            g = self.mover.group(act.value, name)
+            g = Group(self.mover, act.value, name)
             p.groups[("act", name)] = g
             h = _Offload(self, g, p)
             p.seg = None
@@ -527,22 +618,20 @@ class _Runner:
         finally:
             if type(h) is _Offload:
                 h.keys = None    # drop the forward's references (see _Offload.pack)
-        return self._block_done(p, i, name, out, _hidden_of(out))
+        return self._block_done(p, i, ui, out, _hidden_of(out))
 
-    def _block_done(self, p, i, name, out, hid):
+    def _block_done(self, p, i, ui, out, hid):
         p.prev_out = hid
         last = i == len(self.blocks) - 1
-        ids = tuple(e for e in (("B:head",) if last else ()) + ("B:" + name,)
-                    if e in self.issue_map)
-        if hid.requires_grad and ids:
-            # For the last block, B:head here is only the fallback (see _model_forward): its
-            # gradient is complete at the end of the head's backward, not at its start.
-            hid.register_hook(_Trigger(self, p, ids))
+        if hid.requires_grad:
+            hid.register_hook(_Trigger(self, p, 2 * self.U - ui))
+            if last:
+                # the fallback for B:head (an output that is not the loss): its gradient is
+                # complete at the end of the head's backward
+                hid.register_hook(_Trigger(self, p, self.U + 1))
         if last:
-            # The head runs in the model's own code and its forward starts when the last
-            # block's ends. Its backward is triggered by _model_forward's hook, not here: a
-            # prefetch issued now would be allocated while the head builds its logits.
-            self.trigger(p, "F:head")
+            # the head runs in the model's own code, right after the last block
+            self.driver.enter(self.U)
         return out
 
     # -- steps
@@ -551,8 +640,10 @@ class _Runner:
 
         def add(t):
             nonlocal n
+            if isinstance(t, OffloadedGrad):
+                return
             st = t.untyped_storage()
-            if st.data_ptr() not in seen:
+            if st.nbytes() and st.data_ptr() not in seen:
                 seen.add(st.data_ptr())
                 n += st.nbytes()
         for prm in self.model.parameters():
@@ -578,28 +669,32 @@ class _Runner:
             self.hwm_ok = reset_hwm() and self.hwm_ok
             self.step_base = read_status().get("VmRSS")
         self.counters.reset_step()
+        self.driver.wait_s = 0.0
         self.step_passes = 0
         self.step_open = True
         self.step_t0 = time.perf_counter()
 
     def on_optimizer_step(self, opt, args, kwargs):
-        if not self.step_open:
+        if not self.step_open or id(opt) in self.sub_optimizers:
             return
+        if self.phase is not None and opt is self.phase.opt:
+            return      # the handle's own step ends the step (after the streamed units)
         if opt not in self.optimizers:
             if not any(id(q) in self.param_ids for g in opt.param_groups for q in g["params"]):
                 return
             self.optimizers.add(opt)
+        self.end_step()
+
+    def end_step(self):
+        if not self.step_open:
+            return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t1 = time.perf_counter()
         c = self.counters
-        stall = c.stall_s
+        stall = c.stall_s + self.driver.wait_s
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
-            self.mover.poll()
-            for a, b in self.mover.stall_events:
-                stall += a.elapsed_time(b) / 1e3
-            self.mover.stall_events = []
         else:
             hwm = read_status().get("VmHWM")
             peak = hwm - self.step_base if hwm is not None and self.step_base is not None else None
@@ -618,17 +713,58 @@ class _Runner:
         if self.pass_ is not None:
             self.pass_.discard()
             self.pass_ = None
+        for s in self.statics.values():
+            with contextlib.suppress(Exception):
+                s.wait()
         self.mover.close()
+
+
+def _unit_params(model, plan: Plan, blocks: dict) -> dict:
+    """Unit name -> [(qualified name, parameter)] it owns: each block its own parameters; the
+    embedding the parameters registered before the first block's (tied weights included, as the
+    profile charges them to the first unit that uses them), the head those after the last."""
+    in_block = {}
+    for bname, b in blocks.items():
+        for p in b.parameters():
+            in_block.setdefault(id(p), bname)
+    out = {u.name: [] for u in plan.units}
+    emb, head = plan.units[0].name, plan.units[-1].name
+    seen_block = False
+    for n, p in model.named_parameters():
+        if id(p) in in_block:
+            out[in_block[id(p)]].append((n, p))
+            seen_block = True
+        else:
+            out[head if seen_block else emb].append((n, p))
+    return out
+
+
+def _predicted_moved(plan: Plan) -> dict:
+    """Bytes per optimizer step the schedule moves per link (as the report keys them)."""
+    U = len(plan.units)
+    out = {k: 0 for k in LINKS}
+    for e in plan.all_events():
+        if not e.is_transfer:
+            continue
+        times = 1 if e.stage > 2 * U else (
+            plan.micro_batches - 1 if e.passes.value == "rest" else plan.micro_batches)
+        key = {Stream.D2H: "d2h", Stream.H2D: "h2d"}.get(e.stream)
+        if e.stream is Stream.NVME:
+            key = "nvme_write" if e.op is Op.WRITE else "nvme_read"
+        if key:
+            out[key] += e.bytes * times
+    return out
 
 
 # ----------------------------------------------------------------------------- public API
 
 class Handle:
-    """What ``apply_plan`` returns: ``report()`` and ``remove()``."""
+    """What ``apply_plan`` returns: ``report()``, ``clip_grad_norm_()``, ``remove()``."""
 
-    def __init__(self, runner: _Runner, hook):
+    def __init__(self, runner: _Runner, hook, undo: list):
         self._r = runner
         self._hook = hook
+        self._undo = undo
         self._removed = False
 
     @property
@@ -639,16 +775,62 @@ class Handle:
         """Measured steps so far beside the plan's prediction."""
         return self._r.report
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False, foreach=None,
+                        parameters=None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, ...)`` for a plan whose
+        gradients may live off the device: the same total norm and the same scale, the scale
+        reaching the gradients on NVMe as they are read at ``opt.step()``."""
+        params = list(self._r.model.parameters() if parameters is None else parameters)
+        if self._r.phase is None:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
+                                                  error_if_nonfinite, foreach)
+        for s in self._r.statics.values():
+            s.wait()
+        return self._r.phase.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite,
+                                             foreach)
+
+    def gradients(self) -> dict:
+        """Parameter name -> its accumulated gradient, wherever it lives (read from NVMe where
+        it is there), or None."""
+        out = {}
+        for n, p in self._r.model.named_parameters():
+            g = p.grad
+            out[n] = None if g is None else (None if isinstance(g, OffloadedGrad) else g.detach())
+        for s in self._r.statics.values():
+            if s.grads_out and s.acc_valid:
+                s.wait()
+                for (n, _), g in zip(s.params, s.store_of().submit(s.read_grads).result()):
+                    out[n] = g
+        return out
+
     def remove(self) -> None:
-        """Undo everything: the model's and blocks' ``forward`` as they were, no hooks left, the
-        offload files and the directories the runtime created deleted."""
+        """Undo everything: the model's and blocks' ``forward`` and the optimizer as they were,
+        every weight back on the device, no hooks left, the runtime's files and the directories
+        it created deleted."""
         if self._removed:
             return
         self._removed = True
         self._hook.remove()
-        self._r.unwrap()
-        self._r.close()
-        _ACTIVE.pop(self._r.model, None)
+        r = self._r
+        r.unwrap()
+        for undo in reversed(self._undo):
+            undo()
+        for s in r.statics.values():
+            with contextlib.suppress(Exception):
+                s.wait()
+            if s.weights_out and not s.in_use:
+                s.use()
+            if s.grads_out and s.acc_valid:
+                grads = s.store_of().submit(s.read_grads).result()
+                for (_, p), g in zip(s.params, grads):
+                    if p.requires_grad:
+                        p.grad = g
+            if r.phase is not None:
+                s.bring_state_home(r.phase.opt.state)
+            s.close()
+        r.close()
+        _ACTIVE.pop(r.model, None)
 
     def __enter__(self):
         return self
@@ -660,17 +842,121 @@ class Handle:
 _DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
-               nvme_dir: str | Path | None = None, trim_heap: bool = False) -> Handle:
-    """Make ``model`` train under ``plan``; return a handle with ``report()`` and ``remove()``.
+def _install_optimizer(runner: _Runner, opt) -> list:
+    """Route ``opt.step``, ``zero_grad``, ``state_dict`` and ``load_state_dict`` through the
+    plan; returns the undo callbacks."""
+    undo = []
+    phase = runner.phase
 
-    Raises ``PlanMismatchError`` (a ``ValueError``) when the plan's blocks differ from the
-    model's (names, count, structure hash), ``UnsupportedModelError`` for torch.compile'd,
+    def patch(name, fn):
+        # a bound method, as torch's LR schedulers expect of ``opt.step`` (they wrap its
+        # ``__func__``), whether they are made before apply_plan or after
+        had = name in opt.__dict__
+        prev = opt.__dict__.get(name)
+        setattr(opt, name, types.MethodType(fn, opt))
+        undo.append(lambda: setattr(opt, name, prev) if had else delattr(opt, name))
+
+    orig_step = opt.step
+    orig_zero = opt.zero_grad
+    orig_sd = opt.state_dict
+    orig_load = opt.load_state_dict
+
+    def step(_opt, closure=None):
+        for s in runner.statics.values():
+            s.wait()
+        out = phase.step(orig_step, closure)
+        runner.end_step()
+        return out
+
+    def zero_grad(_opt, set_to_none: bool = True):
+        for s in runner.statics.values():
+            s.wait()
+            s.zero_grad()
+        return orig_zero(set_to_none)
+
+    def state_dict(_opt):
+        with contextlib.ExitStack() as st:
+            for s in runner.statics.values():
+                st.enter_context(s.state_present(opt.state))
+            sd = orig_sd()
+            # copies: the live tensors of NVMe-homed state are freed again on leaving
+            sd["state"] = {k: {kk: (v.clone() if isinstance(v, torch.Tensor) else v)
+                               for kk, v in st_.items()} for k, st_ in sd["state"].items()}
+            return sd
+
+    def load_state_dict(_opt, sd):
+        orig_load(sd)
+        for s in runner.statics.values():
+            if s.state_out:
+                tens = s.state_tensors(opt.state)
+                if tens:
+                    s.state_layout = None            # rewritten from the loaded values
+                    s.write_back(opt.state)
+    patch("step", step)
+    patch("zero_grad", zero_grad)
+    patch("state_dict", state_dict)
+    patch("load_state_dict", load_state_dict)
+    return undo
+
+
+def _install_state_dict_hooks(runner: _Runner) -> list:
+    """``model.state_dict()`` gives the real weights of units homed off the device, and
+    ``model.load_state_dict()`` puts loaded values in their home."""
+    model = runner.model
+    streamed = [s for s in runner.statics.values() if s.weights_out]
+    if not streamed:
+        return []
+    name_of = {}
+    for s in streamed:
+        for n, p in s.params:
+            name_of[id(p)] = (s, p)
+    full = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in name_of:
+            full[n] = name_of[id(p)]
+
+    def post(module, sd, prefix, local_metadata):
+        if prefix:
+            return
+        for s in streamed:
+            with s.weights_present():
+                for n, (su, p) in full.items():
+                    if su is s and n in sd:
+                        sd[n] = p.detach().clone()
+
+    loading = []
+
+    def pre(module, sd, prefix, *a):
+        if prefix:
+            return
+        for s in streamed:
+            if not s.in_use:
+                cm = s.weights_present(write_back=True)
+                cm.__enter__()
+                loading.append(cm)
+
+    def after(module, incompatible):
+        while loading:
+            loading.pop().__exit__(None, None, None)
+
+    h1 = model.register_state_dict_post_hook(post)
+    h2 = model.register_load_state_dict_pre_hook(pre)
+    h3 = model.register_load_state_dict_post_hook(after)
+    return [h1.remove, h2.remove, h3.remove]
+
+
+def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
+               optimizer: torch.optim.Optimizer | None = None,
+               nvme_dir: str | Path | None = None, trim_heap: bool = False) -> Handle:
+    """Make ``model`` train under ``plan``; return a handle with ``report()``, ``remove()``
+    and, for plans whose gradients may live off the device, ``clip_grad_norm_()``.
+
+    ``optimizer`` (built by the user on ``model.parameters()``) is needed when the plan homes
+    weights, gradients or optimizer state off the device: its ``step``, ``zero_grad`` and state
+    dicts then go through the plan. Raises ``PlanMismatchError`` (a ``ValueError``) when the
+    plan's blocks differ from the model's, ``UnsupportedModelError`` for torch.compile'd,
     DDP/FSDP-wrapped or self-checkpointing models. On a CPU device, ``trim_heap=True`` gives
-    freed heap pages back to the kernel before each step; it cost 25-30% of a small model's step
-    time here, so it is off by default. For memory figures that follow the live tensors, start
-    the process with ``MALLOC_MMAP_THRESHOLD_=65536`` instead (docs/runtime.md); the report
-    says when that is missing.
+    freed heap pages back to the kernel before each step (costly; see docs/runtime.md).
     """
     if model in _ACTIVE:
         raise PlanMismatchError("a plan is already applied to this model; call handle.remove() "
@@ -706,8 +992,6 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
                                     "version; regenerate the plan")
     p0 = next(model.parameters(), None)
     dev = p0.device.type if p0 is not None else "cpu"
-    # Not refused: fp32 weights under autocast are a normal way to train a bf16 plan. But a
-    # plan profiled at another precision predicts other bytes, so say so once.
     want_dtype = _DTYPE_NAMES.get(plan.model.get("dtype"))
     blk_dtypes = {q.dtype for _, b in blocks for q in b.parameters() if q.is_floating_point()}
     if want_dtype is not None and blk_dtypes and want_dtype not in blk_dtypes:
@@ -720,26 +1004,33 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
     if plan_dev and plan_dev != dev:
         raise PlanMismatchError(f"{src} is for {plan_dev} hardware ({plan.hardware.get('name')}) "
                                 f"but the model is on {dev}; solve with a {dev} hardware spec")
-    prev = None
     nvme_needed = False
+    streams = False
     for u, d in zip(plan.units, plan.layers):
-        if d.activation is Activation.RECOMPUTE and d.checkpoint is Tier.NONE and (
-                prev is None or prev.activation is not Activation.RECOMPUTE):
-            raise PlanMismatchError(f"{src}: {u.name} has checkpoint 'none' but does not follow "
-                                    "a recompute unit; regenerate the plan")
-        if d.activation is Activation.NVME or d.checkpoint is Tier.NVME:
+        if Tier.NVME in (d.checkpoint, d.home.weights, d.home.grads, d.home.optimizer) or \
+                d.activation is Activation.NVME:
             nvme_needed = True
         if (d.activation is Activation.CPU or d.checkpoint is Tier.CPU) and dev != "cuda":
             raise PlanMismatchError(f"{src}: {u.name} offloads to host memory, which needs a CUDA "
                                     "device; use a cpu-host plan (nvme) on a CPU")
-        prev = d
+        streams = streams or not d.home.resident
     nvme = str(nvme_dir) if nvme_dir is not None else plan.nvme_dir
     if nvme_needed and not nvme:
-        raise PlanMismatchError(f"{src} offloads to nvme but names no directory; pass "
+        raise PlanMismatchError(f"{src} uses nvme but names no directory; pass "
                                 "apply_plan(..., nvme_dir=DIR) or solve with --nvme-dir DIR")
-    runner = _Runner(model, plan, plan_path, blocks, nvme, trim_heap)
+    if streams and optimizer is None:
+        raise PlanMismatchError(f"{src} keeps weights, gradients or optimizer state off the "
+                                "device, so the optimizer step goes through the plan: pass "
+                                "apply_plan(model, plan, optimizer=opt)")
+    runner = _Runner(model, plan, plan_path, blocks, nvme, trim_heap, optimizer)
+    for s in runner.statics.values():
+        s.setup()
     runner.wrap()
+    undo = []
+    if runner.phase is not None:
+        undo += _install_optimizer(runner, optimizer)
+    undo += _install_state_dict_hooks(runner)
     hook = register_optimizer_step_post_hook(runner.on_optimizer_step)
-    handle = Handle(runner, hook)
+    handle = Handle(runner, hook, undo)
     _ACTIVE[model] = handle
     return handle

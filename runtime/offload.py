@@ -1,47 +1,36 @@
-"""Moving saved tensors off the compute device and back: pinned host memory and NVMe files.
+"""Moving saved activations off the compute device and back, a byte range at a time.
 
-A ``Group`` holds the tensors one unit (or one checkpoint) sent away during one forward pass.
-``put`` starts moving a tensor out and returns its ``Slot``; ``prefetch`` starts bringing the
-whole group back (the plan says when); ``get`` waits for one slot and returns it on the compute
-device. The runtime decides nothing here: which tensors go where and when comes from the plan.
+A ``Group`` holds the tensors one unit (or one checkpoint) saved during one forward pass: one
+byte stream, the tensors in the order they were saved. The plan says, stage by stage, which
+share of that stream moves (``send``: out, ``fetch``: back); shares are fractions of the
+planned bytes applied to the real ones, so a short last batch moves proportionally less. A
+tensor leaves the device when its last byte has gone and comes back (allocated) when its first
+byte arrives; ``get`` returns it whole, fetching on demand what has not come back yet (counted
+as a stall). The runtime decides nothing here.
 
-Three paths:
-- CUDA, ``cpu`` tier: device-to-host copies into pinned buffers from a reusable pool on a side
-  stream; the GPU tensor is dropped once the copy's event has completed; the prefetch copies
-  back on another stream and the compute stream waits for its event only where the tensor is
-  unpacked.
-- CUDA, ``nvme`` tier: the same device-to-host copy into pinned staging, then a background I/O
-  thread writes the staging buffer to a file; reading back goes file -> pinned staging -> GPU on
-  the I/O thread, and the H2D copy follows the read at once (the schedule's ``in:`` event has no
-  issue point of its own: it waits only for its ``r:`` read).
-- CPU device (unified memory, spec ``cpu-host``): the tensor's own memory is written to the file
-  by the I/O thread (no staging: there is no other memory to stage through), and the tensor is
-  dropped when the write has finished; the read allocates a fresh tensor.
-
-Files live in a directory unique to the process under the NVMe directory; each group's file is
-deleted as soon as it has been read back, when the group is discarded (an abandoned forward)
-and at exit, and every directory the store created is removed again.
+Paths:
+- CPU device (unified memory, spec ``cpu-host``): the I/O thread writes each tensor's own
+  memory to the group's file and reads into freshly allocated tensors; no staging.
+- CUDA, ``cpu`` tier: device-to-host copies into pinned buffers on a side stream, back on
+  another; the compute stream waits for a tensor's copy only where it is unpacked.
+- CUDA, ``nvme`` tier: the same copies through pinned buffers, with the I/O thread writing them
+  to the file after the copy's event and reading them back before the host-to-device copy.
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
-import os
 import threading
 import time
-import uuid
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
+from concurrent.futures import Future
 
 import torch
 
-
-_IO_PREFIX = "tierplan-io"
+from .files import NvmeStore, byte_view, pread_all, pwrite_all
 
 
 class Counters:
-    """Bytes resident per place and bytes moved per link, shared with the I/O threads."""
+    """Bytes resident per place and bytes moved per link, shared with the I/O thread."""
 
     LINKS = ("d2h", "h2d", "nvme_write", "nvme_read")
 
@@ -51,9 +40,9 @@ class Counters:
 
     def reset_all(self):
         with self.lock:
-            self.act = 0            # activation bytes the runtime knows are on the compute device
-            self.host = 0           # pinned host bytes holding offloaded tensors
-            self.nvme = 0           # bytes in offload files
+            self.act = 0            # activation bytes the runtime knows are on the device
+            self.host = 0           # pinned host bytes the runtime holds
+            self.nvme = 0           # bytes in the runtime's files
             self.moved = {k: 0 for k in self.LINKS}
             self.stall_s = 0.0
             self.peak_act = self.peak_host = self.peak_nvme = 0
@@ -81,155 +70,13 @@ class Counters:
             self.stall_s += s
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor (works for bf16 and bool, which numpy lacks)."""
     return t.reshape(-1).view(torch.uint8)
 
 
-def _pwrite_all(fd: int, mv: memoryview, offset: int):
-    while len(mv):
-        n = os.pwrite(fd, mv, offset)
-        mv, offset = mv[n:], offset + n
-
-
-def _pread_all(fd: int, mv: memoryview, offset: int):
-    while len(mv):
-        n = os.preadv(fd, [mv], offset)
-        if n == 0:
-            raise IOError("offload file is shorter than what was written to it")
-        mv, offset = mv[n:], offset + n
-
-
-class HostPool:
-    """Pinned host buffers reused by exact size (blocks repeat, so sizes repeat)."""
-
-    def __init__(self):
-        self.free: dict[int, list[torch.Tensor]] = {}
-        self.lock = threading.Lock()
-
-    def get(self, nbytes: int) -> torch.Tensor:
-        with self.lock:
-            lst = self.free.get(nbytes)
-            if lst:
-                return lst.pop()
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-    def put(self, buf: torch.Tensor):
-        with self.lock:
-            self.free.setdefault(buf.numel(), []).append(buf)
-
-    def clear(self):
-        with self.lock:
-            self.free.clear()
-
-
-class NvmeStore:
-    """The per-process offload directory and the I/O thread pool that writes and reads it."""
-
-    def __init__(self, base: str | os.PathLike, workers: int = 1):
-        # One I/O thread: reads and writes share one device, and a single FIFO worker
-        # guarantees a file's writes finish before its read or its deletion run.
-        self.base = Path(base)
-        self.dir: Path | None = None
-        self.created: list[Path] = []       # directories we made, deepest last
-        self.pool: ThreadPoolExecutor | None = None
-        self.workers = workers
-        self.files: set[str] = set()
-        self.lock = threading.Lock()
-        self._atexit = weakref.WeakMethod(self.close)
-        atexit.register(_close_weak, self._atexit)
-
-    def _ensure(self):
-        if self.dir is not None:
-            return
-        missing = []
-        p = self.base.resolve()
-        while not p.exists():
-            missing.append(p)
-            p = p.parent
-        for d in reversed(missing):
-            d.mkdir()
-            self.created.append(d)
-        d = self.base.resolve() / f"tierplan-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        d.mkdir()
-        self.created.append(d)
-        self.dir = d
-        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix=_IO_PREFIX)
-
-    def open(self, label: str) -> tuple[int, str]:
-        self._ensure()
-        path = str(self.dir / f"{label}-{uuid.uuid4().hex[:8]}.bin")
-        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
-        with self.lock:
-            self.files.add(path)
-        return fd, path
-
-    def unlink(self, fd: int, path: str):
-        with self.lock:
-            if path not in self.files:
-                return
-            self.files.discard(path)
-        with contextlib.suppress(OSError):
-            os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-
-    def unlink_later(self, fd: int, path: str):
-        """Delete after the writes already queued (a dropped group may still be writing)."""
-        pool = self.pool
-        if pool is not None:
-            with contextlib.suppress(RuntimeError):   # the pool shut down meanwhile
-                pool.submit(self.unlink, fd, path)
-                return
-        self.unlink(fd, path)
-
-    def submit(self, fn, *args) -> Future:
-        self._ensure()
-        return self.pool.submit(fn, *args)
-
-    def close(self):
-        """Stop the I/O threads, delete every file and every directory this store created."""
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-            self.pool = None
-        with self.lock:
-            files, self.files = list(self.files), set()
-        for f in files:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f)
-        for d in reversed(self.created):
-            try:
-                d.rmdir()
-            except OSError:
-                pass   # not empty: something else was put there; never delete what we did not make
-        self.created = []
-        self.dir = None
-
-
-def _close_weak(ref):
-    m = ref()
-    if m is not None:
-        m()
-
-
-class Slot:
-    __slots__ = ("shape", "dtype", "nbytes", "offset", "src", "host", "out", "ready", "refs",
-                 "write")
-
-    def __init__(self, t: torch.Tensor):
-        self.shape, self.dtype = t.shape, t.dtype
-        self.nbytes = t.numel() * t.element_size()
-        self.offset = 0
-        self.src = None      # the device tensor until it has left
-        self.host = None     # pinned copy (CUDA paths)
-        self.out = None      # the tensor back on the device
-        self.ready = None    # CUDA event: `out` is filled
-        self.write = None    # Future of the NVMe write
-        self.refs = 0
-
-
 class Mover:
-    """Everything that moves tensors: streams, the pinned pool, the NVMe store, the counters."""
+    """Everything that moves bytes: side streams, the NVMe store, the counters."""
 
     def __init__(self, device: torch.device, nvme_dir: str | None, counters: Counters):
         self.device = device
@@ -237,43 +84,44 @@ class Mover:
         self.counters = counters
         self.nvme_dir = nvme_dir
         self.store: NvmeStore | None = None
-        self.pool = HostPool() if self.cuda else None
         if self.cuda:
             self.d2h = torch.cuda.Stream(device)
             self.h2d = torch.cuda.Stream(device)
-        self.pending: list[tuple] = []   # (event, object to drop or buffer to return)
-        self.stall_events: list[tuple] = []
 
     def nvme_store(self) -> NvmeStore:
         if self.store is None:
             if not self.nvme_dir:
-                raise ValueError("the plan offloads to nvme but names no nvme_dir; pass "
+                raise ValueError("the plan uses nvme but names no nvme_dir; pass "
                                  "apply_plan(..., nvme_dir=DIR) or solve with --nvme-dir")
             self.store = NvmeStore(self.nvme_dir)
         return self.store
 
-    def group(self, tier: str, label: str) -> "Group":
-        return Group(self, tier, label)
-
-    def poll(self):
-        """Drop device tensors whose copy out has completed, recycle pinned buffers."""
-        keep = []
-        for ev, obj, pool_buf in self.pending:
-            if ev.query():
-                if pool_buf is not None:
-                    self.pool.put(pool_buf)
-            else:
-                keep.append((ev, obj, pool_buf))
-        self.pending = keep
-
     def close(self):
         if self.cuda:
             torch.cuda.synchronize(self.device)
-            self.poll()
-            self.pool.clear()
         if self.store is not None:
             self.store.close()
             self.store = None
+
+
+class Slot:
+    """One saved tensor of a group."""
+
+    __slots__ = ("shape", "dtype", "nbytes", "offset", "src", "sent", "disk", "host", "out",
+                 "got", "ready", "refs")
+
+    def __init__(self, t: torch.Tensor, offset: int):
+        self.shape, self.dtype = t.shape, t.dtype
+        self.nbytes = t.numel() * t.element_size()
+        self.offset = offset
+        self.src = t              # the device tensor, until its last byte has left
+        self.sent = 0             # bytes sent off the device
+        self.disk = 0             # bytes written to the file (CUDA nvme: after staging)
+        self.host = None          # pinned copy (CUDA)
+        self.out = None           # the tensor back on the device (uint8, nbytes)
+        self.got = 0              # bytes back
+        self.ready = None         # CUDA event: the last copy into ``out`` has been issued
+        self.refs = 0
 
 
 class Group:
@@ -284,185 +132,222 @@ class Group:
         self.tier = tier
         self.label = label
         self.slots: list[Slot] = []
-        self.fd = None
-        self.path = None
         self.size = 0
-        self.prefetched = False
-        self.read: Future | None = None
-        self.done = False
+        self.path = None
+        self.fd = None
+        self.futures: list[Future] = []
+        self.lock = threading.Lock()
         if tier == "nvme":
             store = mover.nvme_store()
             self.fd, self.path = store.open(label)
-            # Delete the file if the group is dropped unread (an abandoned forward).
-            self._fin = weakref.finalize(self, store.unlink_later, self.fd, self.path)
+            # the file goes if the group is dropped unread (an abandoned forward)
+            self._fin = weakref.finalize(self, store.unlink_later, self.path)
 
-    # -- out
+    # -- registration (while the unit's forward saves tensors)
     def put(self, t: torch.Tensor) -> Slot:
-        m, c = self.m, self.m.counters
-        s = Slot(t)
-        self.slots.append(s)
         src = t.detach()
         if not src.is_contiguous():
             src = src.contiguous()
-        if self.tier == "nvme":
-            s.offset = self.size
-            self.size += s.nbytes
-            c.add("nvme", s.nbytes)
-        if m.cuda:
-            host = m.pool.get(s.nbytes)
-            m.d2h.wait_stream(torch.cuda.current_stream(m.device))
-            with torch.cuda.stream(m.d2h):
-                host.copy_(_as_bytes(src), non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(m.d2h)
-            c.moved_add("d2h", s.nbytes)
-            c.add("host", s.nbytes)
-            if self.tier == "cpu":
-                s.host = host
-                m.pending.append((ev, src, None))   # GPU copy freed when the event completes
-            else:
-                s.write = m.nvme_store().submit(self._write_staged, s, host, ev, src)
-        else:
-            assert self.tier == "nvme", "the cpu tier exists only with a CUDA device"
-            s.src = src
-            c.add("act", s.nbytes)
-            s.write = m.nvme_store().submit(self._write_direct, s)
+        s = Slot(src, self.size)
+        self.size += s.nbytes
+        self.slots.append(s)
+        self.m.counters.add("act", s.nbytes)
         return s
 
-    def _write_direct(self, s: Slot):
-        if s.nbytes:
-            _pwrite_all(self.fd, memoryview(_as_bytes(s.src).numpy()), s.offset)
-        s.src = None          # the tensor's memory is free once the bytes are on disk
-        self.m.counters.add("act", -s.nbytes)
-        self.m.counters.moved_add("nvme_write", s.nbytes)
+    def _parts(self, a: int, b: int):
+        """(slot, start, end) byte ranges of the slots that overlap the stream's [a, b)."""
+        for s in self.slots:
+            lo, hi = max(a, s.offset), min(b, s.offset + s.nbytes)
+            if lo < hi:
+                yield s, lo - s.offset, hi - s.offset
 
-    def _write_staged(self, s: Slot, host: torch.Tensor, ev, src):
+    def span(self, fa: float, fb: float) -> tuple[int, int]:
+        """The real bytes of the planned fraction range [fa, fb) of the stream."""
+        a = int(round(fa * self.size))
+        b = self.size if fb >= 1.0 - 1e-12 else int(round(fb * self.size))
+        return a, b
+
+    # -- out
+    def send(self, a: int, b: int) -> None:
+        """Move the stream's bytes [a, b) off the device (this stage's share)."""
+        m, c = self.m, self.m.counters
+        parts = [(s, lo, hi) for s, lo, hi in self._parts(a, b) if s.src is not None]
+        if not parts:
+            return
+        if self.tier == "nvme":
+            c.add("nvme", sum(hi - lo for _, lo, hi in parts))
+        if not m.cuda:
+            self.futures.append(m.nvme_store().submit(self._write_direct, parts))
+            return
+        m.d2h.wait_stream(torch.cuda.current_stream(m.device))
+        staged = []
+        with torch.cuda.stream(m.d2h):
+            for s, lo, hi in parts:
+                if s.host is None:
+                    s.host = torch.empty(s.nbytes, dtype=torch.uint8, pin_memory=True)
+                    c.add("host", s.nbytes)
+                s.host[lo:hi].copy_(as_bytes(s.src)[lo:hi], non_blocking=True)
+                c.moved_add("d2h", hi - lo)
+                s.sent += hi - lo
+                if s.sent >= s.nbytes:
+                    s.src.record_stream(m.d2h)   # freed once the copy has run, not before
+                    s.src = None
+                    c.add("act", -s.nbytes)
+                staged.append((s, lo, hi))
+            ev = torch.cuda.Event()
+            ev.record(m.d2h)
+        if self.tier == "nvme":
+            self.futures.append(m.nvme_store().submit(self._write_staged, staged, ev))
+
+    def _write_direct(self, parts):
+        c = self.m.counters
+        for s, lo, hi in parts:
+            src = s.src
+            if src is None:
+                continue
+            pwrite_all(self.fd, byte_view(as_bytes(src)[lo:hi]), s.offset + lo)
+            c.moved_add("nvme_write", hi - lo)
+            s.sent += hi - lo
+            if s.sent >= s.nbytes:
+                s.src = None            # the tensor's memory is free once its bytes are on disk
+                c.add("act", -s.nbytes)
+
+    def _write_staged(self, parts, ev):
         ev.synchronize()
-        del src               # GPU copy no longer needed
-        if s.nbytes:
-            _pwrite_all(self.fd, memoryview(host.numpy()), s.offset)
-        self.m.pool.put(host)
-        self.m.counters.add("host", -s.nbytes)
-        self.m.counters.moved_add("nvme_write", s.nbytes)
+        c = self.m.counters
+        for s, lo, hi in parts:
+            pwrite_all(self.fd, byte_view(s.host[lo:hi]), s.offset + lo)
+            c.moved_add("nvme_write", hi - lo)
+            s.disk += hi - lo
+            if s.disk >= s.nbytes:
+                c.add("host", -s.nbytes)
+                s.host = None           # every staged byte is on disk
 
     # -- back
-    def prefetch(self):
-        """Start bringing every slot back (the plan's issue point, or on demand)."""
-        if self.prefetched:
+    def fetch(self, a: int, b: int) -> None:
+        """Bring the stream's bytes [a, b) back to the device (this stage's share)."""
+        m, c = self.m, self.m.counters
+        parts = [(s, lo, hi) for s, lo, hi in self._parts(a, b) if s.src is None]
+        if not parts:
             return
-        self.prefetched = True
-        m = self.m
-        if self.tier == "nvme":
-            self.read = m.nvme_store().submit(self._read_all)
+        if not m.cuda or self.tier == "nvme":
+            self.futures.append(m.nvme_store().submit(self._read, parts))
             return
-        # CUDA host tier: H2D on its own stream, awaited where each tensor is unpacked; the
-        # host copies it reads must have landed (the schedule's in: waits for out:).
-        m.h2d.wait_stream(m.d2h)
-        for s in self.slots:
-            with torch.cuda.stream(m.h2d):
-                out = torch.empty(s.nbytes, dtype=torch.uint8, device=m.device)
-                out.copy_(s.host, non_blocking=True)
+        self._h2d(parts)
+
+    def _alloc_out(self, s: Slot):
+        if s.out is None:
+            if self.m.cuda:
+                with torch.cuda.stream(self.m.h2d):
+                    s.out = torch.empty(s.nbytes, dtype=torch.uint8, device=self.m.device)
+            else:
+                s.out = torch.empty(s.nbytes, dtype=torch.uint8)
+            self.m.counters.add("act", s.nbytes)
+
+    def _h2d(self, parts):
+        m, c = self.m, self.m.counters
+        m.h2d.wait_stream(m.d2h)             # the host copy it reads must have landed
+        with torch.cuda.stream(m.h2d):
+            for s, lo, hi in parts:
+                self._alloc_out(s)
+                s.out[lo:hi].copy_(s.host[lo:hi], non_blocking=True)
+                s.got += hi - lo
+                c.moved_add("h2d", hi - lo)
                 s.ready = torch.cuda.Event()
                 s.ready.record(m.h2d)
-            s.out = out.view(s.dtype).view(s.shape)
-            m.pending.append((s.ready, None, s.host))
-            m.counters.add("host", -s.nbytes)
-            m.counters.add("act", s.nbytes)
-            m.counters.moved_add("h2d", s.nbytes)
-            s.host = None
 
-    def _read_all(self):
-        m = self.m
-        for s in self.slots:
-            s.write.result()
-        for s in self.slots:
-            if m.cuda:
-                host = m.pool.get(s.nbytes)
-                if s.nbytes:
-                    _pread_all(self.fd, memoryview(host.numpy()), s.offset)
-                with torch.cuda.stream(m.h2d):
-                    out = torch.empty(s.nbytes, dtype=torch.uint8, device=m.device)
-                    out.copy_(host, non_blocking=True)
-                    ev = torch.cuda.Event()
-                    ev.record(m.h2d)
-                ev.synchronize()   # this is the I/O thread: the staging buffer is reusable after
-                m.pool.put(host)
-                m.counters.moved_add("h2d", s.nbytes)
-                s.ready = ev
+    def _read(self, parts):
+        c = self.m.counters
+        for s, lo, hi in parts:
+            if self.m.cuda:
+                if s.host is None:
+                    s.host = torch.empty(s.nbytes, dtype=torch.uint8, pin_memory=True)
+                    c.add("host", s.nbytes)
+                pread_all(self.fd, byte_view(s.host[lo:hi]), s.offset + lo, self.path)
             else:
-                out = torch.empty(s.nbytes, dtype=torch.uint8)
-                if s.nbytes:
-                    _pread_all(self.fd, memoryview(out.numpy()), s.offset)
-            s.out = out.view(s.dtype).view(s.shape)
-            m.counters.add("act", s.nbytes)
-            m.counters.moved_add("nvme_read", s.nbytes)
-        self.m.counters.add("nvme", -self.size)
-        self._fin.detach()    # read back: the file is no longer needed
-        self.m.nvme_store().unlink(self.fd, self.path)
+                self._alloc_out(s)
+                pread_all(self.fd, byte_view(s.out[lo:hi]), s.offset + lo, self.path)
+                s.got += hi - lo
+            c.moved_add("nvme_read", hi - lo)
+            if self.tier == "nvme":
+                c.add("nvme", -(hi - lo))
+        if self.m.cuda:
+            self._h2d(parts)
+
+    def wait(self) -> None:
+        """Block until the I/O issued so far for this group is done (and raise its errors)."""
+        with self.lock:
+            futs, self.futures = self.futures, []
+        for f in futs:
+            f.result()
 
     def get(self, s: Slot) -> torch.Tensor:
-        """The slot's tensor on the compute device; waits (and counts the stall) if needed."""
-        m = self.m
-        if not self.prefetched:
-            self.prefetch()   # the plan issued no prefetch before this point: fetch on demand
-        if self.read is not None and not self.read.done():
-            t0 = time.perf_counter()
-            self.read.result()
-            m.counters.stalled(time.perf_counter() - t0)
-        elif self.read is not None:
-            self.read.result()   # re-raise an I/O error
-        out = s.out
-        if m.cuda:
-            cur = torch.cuda.current_stream(m.device)
-            if not s.ready.query():
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record(cur)
-                cur.wait_event(s.ready)
-                b.record(cur)
-                m.stall_events.append((a, b))
+        """The slot's tensor on the device, whole; fetches what has not come back yet."""
+        if s.src is not None and s.got == 0:  # it never fully left: no round trip needed
+            return s.src
+        t0 = time.perf_counter()
+        self.wait()
+        if s.src is not None:
+            return s.src
+        if s.got < s.nbytes:
+            missing = [(s, 0, s.nbytes)] if s.out is None else [(s, s.got, s.nbytes)]
+            if self.m.cuda and self.tier == "cpu":
+                self._h2d(missing)
             else:
-                cur.wait_event(s.ready)
-            out.record_stream(cur)   # allocated on the h2d stream, used on the compute stream
-        return out
+                self._read_sync(missing)
+        self.m.counters.stalled(time.perf_counter() - t0)
+        out = s.out
+        if self.m.cuda:
+            cur = torch.cuda.current_stream(self.m.device)
+            cur.wait_event(s.ready)
+            out.record_stream(cur)
+        return out.view(s.dtype).view(s.shape)
 
-    def release(self, s: Slot):
+    def _read_sync(self, parts):
+        f = self.m.nvme_store().submit(self._read, parts)
+        f.result()
+
+    def release(self, s: Slot) -> None:
         """The consumer has the tensor; forget it so its memory goes when autograd drops it."""
         if s.out is not None:
             s.out = None
             self.m.counters.add("act", -s.nbytes)
+        if all(x.out is None and x.src is None and x.got >= x.nbytes for x in self.slots):
+            self._done()
 
-    def abandon(self):
-        """The pass that owned this group is gone (its graph was freed, with or without a
-        backward): free what is left. Runs where the graph was freed; on an I/O thread it must
-        not wait for that thread's own queue, so it queues the discard behind the I/O instead."""
-        if self.tier == "nvme" and threading.current_thread().name.startswith(_IO_PREFIX):
+    def _done(self):
+        if self.tier == "nvme" and self._fin.alive:
+            self._fin.detach()
             store = self.m.store
-            if store is not None and store.pool is not None:
-                with contextlib.suppress(RuntimeError):   # the pool shut down meanwhile
-                    store.pool.submit(self.discard)
-                    return
+            if store is not None:
+                store.unlink_later(self.path)
+        for s in self.slots:
+            if s.host is not None:
+                self.m.counters.add("host", -s.nbytes)
+                s.host = None
+
+    def abandon(self) -> None:
+        """The pass that owned this group is gone (its graph was freed, with or without a
+        backward): free what is left. On the I/O thread it must not wait for its own queue."""
+        store = self.m.store
+        if store is not None and store.on_io_thread() and store.pool is not None:
+            with contextlib.suppress(RuntimeError):
+                store.pool.submit(self.discard)
+                return
         self.discard()
 
-    def discard(self):
-        """Forget everything (an abandoned pass): wait for in-flight I/O, delete the file."""
-        # Only waiting matters here: a write or read that failed has nothing left to undo, and
-        # its error already reached whoever needed the data.
+    def discard(self) -> None:
+        with contextlib.suppress(Exception):   # only waiting matters: its error reached the reader
+            self.wait()
+        c = self.m.counters
         for s in self.slots:
-            if s.write is not None:
-                with contextlib.suppress(Exception):
-                    s.write.result()
-        if self.read is not None:
-            with contextlib.suppress(Exception):
-                self.read.result()
-        for s in self.slots:
-            self.release(s)
+            if s.out is not None:
+                s.out = None
+                c.add("act", -s.nbytes)
+            if s.src is not None:
+                c.add("act", -s.nbytes)
+            s.src = None
         if self.tier == "nvme" and self._fin.alive:
-            self.m.counters.add("nvme", -self.size)
-            self._fin.detach()
-            if self.m.store is not None:   # else closed: its close deleted every file
-                self.m.store.unlink(self.fd, self.path)
-        if self.tier == "cpu":
-            for s in self.slots:
-                if s.host is not None:
-                    self.m.counters.add("host", -s.nbytes)
-                    s.host = None
+            left = sum(max(0, s.sent - s.got) for s in self.slots)
+            c.add("nvme", -left)
+        self._done()

@@ -68,7 +68,8 @@ class Segment:
                 self.ck = x
                 r.counters.add("act", x.numel() * x.element_size())
             else:
-                self.ck_group = r.mover.group(self.ck_tier, "ck-" + self.names[0])
+                from .offload import Group
+                self.ck_group = Group(r.mover, self.ck_tier, "ck-" + self.names[0])
                 self.ck_slot = self.ck_group.put(x)
                 self.pass_.groups[("ck", self.names[0])] = self.ck_group
         args = r.strip_hidden(args, kwargs, loc)

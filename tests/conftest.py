@@ -24,6 +24,7 @@ def _units_for(model, batch, seq, blocks_path=None):
         pb = sum(p.numel() * p.element_size() for p in params)
         return UnitRecord(name=name, kind=kind, param_bytes=pb, grad_bytes=pb,
                           optimizer_bytes=2 * pb, input_bytes=x, output_bytes=x,
+                          param_count=sum(p.numel() for p in params),
                           saved_bytes=16 * x, workspace_bytes=4 * x, fwd_flops=10**6,
                           bwd_flops=2 * 10**6, fwd_s=1e-3, bwd_s=2e-3)
 
@@ -36,12 +37,13 @@ def _units_for(model, batch, seq, blocks_path=None):
 
 
 def plan_for(model, layers, batch, seq, *, hardware="cpu-host", nvme_dir=None,
-             blocks_path=None, name="test-model", prefetch_issue=None):
+             blocks_path=None, name="test-model", homes=None, micro_batches=1):
     """A Plan for ``model``: ``layers`` is a policy name (keep-all, recompute-all, sqrt,
     offload-all) or a list of ``(activation, checkpoint)`` per block ("keep", None),
-    ("recompute", "gpu"|"nvme"|"none"), ("nvme", None)."""
+    ("recompute", "gpu"|"nvme"|"none"), ("nvme", None). ``homes`` maps a unit name (or
+    "blocks" for every block) to a ``Home`` (weights, grads, optimizer, step)."""
     from planner.baselines import baseline_layers
-    from planner.formats import Activation, LayerDecision, Profile, Tier
+    from planner.formats import Activation, Budgets, LayerDecision, Profile, Tier
     from planner.hardware import load_hardware
     from planner.plans import make_plan
 
@@ -59,10 +61,15 @@ def plan_for(model, layers, batch, seq, *, hardware="cpu-host", nvme_dir=None,
             decisions.append(LayerDecision(u.name, Activation(act),
                                            Tier(ck) if ck is not None else None))
         decisions.append(LayerDecision("head", Activation.KEEP))
-    budgets = {"gpu_bytes": hw.memory_bytes, "cpu_bytes": 0, "nvme_bytes": hw.nvme_bytes}
+    if homes:
+        import dataclasses
+        decisions = [dataclasses.replace(d, home=homes.get(d.name, homes.get("blocks") if
+                                                           u.kind == "block" else d.home))
+                     for d, u in zip(decisions, units)]
+    budgets = Budgets(hw.memory_bytes, 0, hw.nvme_bytes)
     return make_plan(prof, None, hw, budgets, layers if isinstance(layers, str) else "optimal",
-                     decisions, prefetch_issue=prefetch_issue,
-                     nvme_dir=str(nvme_dir) if nvme_dir else None)
+                     decisions, nvme_dir=str(nvme_dir) if nvme_dir else None,
+                     micro_batches=micro_batches)[0]
 
 
 @pytest.fixture

@@ -1,0 +1,196 @@
+"""The measured report (``tierplan.report/1``): what a training run under a plan measured,
+beside what the plan predicted. The runtime fills it (``handle.report()``); ``plan inspect
+--report`` reads it back. One dataclass per record, validated on load like every file here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import UserError
+from .fileio import read_json, write_json_atomic
+from .formats import REPORT_SCHEMA, _check_fields, _check_schema, _require
+from .sizes import fmt_bytes, fmt_seconds
+
+LINKS = ("d2h", "h2d", "nvme_write", "nvme_read")
+_FIX = "save it again with handle.report().save(path)"
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One measured optimizer step."""
+
+    step_s: float
+    passes: int                       # forward passes in the step (gradient accumulation)
+    peak_gpu_bytes: int | None        # CUDA: allocator peak; CPU: peak RSS rise over the step
+    peak_cpu_bytes: int               # pinned host bytes the runtime held, peak
+    peak_nvme_bytes: int              # bytes in the runtime's files, peak
+    peak_activation_bytes: int        # the runtime's own count of resident activation bytes
+    static_bytes: int                 # device bytes of params, grads and optimizer state before
+    base_bytes: int | None            # CUDA: allocated before; CPU: RSS before the step
+    moved: dict = field(default_factory=dict)   # link -> bytes
+    stall_s: float = 0.0              # time the training thread waited for transfers
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d, where: str) -> "StepRecord":
+        _require(d, ("step_s", "passes", "peak_cpu_bytes", "peak_nvme_bytes",
+                     "peak_activation_bytes", "static_bytes"), where, _FIX)
+        _check_fields(d, _STEP_FIELDS, where, _FIX)
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+_STEP_FIELDS = {"step_s": "number", "passes": "count", "peak_gpu_bytes": "bytes?",
+                "peak_cpu_bytes": "bytes", "peak_nvme_bytes": "bytes",
+                "peak_activation_bytes": "bytes", "static_bytes": "bytes", "base_bytes": "bytes?",
+                "moved": "dict", "stall_s": "number"}
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Medians over the steps after the first (the first allocates the optimizer state and
+    warms caches); over all steps when there is only one."""
+
+    step_s: float
+    peak_gpu_bytes: float | None
+    peak_cpu_bytes: float
+    peak_nvme_bytes: float
+    peak_activation_bytes: float
+    static_bytes: float
+    stall_s: float
+    moved: dict
+    steps: int
+
+    @classmethod
+    def of(cls, steps: list[StepRecord]) -> "Measured | None":
+        use = steps[1:] if len(steps) > 1 else steps
+        if not use:
+            return None
+
+        def med(k):
+            vals = [getattr(s, k) for s in use if getattr(s, k) is not None]
+            return statistics.median(vals) if vals else None
+        return cls(step_s=med("step_s"), peak_gpu_bytes=med("peak_gpu_bytes"),
+                   peak_cpu_bytes=med("peak_cpu_bytes"), peak_nvme_bytes=med("peak_nvme_bytes"),
+                   peak_activation_bytes=med("peak_activation_bytes"),
+                   static_bytes=med("static_bytes"), stall_s=med("stall_s"),
+                   moved={k: statistics.median([s.moved.get(k, 0) for s in use]) for k in LINKS},
+                   steps=len(use))
+
+
+@dataclass
+class Report:
+    """Measured steps beside the plan's prediction. ``str()`` prints a table."""
+
+    plan_path: str | None
+    policy: str
+    device: str                       # cuda | cpu
+    hardware: str
+    batch: int
+    seq: int
+    micro_batches: int
+    predicted: dict                   # the plan's Prediction as a dict
+    predicted_moved: dict             # link -> bytes per optimizer step, from the schedule
+    predicted_static_bytes: int = 0   # device-resident static state the plan counts
+    steps: list = field(default_factory=list)   # list[StepRecord]
+    hwm_reset: bool = True            # whether /proc/self/clear_refs could reset VmHWM
+
+    @property
+    def measured(self) -> Measured | None:
+        return Measured.of(self.steps)
+
+    @property
+    def gpu_measure(self) -> str:
+        return ("cuda allocator peak" if self.device == "cuda" else
+                "rise of peak RSS over the RSS before the step")
+
+    @property
+    def predicted_gpu_rise_bytes(self) -> int | None:
+        """What the measured device figure is compared with: on CUDA the predicted peak (the
+        allocator counts everything), on a CPU host the predicted peak less the static state
+        that is resident before the step (the RSS rise leaves it out)."""
+        p = self.predicted.get("peak_gpu_bytes")
+        if p is None:
+            return None
+        return int(p) if self.device == "cuda" else int(p) - int(self.predicted_static_bytes)
+
+    def to_dict(self) -> dict:
+        med = self.measured
+        return {"schema": REPORT_SCHEMA,
+                "plan": {"path": self.plan_path, "policy": self.policy, "hardware": self.hardware,
+                         "batch": self.batch, "seq": self.seq, "micro_batches": self.micro_batches},
+                "device": self.device, "predicted": dict(self.predicted),
+                "predicted_moved": dict(self.predicted_moved),
+                "predicted_static_bytes": self.predicted_static_bytes,
+                "predicted_gpu_rise_bytes": self.predicted_gpu_rise_bytes,
+                "measured": dataclasses.asdict(med) if med else None,
+                "steps": [s.to_dict() for s in self.steps], "hwm_reset": self.hwm_reset,
+                "gpu_measure": self.gpu_measure}
+
+    def save(self, path) -> Path:
+        return write_json_atomic(path, self.to_dict())
+
+    def __str__(self) -> str:
+        med = self.measured
+        head = (f"tierplan report: plan {self.plan_path or '(in memory)'} ({self.policy}, "
+                f"{self.hardware}), {len(self.steps)} step(s) measured on {self.device}")
+        if med is None:
+            return head + "\n  no complete step yet (a step ends at the optimizer step)"
+        p = self.predicted
+        rows = [("figure", "measured", "predicted")]
+        rows.append(("step time", fmt_seconds(med.step_s), fmt_seconds(p.get("step_s"))))
+        label = "peak device memory" if self.device == "cuda" else "peak RSS rise over step"
+        rows.append((label, fmt_bytes(med.peak_gpu_bytes), fmt_bytes(self.predicted_gpu_rise_bytes)))
+        rows.append(("  activations (runtime count)", fmt_bytes(med.peak_activation_bytes), ""))
+        rows.append(("  static state before step", fmt_bytes(med.static_bytes),
+                     fmt_bytes(self.predicted_static_bytes)))
+        rows.append(("peak host (pinned)", fmt_bytes(med.peak_cpu_bytes),
+                     fmt_bytes(p.get("peak_cpu_bytes"))))
+        rows.append(("peak nvme", fmt_bytes(med.peak_nvme_bytes), fmt_bytes(p.get("peak_nvme_bytes"))))
+        for link in LINKS:
+            rows.append((f"moved {link}", fmt_bytes(med.moved[link]),
+                         fmt_bytes(self.predicted_moved.get(link, 0))))
+        rows.append(("waited on transfers", fmt_seconds(med.stall_s), ""))
+        w = [max(len(r[i]) for r in rows) for i in range(3)]
+        lines = [head, f"  median of {med.steps} step(s)" +
+                 (" (the first step is left out)" if len(self.steps) > 1 else "")]
+        for r in rows:
+            lines.append(f"  {r[0]:<{w[0]}}  {r[1]:>{w[1]}}  {r[2]:>{w[2]}}")
+        if self.device != "cuda" and not os.environ.get("MALLOC_MMAP_THRESHOLD_"):
+            lines.append("  note: glibc keeps freed tensors in RSS, so the RSS rise is only "
+                         "indicative; run with MALLOC_MMAP_THRESHOLD_=65536 to measure it "
+                         "(docs/runtime.md)")
+        if not self.hwm_reset and self.device != "cuda":
+            lines.append("  note: /proc/self/clear_refs was not writable; the RSS peak is the "
+                         "process's lifetime peak")
+        return "\n".join(lines)
+
+
+def load_report_dict(d: dict, source: str = "report") -> Report:
+    """A Report from its dict, every field checked (exit 2 naming the field otherwise)."""
+    where = f"report '{source}'"
+    _check_schema(d, REPORT_SCHEMA, "report", source)
+    _require(d, ("plan", "device", "predicted", "steps"), where, _FIX)
+    _check_fields(d, {"plan": "dict", "device": "str", "predicted": "dict", "steps": "list",
+                      "predicted_moved": "dict", "predicted_static_bytes": "bytes"}, where, _FIX)
+    p = d["plan"]
+    _check_fields(p, {"path": "str?", "policy": "str", "hardware": "str", "batch": "count",
+                      "seq": "count", "micro_batches": "count"}, f"{where} plan", _FIX)
+    if d["device"] not in ("cuda", "cpu"):
+        raise UserError(f"{where}: device must be cuda or cpu, got {d['device']!r}; {_FIX}")
+    steps = [StepRecord.from_dict(s, f"{where} step {n}") for n, s in enumerate(d["steps"])]
+    return Report(plan_path=p.get("path"), policy=str(p.get("policy", "")), device=d["device"],
+                  hardware=str(p.get("hardware", "")), batch=int(p.get("batch", 0)),
+                  seq=int(p.get("seq", 0)), micro_batches=int(p.get("micro_batches", 1)),
+                  predicted=dict(d["predicted"]), predicted_moved=dict(d.get("predicted_moved", {})),
+                  predicted_static_bytes=int(d.get("predicted_static_bytes", 0)),
+                  steps=steps, hwm_reset=bool(d.get("hwm_reset", True)))
+
+
+def load_report(path) -> Report:
+    return load_report_dict(read_json(path, "report"), str(path))

@@ -1,0 +1,139 @@
+"""The runtime's files on the NVMe tier: one directory per process, one I/O thread.
+
+Every file the runtime writes lives in ``<nvme_dir>/tierplan-<pid>-<random>/`` and is deleted
+as soon as it is not needed (an offload file once read back, a home file when the handle is
+removed), at exit, and when the process that made the directory is gone (``sweep``, at the
+next start). Directories the store created are removed again; nothing it did not create is
+ever deleted. Reads and writes go through one FIFO worker thread: they share one drive, and a
+single worker guarantees that a file's writes finish before its reads or its deletion run.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import threading
+import uuid
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+IO_THREAD_PREFIX = "tierplan-io"
+
+
+def byte_view(t) -> memoryview:
+    """A writable memoryview of a contiguous CPU tensor's bytes. Not ``t.numpy()``: exporting
+    to numpy marks the storage as not resizable for good, and the runtime resizes the storage
+    of streamed parameters to free them."""
+    import ctypes
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+def pwrite_all(fd: int, mv: memoryview, offset: int) -> None:
+    while len(mv):
+        n = os.pwrite(fd, mv, offset)
+        mv, offset = mv[n:], offset + n
+
+
+def pread_all(fd: int, mv: memoryview, offset: int, label: str = "") -> None:
+    while len(mv):
+        n = os.preadv(fd, [mv], offset)
+        if n == 0:
+            raise OSError(f"tierplan: offload file {label} is shorter than what was written "
+                          "to it (truncated on disk)")
+        mv, offset = mv[n:], offset + n
+
+
+class NvmeStore:
+    """The per-process directory under ``base`` and the I/O thread that reads and writes it."""
+
+    def __init__(self, base: str | os.PathLike):
+        self.base = Path(base)
+        self.dir: Path | None = None
+        self.created: list[Path] = []       # directories we made, outermost first
+        self.pool: ThreadPoolExecutor | None = None
+        self.files: dict[str, int] = {}     # path -> fd
+        self.lock = threading.Lock()
+        self._atexit = weakref.WeakMethod(self.close)
+        atexit.register(_close_weak, self._atexit)
+
+    def _ensure(self) -> None:
+        if self.dir is not None:
+            return
+        missing = []
+        p = self.base.resolve()
+        while not p.exists():
+            missing.append(p)
+            p = p.parent
+        for d in reversed(missing):
+            with contextlib.suppress(FileExistsError):   # another process made it meanwhile
+                d.mkdir()
+                self.created.append(d)
+        d = self.base.resolve() / f"tierplan-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        d.mkdir()
+        self.created.append(d)
+        self.dir = d
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix=IO_THREAD_PREFIX)
+
+    def open(self, label: str) -> tuple[int, str]:
+        """A new empty file for ``label`` (fd, path)."""
+        self._ensure()
+        path = str(self.dir / f"{label}-{uuid.uuid4().hex[:8]}.bin")
+        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
+        with self.lock:
+            self.files[path] = fd
+        return fd, path
+
+    def unlink(self, path: str) -> None:
+        with self.lock:
+            fd = self.files.pop(path, None)
+        if fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+    def unlink_later(self, path: str) -> None:
+        """Delete after the I/O already queued (a dropped group may still be writing)."""
+        pool = self.pool
+        if pool is not None:
+            with contextlib.suppress(RuntimeError):   # the pool shut down meanwhile
+                pool.submit(self.unlink, path)
+                return
+        self.unlink(path)
+
+    def submit(self, fn, *args) -> Future:
+        self._ensure()
+        return self.pool.submit(fn, *args)
+
+    @staticmethod
+    def on_io_thread() -> bool:
+        return threading.current_thread().name.startswith(IO_THREAD_PREFIX)
+
+    def close(self) -> None:
+        """Stop the I/O thread, delete every file and every directory this store created."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+        with self.lock:
+            files, self.files = dict(self.files), {}
+        for path, fd in files.items():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        for d in reversed(self.created):
+            with contextlib.suppress(OSError):   # not empty: never delete what we did not make
+                d.rmdir()
+        self.created = []
+        self.dir = None
+
+
+def _close_weak(ref):
+    m = ref()
+    if m is not None:
+        m()

@@ -1,0 +1,495 @@
+"""Weights, gradients and optimizer state that live off the device between uses.
+
+Each unit whose plan gives a tensor class a home other than the device gets a ``UnitStatic``.
+Its parameters stay the user's own ``nn.Parameter`` objects on the device; between uses their
+storage is resized to nothing (memory freed, every view autograd saved of them still valid, as
+FSDP does) and refilled from the home before the unit's forward and again before its
+backward, a share per stage as the plan says. Gradients of such a unit leave the device after
+its backward, a share per stage, and are added into their home copy (``acc + new`` in the
+parameter's dtype, the order PyTorch's own accumulation uses). Between passes a parameter
+whose gradient lives on NVMe carries a placeholder ``.grad`` that refuses every use, so that
+``torch.nn.utils.clip_grad_norm_`` cannot silently leave it out: ``handle.clip_grad_norm_``
+does it exactly (the norms of the accumulated gradients are taken as they are written).
+
+The optimizer step goes through the handle (``OptimizerPhase``): units at home on the device
+are stepped by the user's own optimizer; every other unit, one after the other, is brought to
+where its step runs (weights, gradients and state read from the NVMe tier), stepped by an
+optimizer of the user's class over that unit's parameters that shares the user's state dict
+and hyper-parameters (so learning-rate schedulers and ``opt.state_dict()`` see every
+parameter), and written back. On a CPU device every step runs on the CPU itself.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+
+import torch
+
+from planner.errors import UserError
+from planner.formats import Tier
+
+from .files import NvmeStore, byte_view, pread_all, pwrite_all
+from .offload import Counters, as_bytes
+
+
+class OffloadedGrad(torch.Tensor):
+    """A parameter's ``.grad`` while the gradient lives on the NVMe tier: same shape, dtype
+    and device, no storage; any use raises one line that says what to do instead."""
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, unit: str):
+        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype,
+                                                device=like.device, requires_grad=False)
+        t.unit = unit
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unit = next((a.unit for a in args if isinstance(a, OffloadedGrad)), "?")
+        raise UserError(f"the gradients of {unit} live on the NVMe tier under this plan, so "
+                        f"{func.__name__.split('.')[0]} cannot read them; clip with "
+                        "handle.clip_grad_norm_(max_norm) and read them with "
+                        "handle.gradients()")
+
+    def __repr__(self):
+        return f"OffloadedGrad(unit={self.unit}, shape={tuple(self.shape)})"
+
+
+def _own_storage(p: torch.nn.Parameter) -> None:
+    """Give ``p`` a storage of its own, so that resizing it frees exactly ``p``."""
+    st = p.untyped_storage()
+    if p.storage_offset() != 0 or st.nbytes() != p.numel() * p.element_size() or not p.is_contiguous():
+        p.data = p.data.clone(memory_format=torch.contiguous_format)
+
+
+class _Flat:
+    """A unit's tensors as one byte stream: (tensor, offset, nbytes) in a fixed order."""
+
+    def __init__(self, tensors):
+        self.items = []
+        off = 0
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            self.items.append((t, off, n))
+            off += n
+        self.size = off
+
+    def parts(self, a: int, b: int, align: bool = False):
+        """(index, tensor, start, end, offset) of the tensors' bytes in the stream's [a, b);
+        with ``align``, each cut falls on an element boundary of the tensor it cuts (the same
+        way for the end of one range and the start of the next, so ranges still tile)."""
+        for k, (t, off, n) in enumerate(self.items):
+            lo, hi = max(a, off) - off, min(b, off + n) - off
+            if align:
+                e = t.element_size()
+                lo = lo - lo % e
+                hi = n if hi >= n else hi - hi % e
+            if lo < hi:
+                yield k, t, lo, hi, off
+
+
+class UnitStatic:
+    """One unit's parameters, gradients and optimizer state under a home off the device."""
+
+    def __init__(self, name: str, params: list, home, device: torch.device, store_of,
+                 counters: Counters):
+        self.name = name
+        self.params = params                 # [(qualified name, Parameter)]
+        self.home = home
+        self.device = device
+        self.store_of = store_of             # () -> NvmeStore
+        self.c = counters
+        self.weights_out = home.weights is not Tier.GPU
+        self.grads_out = home.grads is not Tier.GPU
+        self.state_out = home.optimizer is not Tier.GPU
+        self.lock = threading.Lock()
+        self.futures: list = []
+        self.w_path = self.g_path = self.s_path = None
+        self.w_fd = self.g_fd = self.s_fd = None
+        self.w_got = set()                   # params whose weights are on the device
+        self.in_use = False
+        self.acc_valid = False               # the gradient home holds an accumulation
+        self.dev_grads = None                # the backward's gradients, until they have left
+        self.grad_norms: dict = {}           # param index -> 2-norm of its accumulated gradient
+        self._norms: dict = {}
+        self.placeholders_due = False
+        self.state_layout = None             # [(param index, key)] of state tensors on NVMe
+        if device.type == "cuda" and (self.weights_out or self.grads_out or self.state_out):
+            raise UserError(f"{name}: streaming weights, gradients or optimizer state on CUDA "
+                            "is not supported by this runtime yet (the plan gives it home "
+                            f"{home.label()}); re-solve with --stream off, or run on a CPU host")
+        for _, p in params:
+            _own_storage(p)
+        self.flat = _Flat([p for _, p in params])
+
+    # -- weights ----------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Write the current weights to their home and free them on the device."""
+        if not self.weights_out:
+            return
+        store = self.store_of()
+        self.w_fd, self.w_path = store.open(f"w-{self.name}")
+        store.submit(self._write_all_weights).result()
+        self.c.add("nvme", self.flat.size)
+        self._free_weights()
+
+    def _write_all_weights(self):
+        for t, off, n in self.flat.items:
+            pwrite_all(self.w_fd, byte_view(as_bytes(t.detach())), off)
+
+    def _free_weights(self):
+        for _, p in self.params:
+            p.untyped_storage().resize_(0)
+        self.w_got.clear()
+
+    def fetch_weights(self, fa: float, fb: float) -> None:
+        """Bring the planned share [fa, fb) of the weights back (an I/O job)."""
+        if not self.weights_out:
+            return
+        a = int(round(fa * self.flat.size))
+        b = self.flat.size if fb >= 1 - 1e-12 else int(round(fb * self.flat.size))
+        parts = list(self.flat.parts(a, b))
+        for k, t, lo, hi, off in parts:      # allocate on the training thread, fill on the I/O one
+            if t.untyped_storage().nbytes() == 0:
+                t.untyped_storage().resize_(t.numel() * t.element_size())
+        self.futures.append(self.store_of().submit(self._read_weights, parts))
+
+    def _read_weights(self, parts):
+        for k, t, lo, hi, off in parts:
+            pread_all(self.w_fd, byte_view(as_bytes(t.detach())[lo:hi]), off + lo,
+                      self.w_path)
+            self.c.moved_add("nvme_read", hi - lo)
+            with self.lock:
+                self.w_got.add((k, lo, hi))
+
+    def wait(self) -> None:
+        """Block until this unit's I/O issued so far is done (raise its errors); then, on the
+        training thread, put the placeholders on gradients that have gone home."""
+        futs, self.futures = self.futures, []
+        for f in futs:
+            f.result()
+        if self.placeholders_due:
+            self.placeholders_due = False
+            for _, p in self.params:
+                if p.requires_grad:
+                    p.grad = OffloadedGrad(p, self.name)
+
+    def use(self) -> None:
+        """The unit computes now: its weights must all be here (what the plan did not
+        fetch ahead is fetched now, waiting)."""
+        if not self.weights_out:
+            return
+        self.wait()
+        have = {}
+        for k, lo, hi in self.w_got:
+            have[k] = have.get(k, 0) + (hi - lo)
+        missing = [(k, t, 0, n, off) for k, (t, off, n) in enumerate(self.flat.items)
+                   if have.get(k, 0) < n]
+        if missing:
+            for k, t, lo, hi, off in missing:
+                if t.untyped_storage().nbytes() == 0:
+                    t.untyped_storage().resize_(t.numel() * t.element_size())
+            self.store_of().submit(self._read_weights, missing).result()
+        self.in_use = True
+
+    def release(self) -> None:
+        """The unit's compute is over: free its weights on the device."""
+        if not self.weights_out:
+            return
+        self.wait()
+        self._free_weights()
+        self.in_use = False
+
+    # -- gradients --------------------------------------------------------------------------
+    def begin_backward(self) -> None:
+        """Before the unit's backward: no placeholder may receive autograd's accumulation."""
+        if self.grads_out:
+            for _, p in self.params:
+                if isinstance(p.grad, OffloadedGrad):
+                    p.grad = None
+
+    def _collect(self):
+        if self.dev_grads is None:
+            grads = []
+            for _, p in self.params:
+                g = p.grad
+                if isinstance(g, OffloadedGrad) or g is None:
+                    g = torch.zeros_like(p) if p.requires_grad else torch.zeros(0)
+                grads.append(g.detach().contiguous())
+                p.grad = None
+            self.dev_grads = _Flat(grads)
+            self._norms = {}
+
+    def send_grads(self, fa: float, fb: float) -> None:
+        """The planned share [fa, fb) of the unit's gradients leaves and is added to its home
+        copy (an I/O job)."""
+        if not self.grads_out:
+            return
+        self._collect()
+        if self.g_fd is None:
+            self.g_fd, self.g_path = self.store_of().open(f"g-{self.name}")
+        size = self.dev_grads.size
+        a = int(round(fa * size))
+        b = size if fb >= 1 - 1e-12 else int(round(fb * size))
+        last = fb >= 1 - 1e-12
+        self.futures.append(self.store_of().submit(self._accumulate, a, b, last))
+
+    def _accumulate(self, a: int, b: int, last: bool):
+        flat = self.dev_grads
+        for k, g, lo, hi, off in flat.parts(a, b, align=True):
+            part = as_bytes(g)[lo:hi]
+            if self.acc_valid:
+                # add the accumulator into the new gradient in its dtype: new + acc, the same
+                # bits as PyTorch's acc + new
+                old = torch.empty(hi - lo, dtype=torch.uint8)
+                pread_all(self.g_fd, byte_view(old), off + lo, self.g_path)
+                self.c.moved_add("nvme_read", hi - lo)
+                part.view(g.dtype).add_(old.view(g.dtype))
+            pwrite_all(self.g_fd, byte_view(part), off + lo)
+            self.c.moved_add("nvme_write", hi - lo)
+            if hi == g.numel() * g.element_size() and g.numel():
+                # the tensor's accumulated gradient is complete: its norm, as clipping takes it
+                self._norms[k] = torch.linalg.vector_norm(g, 2.0)
+        if last:
+            if not self.acc_valid:
+                self.c.add("nvme", flat.size)
+            self.acc_valid = True
+            self.grad_norms = dict(self._norms)
+            self.dev_grads = None
+            self.placeholders_due = True      # installed by the training thread (``wait``)
+
+    def read_grads(self, scale: float | None = None) -> list:
+        """The accumulated gradients, read from their home (for the step or the user)."""
+        out = []
+        for (_, p), (t, off, n) in zip(self.params, _Flat([p for _, p in self.params]).items):
+            g = torch.empty(p.shape, dtype=p.dtype, device=self.device)
+            pread_all(self.g_fd, byte_view(as_bytes(g)), off, self.g_path)
+            self.c.moved_add("nvme_read", n)
+            if scale is not None:
+                g.mul_(scale)         # the same clamped float32 scale torch multiplies by
+            out.append(g)
+        return out
+
+    def zero_grad(self) -> None:
+        if self.grads_out:
+            self.acc_valid = False
+            self.grad_norms = {}
+            for _, p in self.params:
+                if isinstance(p.grad, OffloadedGrad):
+                    p.grad = None
+
+    # -- the optimizer step -----------------------------------------------------------------
+    def state_tensors(self, opt_state) -> list:
+        """(param index, key, tensor) of every per-element state tensor of the unit."""
+        out = []
+        for k, (_, p) in enumerate(self.params):
+            st = opt_state.get(p, {})
+            for key in sorted(st):
+                v = st[key]
+                if isinstance(v, torch.Tensor) and v.numel() == p.numel() and v.numel() > 1:
+                    out.append((k, key, v))
+        return out
+
+    def materialize(self, opt_state, clip: float | None) -> None:
+        """Bring what the step needs to the device: weights, gradients, optimizer state."""
+        store = self.store_of()
+        self.wait()
+        if self.weights_out and not self.in_use:
+            self.use()
+        if self.grads_out and self.acc_valid:
+            # gradients in memory were scaled when clipped; these are scaled as they come back
+            grads = store.submit(self.read_grads, clip).result()
+            for (_, p), g in zip(self.params, grads):
+                if p.requires_grad:
+                    p.grad = g
+        if self.state_out and self.state_layout is not None:
+            tens = self.state_tensors(opt_state)
+            store.submit(self._read_state, tens).result()
+
+    def _read_state(self, tens):
+        off = 0
+        for k, key, v in tens:
+            n = v.numel() * v.element_size()
+            v.untyped_storage().resize_(n)
+            pread_all(self.s_fd, byte_view(as_bytes(v)), off, self.s_path)
+            self.c.moved_add("nvme_read", n)
+            off += n
+
+    def write_back(self, opt_state) -> None:
+        """After the step: weights and state to their homes, freed on the device; gradients
+        stay where they were (the accumulation lives until ``zero_grad``)."""
+        store = self.store_of()
+        jobs = []
+        if self.state_out:
+            tens = self.state_tensors(opt_state)
+            if self.s_fd is None:
+                self.s_fd, self.s_path = store.open(f"s-{self.name}")
+                self.c.add("nvme", sum(v.numel() * v.element_size() for _, _, v in tens))
+            self.state_layout = [(k, key) for k, key, _ in tens]
+            jobs.append(store.submit(self._write_state, tens))
+        if self.weights_out:
+            jobs.append(store.submit(self._write_all_weights))
+        for j in jobs:
+            j.result()
+        if self.state_out:
+            for _, _, v in self.state_tensors(opt_state):
+                v.untyped_storage().resize_(0)
+        if self.weights_out:
+            self._free_weights()
+            self.in_use = False
+        if self.grads_out and self.acc_valid:
+            for _, p in self.params:
+                if p.requires_grad:
+                    p.grad = OffloadedGrad(p, self.name)
+
+    def _write_state(self, tens):
+        off = 0
+        for k, key, v in tens:
+            n = v.numel() * v.element_size()
+            pwrite_all(self.s_fd, byte_view(as_bytes(v)), off)
+            self.c.moved_add("nvme_write", n)
+            off += n
+
+    # -- reading and loading values ------------------------------------------------------------
+    @contextlib.contextmanager
+    def weights_present(self, write_back: bool = False):
+        """The unit's weights on the device for the duration (state dicts, no-grad calls)."""
+        was = self.in_use or not self.weights_out
+        if not was:
+            self.use()
+        try:
+            yield
+        finally:
+            if not was:
+                if write_back:
+                    self.store_of().submit(self._write_all_weights).result()
+                self.release()
+
+    @contextlib.contextmanager
+    def state_present(self, opt_state, write_back: bool = False):
+        """The unit's optimizer state on the device for the duration (optimizer state dicts)."""
+        if not (self.state_out and self.state_layout is not None):
+            yield
+            return
+        tens = self.state_tensors(opt_state)
+        self.store_of().submit(self._read_state, tens).result()
+        try:
+            yield
+        finally:
+            if write_back:
+                tens = self.state_tensors(opt_state)
+                self.state_layout = [(k, key) for k, key, _ in tens]
+                self.store_of().submit(self._write_state, tens).result()
+            for _, _, v in self.state_tensors(opt_state):
+                v.untyped_storage().resize_(0)
+
+    def bring_state_home(self, opt_state) -> None:
+        """Leave the optimizer state on the device for good (``handle.remove()``)."""
+        if self.state_out and self.state_layout is not None:
+            tens = self.state_tensors(opt_state)
+            self.store_of().submit(self._read_state, tens).result()
+            self.state_layout = None
+
+    def close(self) -> None:
+        store = self.store_of() if (self.w_path or self.g_path or self.s_path) else None
+        if store is not None:
+            for path in (self.w_path, self.g_path, self.s_path):
+                if path:
+                    store.unlink(path)
+
+
+class OptimizerPhase:
+    """``opt.step()`` under a plan: the user's optimizer for units at home on the device, an
+    optimizer of the same class per other unit (sharing the user's state and
+    hyper-parameters), one unit after the other."""
+
+    def __init__(self, opt: torch.optim.Optimizer, units: list[UnitStatic], model_params: set):
+        self.opt = opt
+        self.units = units
+        self.clip: float | None = None
+        streamed = {id(p) for u in units for _, p in u.params}
+        self.streamed = streamed
+        group_of = {}
+        for gi, g in enumerate(opt.param_groups):
+            for p in g["params"]:
+                group_of[id(p)] = gi
+        missing = [n for u in units for n, p in u.params if id(p) not in group_of and p.requires_grad]
+        if missing:
+            raise UserError(f"the optimizer given to apply_plan does not hold parameter "
+                            f"{missing[0]!r}; build it on model.parameters()")
+        self.subs = []      # (unit, [(sub optimizer, user group index)])
+        for u in units:
+            by_group = {}
+            for _, p in u.params:
+                if id(p) in group_of:
+                    by_group.setdefault(group_of[id(p)], []).append(p)
+            subs = []
+            for gi, ps in by_group.items():
+                hyper = {k: v for k, v in opt.param_groups[gi].items() if k != "params"}
+                try:
+                    sub = type(opt)([dict(hyper, params=ps)])
+                except Exception as e:   # noqa: BLE001 -- the user's optimizer class
+                    raise UserError(f"{type(opt).__name__} could not be built again from its "
+                                    f"param groups ({type(e).__name__}: {e}); a streaming plan "
+                                    "steps each unit with a copy of the optimizer: use a "
+                                    "torch.optim optimizer") from None
+                sub.state = opt.state        # one state dict: opt.state_dict() sees everything
+                subs.append((sub, gi))
+            self.subs.append((u, subs))
+
+    def step(self, original_step, closure=None):
+        if closure is not None:
+            raise UserError("opt.step(closure) re-runs the forward, which a streaming plan does "
+                            "not support; call loss.backward() and then opt.step()")
+        hidden = []
+        for g in self.opt.param_groups:
+            for p in g["params"]:
+                if id(p) in self.streamed and p.grad is not None:
+                    hidden.append((p, p.grad))
+                    p.grad = None
+        try:
+            loss = original_step()
+        finally:
+            for p, g in hidden:
+                p.grad = g
+        for u, subs in self.subs:
+            u.materialize(self.opt.state, self.clip)
+            for sub, gi in subs:
+                for k, v in self.opt.param_groups[gi].items():
+                    if k != "params":
+                        sub.param_groups[0][k] = v
+                sub.step()
+            u.write_back(self.opt.state)
+        self.clip = None
+        return loss
+
+    def clip_grad_norm_(self, params, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False, foreach=None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_(params, ...)`` where some gradients live off the
+        device: torch's own total norm over the same per-tensor norms in the same order (a
+        gradient on NVMe contributes the norm taken as it was written), the scale applied to
+        the gradients in memory now and to the others as they are read at the step."""
+        if float(norm_type) != 2.0:
+            raise UserError("handle.clip_grad_norm_ supports the 2-norm only under a plan whose "
+                            "gradients live off the device")
+        norms_of = {}
+        for u in self.units:
+            if u.grads_out and u.acc_valid:
+                for k, (_, p) in enumerate(u.params):
+                    if k in u.grad_norms:
+                        n = u.grad_norms[k]
+                        norms_of[id(p)] = n.reshape(1).to(p.dtype)
+        tensors, scaled = [], []
+        for p in params:
+            if id(p) in norms_of:
+                tensors.append(norms_of[id(p)])
+            elif p.grad is not None and not isinstance(p.grad, OffloadedGrad):
+                tensors.append(p.grad)
+                scaled.append(p.grad)
+        total = torch.nn.utils.get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if scaled:
+            torch._foreach_mul_(scaled, coef.to(scaled[0].device))
+        self.clip = coef
+        return total
