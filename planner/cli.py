@@ -52,9 +52,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "cpu/cuda: also measure times (default: meta)")
     q.add_argument("--hardware", default="cpu-host", help="spec name or YAML (default: cpu-host)")
     q.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
-    q.add_argument("--blocks", default=None, help="attribute path of the block list, e.g. "
-                   "transformer.h (default: found automatically)")
-    q.add_argument("--repeats", type=int, default=5, help="timed repeats per unit (cpu/cuda)")
+    q.add_argument("--blocks", default=None, help="the blocks, by qualified name or glob "
+                   "pattern, comma or space separated: 'encoder.block.*,decoder.block.*'; one "
+                   "ModuleList/Sequential means the blocks inside it, e.g. transformer.h "
+                   "(default: found from the forward)")
+    q.add_argument("--repeats", type=int, default=5, help="least timed repeats per unit; more "
+                   "run until the spread is small (cpu/cuda)")
+    q.add_argument("--timing", choices=["measure", "estimate"], default=None,
+                   help="measure times (default on cpu/cuda) or estimate them from FLOPs and "
+                   "bytes on the hardware spec (the only choice on meta)")
     q.add_argument("-o", "--output", default=None, help="output file (default: profiles/<name>.json)")
 
     q = verb("solve", "Choose per-unit activation placement and transfer timing under budgets.")

@@ -5,23 +5,32 @@ and ``head`` (everything after the last block, the loss included).
 
 How one profile is taken (the same code on ``meta``, ``cpu`` and ``cuda``):
 
+0. The blocks are found from one traced forward (``planner.blocks.detect_blocks``: runs of
+   same-class modules each fed by the one before, at any depth, several stacks included), or
+   named with ``--blocks``; the profile records their exact names in execution order.
 1. One forward of the whole model runs under ``_Tracker``, a TorchDispatchMode that sees every
    aten call: it charges FLOPs (``torch.utils.flop_counter``'s formulas, plus ours in
    ``planner.flops``), allocations (each output storage once, freed when its last tensor dies,
    through ``weakref.finalize``) and parameter use to the unit running. A
-   ``saved_tensors_hooks`` pair records every storage autograd saves, per unit.
+   ``saved_tensors_hooks`` pair records every storage autograd saves, per unit. Code that runs
+   between two blocks (T5's encoder final norm and decoder embedding) is the later block's
+   prologue: charged to it, its saved bytes shared (the runtime keeps them by reference).
 2. Each block is replaced for that forward by a wrapper. The first block of each kind (same
-   class, parameters and input shapes) runs alone: its inputs are detached into fresh leaves,
-   its forward and then its backward run at once under the tracker, so its saved bytes,
+   class, parameters and input shapes) runs alone: its inputs are detached into fresh leaves
+   (its hidden state copied, so an in-place write cannot reach the model's tensor), its
+   forward and then its backward run at once under the tracker, so its saved bytes,
    workspace and backward FLOPs are its own. Later blocks of the same kind run under no_grad
    without instrumentation and reuse the record: depth costs one meta forward per block.
    A small autograd function (``_Bridge``) joins each block's output to its inputs in the main
-   graph, so the backward of ``head`` and ``embedding`` runs for real afterwards.
+   graph, so the backward of ``head``, the prologues and ``embedding`` runs for real afterwards.
 3. On ``meta``, ``scaled_dot_product_attention`` would fall to the math kernel (O(s^2) saved
    bytes) whatever the target; ``_TargetAttention`` calls the aten kernel the target runs
    instead (flash/efficient on CUDA, what ``_fused_sdp_choice`` picks on CPU).
-4. Times: on ``meta``, the sum over aten calls of max(FLOPs / rate, bytes / bandwidth) with the
-   hardware spec's rates; on ``cpu``/``cuda``, measured (warm-up, median of ``repeats``).
+4. Times: estimated (on ``meta``, or with ``--timing estimate``) as the sum over aten calls of
+   max(FLOPs / rate, bytes / bandwidth) with the hardware spec's rates; otherwise measured: a
+   warm-up, then repeats until the spread is small (``_Repeats``), the median kept, the spread,
+   the load of other processes and a backward/forward check recorded in ``timing_quality``.
+   State objects a block updates (key/value caches) are put back before every repeat.
 """
 from __future__ import annotations
 
@@ -40,7 +49,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .blocks import find_blocks, structure_hash
+from .blocks import (StateSnapshot, detect_blocks, hidden_location, hidden_of, identity_hash,
+                     input_table, meta_scalar, param_table, same_tensor, state_tensor_bytes,
+                     structure_hash)
 from .errors import UserError
 from .flops import op_flops
 from .formats import PROFILE_SCHEMA, HardwareSpec, Profile, UnitRecord, write_json_atomic
@@ -165,6 +176,7 @@ class _Phase:
     seconds: float = 0.0      # roofline estimate
     cur: int = 0              # bytes allocated in this phase and still alive
     peak: int = 0
+    calls: int = 0            # aten calls charged here
     events: list = dataclasses.field(default_factory=list)   # (key, +/-bytes) for the peak
 
 
@@ -174,8 +186,10 @@ class _Unit:
     kind: str
     fwd: _Phase = dataclasses.field(default_factory=_Phase)
     bwd: _Phase = dataclasses.field(default_factory=_Phase)
-    saved: dict = dataclasses.field(default_factory=dict)   # storage ident -> (bytes, producer)
+    # storage ident -> (bytes, producing unit, storage key when saved)
+    saved: dict = dataclasses.field(default_factory=dict)
     params: list = dataclasses.field(default_factory=list)
+    side_keys: set = dataclasses.field(default_factory=set)   # storages of its side arguments
     input_key: int | None = None
     input_bytes: int = 0
     output_bytes: int = 0
@@ -235,13 +249,9 @@ class _Tracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is aten._local_scalar_dense.default and args[0].device.type == "meta":
-            # NB: a meta tensor has no value. Models ask for one to pick a code path, and their
-            # boolean questions are "is everything ordinary?" (Hugging Face's mask code asks
-            # whether all positions are unpacked, whether the padding mask is all ones): answer
-            # True, and 0 for numbers, the plain path a batch of full sequences takes.
-            return True if args[0].dtype == torch.bool else \
-                (0.0 if args[0].is_floating_point() else 0)
+        value = meta_scalar(func, args)     # a meta tensor asked for a Python number
+        if value is not None:
+            return value
         out = func(*args, **kwargs)
         if self.cpu_on_meta and func is aten.native_layer_norm.default \
                 and args[0].dtype in (torch.float16, torch.bfloat16):
@@ -252,6 +262,7 @@ class _Tracker(TorchDispatchMode):
         if ph is None:
             return out
         unit = self.unit
+        ph.calls += 1
         in_keys, moved = set(), 0
         for a in tree_flatten((args, kwargs))[0]:
             if isinstance(a, torch.Tensor):
@@ -290,6 +301,22 @@ class _Tracker(TorchDispatchMode):
         ph.seconds += max(flops / self.rate, moved / self.bw)
         return out
 
+    def adopt(self, t, unit: _Unit) -> None:
+        """Name ``unit`` as the producer of ``t``'s storage for as long as ``t`` lives, without
+        charging its bytes anywhere: a block's output as the model receives it (detached from
+        the block's isolated run, or made under no_grad by a reused block), so that the units
+        that read it later know where it came from."""
+        key = _storage_key(t)
+        if key is None or key in self.static_keys:
+            return
+        entry = self.live.get(key)
+        if entry is None:
+            self.serial += 1
+            entry = self.live[key] = [_storage_nbytes(t), 0, unit, "adopted", self.serial]
+            self.producer[self.serial] = unit.name
+        entry[1] += 1
+        weakref.finalize(t, self._release, key)
+
     def ident(self, t):
         """A name for ``t``'s storage valid for the whole profile, and its producing unit."""
         key = _storage_key(t)
@@ -304,7 +331,7 @@ class _Tracker(TorchDispatchMode):
             key = _storage_key(t)
             if key is not None and key not in self.static_keys:
                 ident, producer = self.ident(t)
-                self.unit.saved.setdefault(ident, (_storage_nbytes(t), producer))
+                self.unit.saved.setdefault(ident, (_storage_nbytes(t), producer, key))
         return t
 
     @staticmethod
@@ -327,26 +354,58 @@ class _Paused:
 
 
 class _Bridge(torch.autograd.Function):
-    """Joins a block's outputs (computed apart) to its grad-requiring inputs in the main graph.
+    """Joins a block's outputs (computed apart) to its inputs in the main graph.
 
     Backward returns zeros of each input's shape: the block's real backward already ran when it
-    was profiled; the main graph only needs a gradient to reach ``embedding``'s backward.
+    was profiled; the main graph only needs a gradient to reach the code before the block. The
+    zeros stand in for the gradient the block's backward makes, so they are made with the
+    tracker paused (they belong to no unit). When no input of the block requires grad (a first
+    block on the user's raw input) a scalar stand-in leaf takes their place, so the output
+    still requires grad wherever the block's own output does.
     """
 
     @staticmethod
-    def forward(ctx, hook, n_in, *tensors):
-        ctx.hook = hook
+    def forward(ctx, hook, tracker, n_in, *tensors):
+        ctx.hook, ctx.tracker = hook, tracker
         ctx.shapes = [(t.shape, t.dtype, t.device) for t in tensors[:n_in]]
-        return tuple(t.view_as(t) for t in tensors[n_in:])
+        # detach(), not view_as(): a view made inside a custom Function may not be written
+        # in place, and the next block may do just that (ReLU(inplace=True) on its input).
+        return tuple(t.detach() for t in tensors[n_in:])
 
     @staticmethod
     def backward(ctx, *grads):
+        with _Paused(ctx.tracker):
+            zeros = [torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.shapes]
         ctx.hook()
-        return (None, None, *(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.shapes),
-                *(None for _ in grads))
+        return (None, None, None, *zeros, *(None for _ in grads))
 
 
 # ----------------------------------------------------------------------------- timing
+
+# A unit's timing is stable when its relative spread, the interquartile range over the median,
+# is at most this; repeats continue (up to MAX_REPEAT_FACTOR x --repeats, and for at most
+# TIMING_BUDGET_S per unit) until it is. Units still above WIDE_SPREAD are named in a warning.
+STABLE_SPREAD = 0.10
+WIDE_SPREAD = 0.25
+# ... and only when that unit's interquartile range, in seconds, is at least this share of the
+# step's compute: a 5 ms head whose backward varies by 40% does not move a 1.8 s step.
+WIDE_SHARE = 0.05
+MAX_REPEAT_FACTOR = 4
+TIMING_BUDGET_S = 2.0
+# Other processes using this many CPUs on average while we time (from /proc/stat), beyond the
+# cores our own threads leave idle, make the timings unreliable. With one of this host's two
+# cores busy, a 2-layer T5 block (0.3 ms of arithmetic) measured 37-49 ms with a spread under
+# 1% (every OpenMP barrier waits for the thread that shares a core), against 0.06-0.46 s
+# swings for gpt-tiny at b8 s256: a steady wrong time that no spread can reveal.
+LOAD_CPUS = 0.25
+# Backward over forward time against backward over forward FLOPs, for units whose forward is
+# at least COMPUTE_BOUND arithmetic at the spec's achievable rate: outside this factor either
+# way the times are suspect. Units further from the arithmetic are not checked: there the
+# FLOP ratio says nothing (gpt-tiny at b8 s256 on this host, quiet: forward 29 ms, backward
+# 10.5 ms, for 3 ms of arithmetic: the forward's fresh allocations and dropout masks dominate).
+RATIO_FACTOR = 3.0
+COMPUTE_BOUND = 0.5
+
 
 def _sync(device):
     if device.type == "cuda":
@@ -355,6 +414,62 @@ def _sync(device):
 
 def _median(xs):
     return float(statistics.median(xs)) if xs else 0.0
+
+
+def _spread(xs) -> float:
+    """Interquartile range over the median (0 for fewer than 2 samples)."""
+    if len(xs) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    med = statistics.median(xs)
+    return float((q3 - q1) / med) if med > 0 else 0.0
+
+
+class _Repeats:
+    """How many timed repeats to run: at least ``repeats``, then until every sample list is
+    stable, at most ``MAX_REPEAT_FACTOR * repeats`` or ``TIMING_BUDGET_S`` seconds."""
+
+    def __init__(self, repeats: int):
+        self.min, self.max = repeats, MAX_REPEAT_FACTOR * repeats
+        self.t0 = time.perf_counter()
+
+    def done(self, n: int, lists) -> bool:
+        if n < self.min:
+            return False
+        if n >= self.max or time.perf_counter() - self.t0 > TIMING_BUDGET_S:
+            return True
+        return all(_spread(xs) <= STABLE_SPREAD for xs in lists if xs)
+
+
+class _LoadMeter:
+    """CPU time other processes used (and the hypervisor stole) while we measured, in CPUs:
+    /proc/stat's busy time of every CPU less this process's own. ``None`` where /proc/stat
+    cannot be read."""
+
+    def __init__(self):
+        self.start = self._read()
+
+    @staticmethod
+    def _read():
+        try:
+            with open("/proc/stat") as f:
+                fields = f.readline().split()[1:]
+        except OSError:
+            return None
+        # user nice system idle iowait irq softirq steal (guest time is inside user)
+        busy = sum(int(x) for i, x in enumerate(fields[:8]) if i not in (3, 4))
+        t = os.times()
+        return busy / os.sysconf("SC_CLK_TCK"), t.user + t.system, time.perf_counter()
+
+    def other_cpus(self) -> float | None:
+        end = self._read()
+        if self.start is None or end is None:
+            return None
+        wall = end[2] - self.start[2]
+        if wall < 0.2:      # /proc/stat counts in 10 ms ticks: too coarse below that
+            return None
+        other = (end[0] - self.start[0]) - (end[1] - self.start[1])
+        return max(0.0, other / wall)
 
 
 # ----------------------------------------------------------------------------- the profile
@@ -421,11 +536,12 @@ def _loss_of(out, name: str = "model"):
     return loss
 
 
-def _user_code(name: str, what: str, fn, *args):
+def _user_code(name: str, what: str, fn, *args, meta: bool = False):
     """Run the user's model (``fn(*args)``), turning what it raises into one UserError line.
 
     Our own UserErrors pass through; anything else came from the model's code or from an op
-    it calls that cannot run here (``.item()`` on meta, say).
+    it calls that cannot run here (``.item()`` on meta, say), and only then is profiling on
+    CPU worth suggesting.
     """
     try:
         return fn(*args)
@@ -433,8 +549,9 @@ def _user_code(name: str, what: str, fn, *args):
         raise
     except Exception as e:   # noqa: BLE001 -- the model is user code
         msg = (str(e).strip().splitlines() or [""])[0][:200]
-        raise UserError(f"model '{name}': its {what} raised {type(e).__name__}: {msg}; fix "
-                        "the model, or profile it with --device cpu if it only fails on meta"
+        hint = ("fix the model, or profile it with --device cpu if it only fails on meta"
+                if meta else "fix the model or its inputs")
+        raise UserError(f"model '{name}': its {what} raised {type(e).__name__}: {msg}; {hint}"
                         ) from None
 
 
@@ -446,47 +563,103 @@ def _call(model, inputs):
     return model(inputs)
 
 
+def _call_args(inputs):
+    if isinstance(inputs, dict):
+        return (), inputs
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    return (inputs,), {}
+
+
+TIMINGS = ("auto", "measure", "estimate")
+
+
 def profile_module(model, inputs, *, name: str, hardware: HardwareSpec, dtype: str | None = None,
-                   optimizer: str = "adamw", blocks_path: str | None = None, repeats: int = 5,
+                   optimizer: str = "adamw", blocks_path=None, repeats: int = 5,
                    config: dict | None = None, batch: int = 0, seq: int = 0,
-                   progress=None) -> Profile:
+                   progress=None, timing: str = "auto") -> Profile:
     """Profile an already-built ``model`` on ``inputs`` (a dict of keyword arguments or a tuple).
 
     The device is the parameters' device (``meta``, ``cpu`` or ``cuda``); ``hardware`` is the
-    target the estimate and the attention kernel are for.
+    target the estimate and the attention kernel are for. ``blocks_path`` is ``--blocks``
+    (names or patterns; None: found from the forward). ``timing``: ``measure`` (cpu/cuda),
+    ``estimate`` (from FLOPs and bytes on the hardware spec, any device), ``auto`` (measure
+    where the device can).
     """
     if optimizer not in ("adamw", "sgd"):
         raise UserError(f"--optimizer {optimizer!r}: use adamw or sgd")
+    if timing not in TIMINGS:
+        raise UserError(f"--timing {timing!r}: use measure or estimate")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    blocks_path, blocks = find_blocks(model, blocks_path)
-    block_names = [n for n, _ in blocks]
+    on_meta = device.type == "meta"
+    if timing == "measure" and on_meta:
+        raise UserError("--timing measure needs --device cpu or cuda (a meta profile has no "
+                        "values to time); use --timing estimate or another --device")
+    measure = not on_meta and timing != "estimate"
     if dtype is None:
         dtype = _DTYPE_NAMES.get(next((p.dtype for p in model.parameters()
                                        if p.is_floating_point()), torch.float32), "fp32")
-    measure = device.type != "meta"
     target = "cuda" if hardware.device == "cuda" else "cpu"
     if measure and device.type != target:
         raise UserError(f"--device {device.type} cannot measure times for --hardware "
-                        f"{hardware.name} (a {hardware.device} spec); use --device meta or a "
-                        f"{device.type} spec such as cpu-host")
+                        f"{hardware.name} (a {hardware.device} spec); use --device meta, "
+                        f"--timing estimate or a {device.type} spec such as cpu-host")
+    who = (config or {}).get("factory", name)   # the MODEL argument where there is one
+    was_training = model.training
+    devices = [device] if device.type == "cuda" else []
+    # Profiling runs the model many times; what it keeps in buffers (BatchNorm's running
+    # statistics) is put back afterwards, so the model leaves as it came.
+    buffers = [] if on_meta else [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        model.train()
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(0)
+            blockset = _user_code(who, "forward", detect_blocks, model,
+                                  lambda: _call(model, inputs), blocks_path, meta=on_meta)
+        return _profile(model, inputs, blockset, name=name, who=who, hardware=hardware,
+                        dtype=dtype, optimizer=optimizer, repeats=repeats, config=config,
+                        batch=batch, seq=seq, progress=progress, device=device,
+                        measure=measure, target=target)
+    finally:
+        model.train(was_training)
+        with torch.no_grad():
+            for b, v in buffers:
+                b.copy_(v)
 
+
+def _profile(model, inputs, blockset, *, name, who, hardware, dtype, optimizer, repeats, config,
+             batch, seq, progress, device, measure, target) -> Profile:
+    on_meta = device.type == "meta"
+    blocks = blockset.pairs()
+    block_names = list(blockset.names)
     params = list(dict.fromkeys(model.parameters()))     # tied parameters once
     param_keys: dict = {}
     for p in params:
         param_keys.setdefault(_storage_key(p), []).append(p)
     static_keys = set(param_keys) | {_storage_key(b) for b in model.buffers()}
     tracker = _Tracker(param_keys, static_keys, hardware, dtype)
-    attention = _TargetAttention(target, emulate=not measure)
-    tracker.cpu_on_meta = target == "cpu" and not measure
+    attention = _TargetAttention(target, emulate=on_meta)
+    tracker.cpu_on_meta = target == "cpu" and on_meta
 
     units = {EMBEDDING: _Unit(EMBEDDING, "embedding")}
     units.update({n: _Unit(n, "block") for n in block_names})
     units[HEAD] = _Unit(HEAD, "head")
+    # The code between two blocks (a stack's final norm, the next stack's embedding) is the
+    # later block's prologue: charged to it, kept by reference (docs/models.md).
+    prologues = {n: _Unit(n, "prologue") for n in block_names[1:]}
     kinds: dict = {}          # block kind + input signature -> representative name
     rep_of: dict = {}         # block name -> representative block name
+    needs_grad: dict = {}     # block kind + signature -> its output requires grad
+    inplace_kinds: set = set()
     timing: dict = {}         # unit name -> (fwd samples, bwd samples, measured peak)
-    marks: dict = {}          # main-graph timestamps for embedding/head timing
+    marks: dict = {}          # main-graph timestamps for embedding/head/prologue timing
     jobs: list = []           # representative blocks to time once the instrumented pass is over
+    chain_breaks: list = []   # blocks whose hidden state is not the previous block's output
+    inplace: list = []        # blocks that write into their hidden state in place
+    last_out: list = [None]   # the previous block's output hidden state, as the model got it
+    runs: dict = {}           # block name -> times it ran in the instrumented forward
+    last_call: list = [None]  # the last block's arguments (to weigh the cache they carry)
+    last = len(blocks) - 1
 
     def note(i, what):
         if progress:
@@ -495,15 +668,22 @@ def profile_module(model, inputs, *, name: str, hardware: HardwareSpec, dtype: s
     def wrapper_for(index, bname, block, orig):
         def wrapped(*args, **kwargs):
             u = units[bname]
+            timing_pass = bool(marks.get("timing"))
+            _sync(device)
+            marks.setdefault("start", {})[index] = time.perf_counter()
             if index == 0:
-                _sync(device)
-                marks["emb_fwd_end"] = time.perf_counter()
-            main_in = _first_tensor((args, kwargs))
+                marks["emb_fwd_end"] = marks["start"][0]
+            loc, main_in = hidden_location(args, kwargs)
+            if not timing_pass:
+                runs[bname] = runs.get(bname, 0) + 1
+                last_call[0] = (args, kwargs)
+                if index and not same_tensor(main_in, last_out[0]):
+                    chain_breaks.append(bname)
             key = (_block_kind(block), _sig((args, kwargs)))
             grad_in = [t for t in tree_flatten((args, kwargs))[0]
                        if isinstance(t, torch.Tensor) and t.requires_grad]
-            if key in kinds or marks.get("timing"):
-                if not marks.get("timing"):
+            if key in kinds or timing_pass:
+                if not timing_pass:
                     rep_of[bname] = kinds[key]
                 with _Paused(tracker), torch.no_grad():
                     out = orig(*args, **kwargs)
@@ -511,61 +691,93 @@ def profile_module(model, inputs, *, name: str, hardware: HardwareSpec, dtype: s
                 kinds[key] = bname
                 rep_of[bname] = bname
                 note(index + 1, bname)
-                out = _profile_isolated(u, orig, args, kwargs, tracker, device, timing)
+                snap = StateSnapshot(args, kwargs)
+                out, mutated, needs_grad[key] = _profile_isolated(
+                    u, orig, args, kwargs, loc, tracker, device, timing)
+                if mutated:
+                    inplace_kinds.add(key)
                 if measure:
-                    jobs.append((u, orig, args, kwargs))
-            main_out = _first_tensor(out)
-            if not marks.get("timing"):
+                    jobs.append((u, orig, args, kwargs, loc, snap))
+            if key in inplace_kinds and not timing_pass:
+                inplace.append(bname)
+            if not timing_pass:
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor):
+                        tracker.adopt(t, u)
                 u.input_key = tracker.ident(main_in)[0] if main_in is not None else None
                 u.input_bytes = _tensor_bytes(main_in)
                 u.output_bytes = _tensor_bytes(out)
-                if index == len(blocks) - 1 and main_out is not None:
+                main_out = hidden_of(out)
+                if index == last and main_out is not None:
                     units[HEAD].input_key = tracker.ident(main_out)[0]
-            tracker.set(units[HEAD] if index == len(blocks) - 1 else None)
-            if index == len(blocks) - 1:
-                _sync(device)
-                marks["head_fwd_start"] = time.perf_counter()
+            tracker.set(units[HEAD] if index == last else prologues[block_names[index + 1]])
+            _sync(device)
+            marks.setdefault("end", {})[index] = time.perf_counter()
+            if index == last:
+                marks["head_fwd_start"] = marks["end"][index]
             flat, spec = tree_flatten(out)
             pos = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor)
                    and t.is_floating_point()]
-            if grad_in and pos and torch.is_grad_enabled():
+            if pos and torch.is_grad_enabled() and (grad_in or needs_grad.get(key)):
                 def hook(index=index):
                     _sync(device)
-                    if index == len(blocks) - 1:
-                        marks["head_bwd_end"] = time.perf_counter()
-                    tracker.set(None)
+                    now = time.perf_counter()
+                    marks.setdefault("bwd", {})[index] = now
+                    if index == last:
+                        marks["head_bwd_end"] = now
                     if index == 0:
-                        marks["emb_bwd_start"] = time.perf_counter()
+                        marks["emb_bwd_start"] = now
                         tracker.set(units[EMBEDDING], "bwd")
+                    else:
+                        tracker.set(prologues[block_names[index]], "bwd")
                 with _Paused(tracker):
-                    joined = _Bridge.apply(hook, len(grad_in), *grad_in, *[flat[i] for i in pos])
+                    ins = grad_in or [torch.zeros((), device=device, requires_grad=True)]
+                    joined = _Bridge.apply(hook, tracker, len(ins), *ins,
+                                           *[flat[i] for i in pos])
                 for i, t in zip(pos, joined):
                     flat[i] = t
                 out = spec.unflatten(flat)
+            if not timing_pass:
+                for t in tree_flatten(out)[0]:       # the bridged outputs, same storages
+                    if isinstance(t, torch.Tensor):
+                        tracker.adopt(t, u)
+            last_out[0] = hidden_of(out)
             return out
         return wrapped
 
     originals = []
-    was_training = model.training
     grad_flags = [(p, p.requires_grad) for p in params]
     try:
         for i, (bname, block) in enumerate(blocks):
             orig = block.forward
             originals.append((block, "forward" in block.__dict__, block.__dict__.get("forward")))
             block.forward = wrapper_for(i, bname, block, orig)
-        model.train()
-        who = (config or {}).get("factory", name)   # the MODEL argument where there is one
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(0)
-            # The instrumented step: embedding and head in the main graph, blocks apart.
+            # The instrumented step: embedding, prologues and head in the main graph, blocks
+            # apart.
             note(0, EMBEDDING)
             with attention, tracker, torch.autograd.graph.saved_tensors_hooks(tracker.pack,
                                                                              tracker.unpack):
                 tracker.set(units[EMBEDDING])
-                out = _user_code(who, "forward", _call, model, inputs)
+                out = _user_code(who, "forward", _call, model, inputs, meta=on_meta)
                 loss = _loss_of(out, who)
                 tracker.set(None)
+            last_out[0] = None
+            # A key/value cache the blocks filled (use_cache at its Hugging Face default) holds
+            # a copy of every block's keys and values until the output is dropped: bytes no
+            # unit saves, which the plan does not count.
+            state_bytes = state_tensor_bytes(*last_call[0]) if last_call[0] else 0
+            last_call[0] = None
+            odd = [n for n in block_names if runs.get(n, 0) != 1]
+            if odd:
+                # A block found in one forward that does not run once in the next (a path that
+                # depends on the data or on a counter) would be planned as 0 bytes and 0 s.
+                raise UserError(f"model '{who}': block {odd[0]} ran {runs.get(odd[0], 0)} times "
+                                "in the profiled forward where it ran once before (its path "
+                                "depends on the data?); name blocks that run once per forward "
+                                "with --blocks")
             units[HEAD].output_bytes = _tensor_bytes(out)
             units[EMBEDDING].input_bytes = _tensor_bytes(inputs)
             first = units[block_names[0]]
@@ -574,46 +786,67 @@ def profile_module(model, inputs, *, name: str, hardware: HardwareSpec, dtype: s
             note(len(blocks) + 1, HEAD)
             with attention, tracker:
                 tracker.set(units[HEAD], "bwd")
-                _user_code(who, "backward", loss.backward)
+                _user_code(who, "backward", loss.backward, meta=on_meta)
                 tracker.set(None)
             grad_idents = {tracker.ident(p.grad)[0] for p in params if p.grad is not None}
             del out, loss
+            quality = {}
             if measure:
-                for u, fn, args, kwargs in jobs:
-                    _time_block(u, fn, args, kwargs, device, repeats, timing)
+                meter = _LoadMeter()
+                for u, fn, args, kwargs, loc, snap in jobs:
+                    _time_block(u, fn, args, kwargs, loc, snap, device, repeats, timing)
                 jobs.clear()
-                _time_ends(model, inputs, device, repeats, marks, timing, tracker)
+                _time_ends(model, inputs, device, repeats, marks, timing, tracker, prologues,
+                           block_names)
+                quality["other_load_cpus"] = meter.other_cpus()
     finally:
         for block, had, fwd in originals:
             if had:
                 block.forward = fwd
             else:
                 del block.forward
-        model.train(was_training)
         for p, flag in grad_flags:
             p.grad = None
             p.requires_grad_(flag)
 
-    return _assemble(model, units, rep_of, block_names, blocks, blocks_path, tracker, timing,
-                     attention, params, grad_idents, hardware, dtype, optimizer, name, config, batch, seq,
-                     device, measure)
+    quality["state_bytes"] = state_bytes
+    return _assemble(model, inputs, units, prologues, rep_of, blockset, tracker, timing,
+                     attention, params, grad_idents, hardware, dtype, optimizer, name, config,
+                     batch, seq, device, measure, repeats, quality, chain_breaks, inplace)
 
 
-def _leaf_copy(args, kwargs):
-    """The block's inputs as fresh leaves (same storages), so its graph stands alone."""
-    return tree_map(lambda t: t.detach().requires_grad_(t.requires_grad)
+def _leaf_copy(args, kwargs, loc=None):
+    """The block's inputs as fresh leaves (same storages), so its graph stands alone; the
+    hidden state at ``loc`` is a copy made from such a leaf, so that a block that writes into
+    its input in place (``ReLU(inplace=True)``) neither hits autograd's rule against in-place
+    writes to leaves nor changes the model's own tensor. Returns ``(args, kwargs, copy)``."""
+    a, k = tree_map(lambda t: t.detach().requires_grad_(t.requires_grad)
                     if isinstance(t, torch.Tensor) else t, (args, kwargs))
+    x = None
+    if loc is not None:
+        a, k = list(a), dict(k)
+        where = a if loc[0] == "a" else k
+        x = where[loc[1]] = where[loc[1]].clone()
+        a = tuple(a)
+    return a, k, x
 
 
-def _profile_isolated(u: _Unit, fn, args, kwargs, tracker, device, timing):
-    """Forward then backward of one block on fresh leaves, under the tracker."""
-    a, k = _leaf_copy(args, kwargs)
+def _profile_isolated(u: _Unit, fn, args, kwargs, loc, tracker, device, timing):
+    """Forward then backward of one block on fresh leaves, under the tracker. Returns its
+    output (detached), whether it wrote into its hidden state in place, and whether its
+    output requires grad."""
+    with _Paused(tracker):
+        a, k, x = _leaf_copy(args, kwargs, loc)
+    u.side_keys = {_storage_key(t) for t in tree_flatten((a, k))[0]
+                   if isinstance(t, torch.Tensor) and t is not x}
+    version = x._version if x is not None else None
     tracker.set(u, "fwd")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         start_mem = torch.cuda.memory_allocated(device)
     with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
         out = fn(*a, **k)
+    mutated = x is not None and x._version != version
     outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     with _Paused(tracker):
         grads = [torch.ones_like(t) for t in outs]
@@ -625,69 +858,108 @@ def _profile_isolated(u: _Unit, fn, args, kwargs, tracker, device, timing):
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) - start_mem
     result = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
+    for t in tree_flatten(result)[0]:
+        if isinstance(t, torch.Tensor):
+            tracker.adopt(t, u)
+    needs = bool(outs)
     del out, outs
     if peak is not None:
         timing[u.name] = ([], [], peak)
-    return result
+    return result, mutated, needs
 
 
-def _time_block(u: _Unit, fn, args, kwargs, device, repeats, timing):
-    """Forward and backward seconds of one block: a warm-up, then the median of ``repeats``.
+def _time_block(u: _Unit, fn, args, kwargs, loc, snap, device, repeats, timing):
+    """Forward and backward seconds of one block: a warm-up, then repeats until stable.
 
-    Runs outside every profiling mode, so the instrumentation costs nothing here.
+    Runs outside every profiling mode, so the instrumentation costs nothing here. Before each
+    run the state objects among its arguments (a key/value cache) are put back as the block
+    first found them, so every repeat does the same work.
     """
+    def once():
+        snap.restore()
+        a, k, _ = _leaf_copy(args, kwargs, loc)
+        _sync(device)
+        t0 = time.perf_counter()
+        o = fn(*a, **k)
+        _sync(device)
+        t1 = time.perf_counter()
+        outs = [t for t in tree_flatten(o)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outs:
+            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        _sync(device)
+        return t1 - t0, time.perf_counter() - t1
+
     fs, bs = [], []
     with _disable_current_modes():
-        for r in range(repeats + 1):           # the first run warms up
-            a, k = _leaf_copy(args, kwargs)
-            _sync(device)
-            t0 = time.perf_counter()
-            o = fn(*a, **k)
-            _sync(device)
-            t1 = time.perf_counter()
-            outs = [t for t in tree_flatten(o)[0] if isinstance(t, torch.Tensor)
-                    and t.requires_grad]
-            if outs:
-                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-            _sync(device)
-            t2 = time.perf_counter()
-            if r:
-                fs.append(t1 - t0)
-                bs.append(t2 - t1)
-            del o, outs
+        once()                                 # warm-up
+        rep = _Repeats(repeats)
+        while not rep.done(len(fs), (fs, bs)):
+            f, b = once()
+            fs.append(f)
+            bs.append(b)
+        snap.restore()
     timing[u.name] = (fs, bs, timing.get(u.name, (None, None, None))[2])
 
 
-def _time_ends(model, inputs, device, repeats, marks, timing, tracker):
-    """Time ``embedding`` and ``head`` in the full step; blocks run under no_grad meanwhile."""
+def _time_ends(model, inputs, device, repeats, marks, timing, tracker, prologues, block_names):
+    """Time ``embedding``, ``head`` and the prologues between blocks in the full step; blocks
+    run under no_grad meanwhile."""
     samples = {EMBEDDING: ([], []), HEAD: ([], [])}
+    gaps = [i for i, n in enumerate(block_names) if n in prologues
+            and (prologues[n].fwd.calls or prologues[n].bwd.calls)]
+    for i in gaps:
+        samples[("prologue", block_names[i])] = ([], [])
+
+    def once():
+        for k in ("start", "end", "bwd"):
+            marks[k] = {}
+        _sync(device)
+        t0 = time.perf_counter()
+        out = _call(model, inputs)
+        loss = _loss_of(out)
+        _sync(device)
+        t1 = time.perf_counter()
+        loss.backward()
+        _sync(device)
+        t2 = time.perf_counter()
+        if not {"emb_fwd_end", "head_fwd_start"} <= set(marks):
+            return False
+        samples[EMBEDDING][0].append(marks["emb_fwd_end"] - t0)
+        samples[HEAD][0].append(t1 - marks["head_fwd_start"])
+        samples[HEAD][1].append(marks.get("head_bwd_end", t2) - t1)
+        samples[EMBEDDING][1].append(t2 - marks.get("emb_bwd_start", t2))
+        st, en, bw = marks["start"], marks["end"], marks["bwd"]
+        for i in gaps:
+            fs, bs = samples[("prologue", block_names[i])]
+            if i in st and i - 1 in en:
+                fs.append(max(0.0, st[i] - en[i - 1]))
+            if i in bw and i - 1 in bw:
+                bs.append(max(0.0, bw[i - 1] - bw[i]))
+        return True
+
     marks["timing"] = True
     try:
         with _Paused(tracker):
-            for r in range(repeats + 1):
-                _sync(device)
-                t0 = time.perf_counter()
-                out = _call(model, inputs)
-                loss = _loss_of(out)
-                _sync(device)
-                t1 = time.perf_counter()
-                loss.backward()
-                _sync(device)
-                t2 = time.perf_counter()
-                if r and {"emb_fwd_end", "head_fwd_start"} <= set(marks):
-                    samples[EMBEDDING][0].append(marks["emb_fwd_end"] - t0)
-                    samples[HEAD][0].append(t1 - marks["head_fwd_start"])
-                    samples[HEAD][1].append(marks.get("head_bwd_end", t2) - t1)
-                    samples[EMBEDDING][1].append(t2 - marks.get("emb_bwd_start", t2))
-                del out, loss
+            once()                             # warm-up
+            for xs in (x for pair in samples.values() for x in pair):
+                xs.clear()
+            rep = _Repeats(repeats)
+            n = 0
+            while not rep.done(n, [xs for pair in samples.values() for xs in pair]):
+                if not once():
+                    break
+                n += 1
     finally:
         marks["timing"] = False
-    for n, (fs, bs) in samples.items():
-        timing[n] = (fs, bs, None)
+    for key, (fs, bs) in samples.items():
+        timing[key] = (fs, bs, None)
 
 
-def _assemble(model, units, rep_of, block_names, blocks, blocks_path, tracker, timing, attention,
-              params, grad_idents, hardware, dtype, optimizer, name, config, batch, seq, device, measure):
+def _assemble(model, inputs, units, prologues, rep_of, blockset, tracker, timing, attention,
+              params, grad_idents, hardware, dtype, optimizer, name, config, batch, seq, device,
+              measure, repeats, quality, chain_breaks, inplace):
+    blocks = blockset.pairs()
+    block_names = list(blockset.names)
     # Parameters: charged to the first unit that used them (tied weights once); a parameter
     # of a reused block is charged to that block, as the representative's was.
     owner: dict = {}
@@ -697,8 +969,10 @@ def _assemble(model, units, rep_of, block_names, blocks, blocks_path, tracker, t
             block_of_param.setdefault(id(p), bname)
     for p in params:
         owner[id(p)] = block_of_param.get(id(p)) or tracker.param_unit.get(id(p), EMBEDDING)
-    per_unit = {n: [0, 0, 0, 0, 0] for n in units}        # count, weight, grad, optimizer, master
-    tied: dict = {n: set() for n in units}
+    order = [EMBEDDING] + block_names + [HEAD]
+    index = {n: i for i, n in enumerate(order)}
+    per_unit = {n: [0, 0, 0, 0, 0] for n in order}        # count, weight, grad, optimizer, master
+    tied: dict = {n: set() for n in order}
     for p in params:
         c = per_unit[owner[id(p)]]
         n = p.numel()
@@ -713,38 +987,71 @@ def _assemble(model, units, rep_of, block_names, blocks, blocks_path, tracker, t
         for u in users:
             tied[u] |= users - {u}
 
-    order = [EMBEDDING] + block_names + [HEAD]
-    index = {n: i for i, n in enumerate(order)}
-    records = []
+    records, spreads, ratios = [], {}, {}
     for n in order:
         src = units[rep_of.get(n, n)]
         u = units[n]
-        # Shared: saved storages another unit made that are not this unit's main input (the
-        # hidden state), e.g. rotary tables or masks the model hands to every block.
-        shared, shared_from = 0, None
-        for ident, (nbytes, prod) in src.saved.items():
-            if prod is not None and prod != src.name and ident != src.input_key:
-                shared += nbytes
-                shared_from = shared_from or prod
-        saved = sum(b for b, _ in src.saved.values())
-        saved_new = sum(b for b, prod in src.saved.values() if prod == src.name)
+        pro = prologues.get(n)
+        if u.kind == "block":
+            # Shared: what the block saves of its side arguments (masks, rotary tables,
+            # encoder outputs, a position bias), which the runtime keeps by reference.
+            shared_rows = [(b, prod) for b, prod, key in src.saved.values()
+                           if key in src.side_keys]
+        else:
+            # embedding/head: saved storages another unit made, other than the input
+            shared_rows = [(b, prod) for ident, (b, prod, _) in src.saved.items()
+                           if prod is not None and prod != src.name and ident != src.input_key]
+        saved = sum(b for b, _, _ in src.saved.values())
+        saved_new = sum(b for b, prod, _ in src.saved.values() if prod == src.name)
         fwd_ws = max(0, _peak(src.fwd) - saved_new)
         bwd_ws = _peak(src.bwd, exclude=grad_idents)
+        fwd_flops, bwd_flops = src.fwd.flops, src.bwd.flops
         fs, bs, peak = timing.get(src.name, ([], [], None))
         if measure:
             fwd_s, bwd_s, samples = _median(fs), _median(bs), len(fs)
         else:
             fwd_s, bwd_s, samples = src.fwd.seconds, src.bwd.seconds, 0
+        spread = [_spread(fs), _spread(bs)] if measure else [0.0, 0.0]
+        arithmetic_s = fwd_flops / hardware.flops_per_s(dtype)
+        if measure and fwd_s > 0 and bwd_s > 0 and fwd_flops > 0 and bwd_flops > 0 \
+                and arithmetic_s >= COMPUTE_BOUND * fwd_s:
+            ratios[n] = [bwd_s / fwd_s, bwd_flops / fwd_flops]
+        if pro is not None and (pro.fwd.calls or pro.bwd.calls):
+            # Its prologue: everything it saves is kept by reference (the runtime does not
+            # see that code), so it is shared; its producer is this block itself.
+            pro_saved = [(b, prod) for b, prod, _ in pro.saved.values()]
+            saved += sum(b for b, _ in pro_saved)
+            shared_rows += pro_saved
+            fwd_flops += pro.fwd.flops
+            bwd_flops += pro.bwd.flops
+            fwd_ws = max(fwd_ws, _peak(pro.fwd))
+            bwd_ws = max(bwd_ws, _peak(pro.bwd, exclude=grad_idents))
+            if measure:
+                pfs, pbs, _ = timing.get(("prologue", n), ([], [], None))
+                fwd_s += _median(pfs)
+                bwd_s += _median(pbs)
+                spread = [max(spread[0], _spread(pfs)), max(spread[1], _spread(pbs))]
+            else:
+                fwd_s += pro.fwd.seconds
+                bwd_s += pro.bwd.seconds
+        shared = sum(b for b, _ in shared_rows)
+        producers = [prod for b, prod in shared_rows if b]
+        # One name for all: the earliest producer (the tensors live at least from there); a
+        # tensor no unit made (the user's own input) lives from the first unit, as null says.
+        shared_from = None
+        if producers and None not in producers:
+            shared_from = min(producers, key=lambda p: index.get(p, 0))
+        spreads[n] = spread
         count, w, g, o, master = per_unit[n]
         records.append(UnitRecord(
             name=n, kind=u.kind, param_bytes=w, grad_bytes=g, optimizer_bytes=o,
             input_bytes=int(src.input_bytes if u.kind == "block" else u.input_bytes),
             output_bytes=int(src.output_bytes if u.kind == "block" else u.output_bytes),
             saved_bytes=int(saved), workspace_bytes=int(max(fwd_ws, bwd_ws)),
-            fwd_flops=int(src.fwd.flops), bwd_flops=int(src.bwd.flops),
+            fwd_flops=int(fwd_flops), bwd_flops=int(bwd_flops),
             fwd_s=float(fwd_s), bwd_s=float(bwd_s), shared_saved_bytes=int(shared),
-            shared_from=shared_from, param_count=int(count), samples=samples,
-            measured_peak_bytes=None if peak is None else int(peak),
+            shared_from=shared_from if shared else None, param_count=int(count),
+            samples=samples, measured_peak_bytes=None if peak is None else int(peak),
             master_bytes=int(master), tied_to=tuple(sorted(tied[n]))))
 
     n_params = sum(p.numel() for p in params)
@@ -760,18 +1067,70 @@ def _assemble(model, units, rep_of, block_names, blocks, blocks_path, tracker, t
     largest = max((p.numel() for p in trainable), default=0)
     opt_ws = 2 * 4 * largest if optimizer == "adamw" else 4 * largest
     kernels = sorted(attention.kernels)
+    args, kwargs = _call_args(inputs)
     model_section = {
         "name": name, "config": config or {}, "batch": int(batch), "seq": int(seq),
         "dtype": dtype, "param_count": int(n_params), "structure_hash": structure_hash(blocks),
-        "blocks_path": blocks_path,
+        "blocks_path": blockset.paths, "blocks": block_names,
+        "params": param_table(model, owner), "inputs": input_table(model.forward, args, kwargs),
+        "chain_breaks": chain_breaks, "inplace_input": inplace,
+        "state_bytes": int(quality.get("state_bytes", 0)),
         "attention": "+".join(kernels) if kernels else "none (no scaled_dot_product_attention call)",
         "optimizer": optimizer, "bytes_per_param": int(bpp),
         "unique_blocks": len({rep_of.get(n, n) for n in block_names}),
     }
+    if measure:
+        model_section["timing_quality"] = _timing_quality(records, spreads, ratios, repeats,
+                                                          quality.get("other_load_cpus"))
+    model_section["identity"] = identity_hash(model_section)
     return Profile(schema=PROFILE_SCHEMA, model=model_section, device=device.type,
                    timing="measured" if measure else "estimated", hardware=hardware.to_dict(),
                    layers=records, optimizer_s=float(optimizer_s),
                    optimizer_workspace_bytes=int(opt_ws))
+
+
+def _timing_quality(records, spreads, ratios, repeats, load, threads=None) -> dict:
+    """How far the measured times can be trusted: the spread of every unit, the units whose
+    spread is wide or whose backward/forward time ratio disagrees with their FLOP ratio, the
+    load other processes put on the CPUs meanwhile, and the warnings that follow."""
+    step = sum(r.fwd_s + r.bwd_s for r in records) or 1.0
+    secs = {r.name: (r.fwd_s, r.bwd_s) for r in records}
+    wide = [n for n, (f, b) in spreads.items() if max(f, b) > WIDE_SPREAD
+            and f * secs[n][0] + b * secs[n][1] >= WIDE_SHARE * step]
+    odd = {n: [round(m, 2), round(f, 2)] for n, (m, f) in ratios.items()
+           if not f / RATIO_FACTOR <= m <= f * RATIO_FACTOR}
+    cpus = os.cpu_count() or 1
+    threads = threads or torch.get_num_threads()
+    idle = max(0, cpus - threads)          # cores our threads leave to others
+    warnings = []
+    if load is not None and load >= LOAD_CPUS + idle:
+        warnings.append(f"other processes used {load:.2f} CPUs on average while timing "
+                        f"(this machine has {cpus}, {threads} used here), so the measured "
+                        "times are not this model's; profile on a quiet machine or use "
+                        "--timing estimate")
+    if wide:
+        warnings.append(f"timings of {_names(wide)} vary by more than "
+                        f"{WIDE_SPREAD:.0%} between repeats (interquartile range over median), "
+                        f"at least {WIDE_SHARE:.0%} of the step; profile on a quiet machine, "
+                        "raise --repeats or use --timing estimate")
+    if odd:
+        warnings.append("backward/forward time ratio of " + ", ".join(
+            f"{n} is {m} against a FLOP ratio of {f}" for n, (m, f) in odd.items())
+            + f" (more than {RATIO_FACTOR:g}x off for compute-bound units); re-profile on a "
+            "quiet machine or use --timing estimate")
+    return {"statistic": "median", "repeats": int(repeats),
+            "max_repeats": int(MAX_REPEAT_FACTOR * repeats),
+            "samples": {r.name: r.samples for r in records},
+            "spread": {n: [round(f, 4), round(b, 4)] for n, (f, b) in spreads.items()},
+            "other_load_cpus": None if load is None else round(load, 3),
+            "threads": int(threads), "ratio_checked": sorted(ratios),
+            "wide_spread": wide, "ratio_mismatch": odd, "reliable": not warnings,
+            "warnings": warnings}
+
+
+def _names(names, limit=6) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def _peak(ph: _Phase, exclude: set = frozenset()) -> int:
@@ -897,16 +1256,22 @@ def resolve_model(model_spec: str, batch: int, seq: int, dtype: str | None, devi
 
 def profile_model(model_spec: str, batch: int, seq: int, *, dtype=None, device="meta",
                   hardware: HardwareSpec, optimizer="adamw", blocks_path=None, repeats=5,
-                  progress=None) -> Profile:
+                  progress=None, timing="auto") -> Profile:
     """Profile MODEL (built-in name, model YAML or ``package.module:function``) at one shape."""
     batch = _positive_int(batch, "batch")
     seq = _positive_int(seq, "seq")
     if int(repeats) < 1:
         raise UserError(f"--repeats {repeats}: give at least 1")
+    if timing not in TIMINGS:
+        raise UserError(f"--timing {timing!r}: use measure or estimate")
+    if timing == "measure" and device == "meta":
+        raise UserError("--timing measure needs --device cpu or cuda (a meta profile has no "
+                        "values to time); use --timing estimate or another --device")
     model, inputs, name, config, dtype = resolve_model(model_spec, batch, seq, dtype, device)
     return profile_module(model, inputs, name=name, hardware=hardware, dtype=dtype,
                           optimizer=optimizer, blocks_path=blocks_path, repeats=int(repeats),
-                          config=config, batch=batch, seq=seq, progress=progress)
+                          config=config, batch=batch, seq=seq, progress=progress,
+                          timing=timing)
 
 
 def default_output(profile: Profile) -> Path:
@@ -931,17 +1296,32 @@ def cli_profile(args) -> int:
             print(f"\rprofiling {i + 1}/{n}: {what:<40}", end="", file=sys.stderr, flush=True)
     prof = profile_model(args.model, batch, seq, dtype=args.dtype, device=args.device,
                          hardware=hardware, optimizer=args.optimizer, blocks_path=args.blocks,
-                         repeats=getattr(args, "repeats", 5), progress=progress)
+                         repeats=getattr(args, "repeats", 5), progress=progress,
+                         timing=getattr(args, "timing", None) or "auto")
     if progress:
         print(file=sys.stderr)
     m = prof.model
     blocks = [u for u in prof.layers if u.kind == "block"]
-    print(f"blocks: {len(blocks)} at '{m['blocks_path']}' ({blocks[0].name} .. {blocks[-1].name}), "
+    where = m["blocks_path"] or "the top level"
+    print(f"blocks: {len(blocks)} in '{where}' ({blocks[0].name} .. {blocks[-1].name}), "
           f"{m['unique_blocks']} profiled, the rest reused")
     print(f"attention kernel assumed: {m['attention']} (target {prof.hardware['name']})")
     print(f"parameters: {m['param_count']:,}; static state {fmt_bytes(prof.static_bytes)} "
           f"({m['bytes_per_param']} B/param, {m['optimizer']}); saved activations "
           f"{fmt_bytes(sum(u.saved_bytes for u in prof.layers))}")
+    if m.get("state_bytes"):
+        print(f"note: the blocks fill a key/value cache of {fmt_bytes(m['state_bytes'])} "
+              "(use_cache is on), held until the model's output is dropped and not in any "
+              "plan; set model.config.use_cache = False to train without it", file=sys.stderr)
+    quality = m.get("timing_quality")
+    if quality:
+        load = quality["other_load_cpus"]
+        print(f"timing: median of {min(quality['samples'].values())}-"
+              f"{max(quality['samples'].values())} repeats per unit, widest spread "
+              f"{max(max(v) for v in quality['spread'].values()):.0%}"
+              + ("" if load is None else f", other processes {load:.2f} CPUs"))
+        for w in quality["warnings"]:
+            print(f"plan: warning: timings unreliable: {w}", file=sys.stderr)
     out = Path(args.output) if args.output else default_output(prof)
     write_json_atomic(out, prof.to_dict())
     print(out)

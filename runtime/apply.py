@@ -26,25 +26,23 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from planner.blocks import find_blocks, structure_hash
 from planner.errors import UserError
 from planner.events import Op, Stream
 from planner.formats import Activation, Plan, Tier, UnitKind, load_plan
 from planner.report import LINKS, Report, StepRecord
 
+from . import calls
+from .binding import InputGuard, InputTooLargeError, PlanMismatchError, bind
+from .calls import find_hidden as _find_hidden, hidden_of as _hidden_of
 from .offload import Counters, Group, Mover
-from .recompute import Placeholder, Segment
+from .recompute import Placeholder, RecomputeMismatch, Segment
 from .report import malloc_trim, read_status, reset_hwm
 from .stages import StageDriver, plan_actions
 from .streaming import OffloadedGrad, OptimizerPhase, UnitStatic
 
 
-class PlanMismatchError(UserError, ValueError):
-    """The plan does not fit this model or this input (one line: what differs, what to do)."""
-
-
-class InputTooLargeError(PlanMismatchError):
-    """An input is larger than the plan's batch or sequence length."""
+__all__ = ["apply_plan", "Handle", "PlanMismatchError", "InputTooLargeError",
+           "UnsupportedModelError"]
 
 
 class UnsupportedModelError(UserError, ValueError):
@@ -55,51 +53,6 @@ _ACTIVE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # model -> 
 
 
 # ----------------------------------------------------------------------------- argument helpers
-
-def _find_hidden(args, kwargs):
-    """Where the hidden state is: the first tensor argument, else ``hidden_states``, else the
-    first tensor keyword argument."""
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            return ("a", i), a
-    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
-        return ("k", "hidden_states"), kwargs["hidden_states"]
-    for k, v in kwargs.items():
-        if isinstance(v, torch.Tensor):
-            return ("k", k), v
-    return None, None
-
-
-def _hidden_of(out):
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, (tuple, list)):
-        for o in out:
-            if isinstance(o, torch.Tensor):
-                return o
-    raise PlanMismatchError(f"a block returned {type(out).__name__}; tierplan needs a tensor or a "
-                            "tuple whose first tensor is the hidden state")
-
-
-def _strip_hidden(args, kwargs, loc):
-    if loc[0] == "a":
-        a = list(args)
-        a[loc[1]] = None
-        return tuple(a), dict(kwargs)
-    k = dict(kwargs)
-    k[loc[1]] = None
-    return tuple(args), k
-
-
-def _put_hidden(args, kwargs, loc, x):
-    if loc[0] == "a":
-        a = list(args)
-        a[loc[1]] = x
-        return tuple(a), kwargs
-    k = dict(kwargs)
-    k[loc[1]] = x
-    return args, k
-
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape
@@ -128,19 +81,6 @@ def _backward_roots(out) -> list[torch.Tensor]:
     first = next((t for t in items if isinstance(t, torch.Tensor) and t.grad_fn is not None
                   and t is not loss), None)
     return roots + ([first] if first is not None else [])
-
-
-def _model_input(args, kwargs):
-    for key in ("input_ids", "inputs_embeds"):
-        if isinstance(kwargs.get(key), torch.Tensor):
-            return key, kwargs[key]
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            return "input", a
-    for k, v in kwargs.items():
-        if isinstance(v, torch.Tensor):
-            return k, v
-    return None, None
 
 
 # ----------------------------------------------------------------------------- refusals
@@ -323,6 +263,7 @@ class _SegUnit:
 class _Runner:
     def __init__(self, model, plan: Plan, plan_path: str | None, blocks, nvme_dir, trim: bool,
                  optimizer):
+        self.guard = InputGuard(model, plan, plan_path or "the plan")
         self.model = model
         self.plan = plan
         self.plan_path = plan_path
@@ -391,8 +332,8 @@ class _Runner:
             return True
         return _storage_ptr(t) in self.static_ptrs
 
-    strip_hidden = staticmethod(_strip_hidden)
-    put_hidden = staticmethod(_put_hidden)
+    strip_hidden = staticmethod(calls.strip_hidden)
+    put_hidden = staticmethod(calls.put_hidden)
     hidden_of = staticmethod(_hidden_of)
 
     @contextlib.contextmanager
@@ -540,17 +481,7 @@ class _Runner:
         return out
 
     def _check_input(self, args, kwargs):
-        key, t = _model_input(args, kwargs)
-        if t is None or t.dim() == 0:
-            return
-        pb, ps = int(self.plan.model.get("batch", 0)), int(self.plan.model.get("seq", 0))
-        b = t.shape[0]
-        s = t.shape[1] if t.dim() >= 2 else None
-        if (pb and b > pb) or (ps and s is not None and s > ps):
-            raise InputTooLargeError(
-                f"input '{key}' has batch {b} x seq {s}, larger than the plan's batch {pb} x seq "
-                f"{ps} ({self.plan_path or 'plan'}); split the batch or re-plan with --batch {b} "
-                f"--seq {s}")
+        self.guard(args, kwargs)      # runtime/binding.py: every dimension of every input
 
     def _block_forward(self, i, orig, *args, **kwargs):
         p = self.pass_
@@ -600,10 +531,6 @@ class _Runner:
             else:
                 p.seg = Segment(self, p, i, [], d.checkpoint.value)
                 p.segments.append(weakref.ref(p.seg))
-            if kwargs.get("use_cache") is True:
-                raise PlanMismatchError(
-                    f"block {name} is recomputed but was called with use_cache=True; set "
-                    "model.config.use_cache = False for training")
             p.seg.names.append(name)
             u = p.seg.begin_unit(args, kwargs, loc, hidden)
             h = _SegUnit(p.seg, u)
@@ -612,12 +539,21 @@ class _Runner:
             p.groups[("act", name)] = g
             h = _Offload(self, g, p)
             p.seg = None
+        version = hidden._version
         try:
             with saved_tensors_hooks(h.pack, h.unpack):
                 out = orig(*args, **kwargs)
         finally:
             if type(h) is _Offload:
                 h.keys = None    # drop the forward's references (see _Offload.pack)
+        if (act is Activation.RECOMPUTE and d.checkpoint is not Tier.NONE
+                and hidden._version != version and not p.seg.ck_copied):
+            # The block wrote into its input, which the segment keeps as its checkpoint by
+            # reference: the recomputation would start from the written values.
+            raise RecomputeMismatch(
+                f"tierplan: block {name} writes into its input in place (ReLU(inplace=True)?), "
+                "so its input cannot be its recompute checkpoint; re-profile the model (the "
+                "profile records such blocks and the runtime then copies the checkpoint)")
         return self._block_done(p, i, ui, out, _hidden_of(out))
 
     def _block_done(self, p, i, ui, out, hid):
@@ -720,9 +656,15 @@ class _Runner:
 
 
 def _unit_params(model, plan: Plan, blocks: dict) -> dict:
-    """Unit name -> [(qualified name, parameter)] it owns: each block its own parameters; the
-    embedding the parameters registered before the first block's (tied weights included, as the
-    profile charges them to the first unit that uses them), the head those after the last."""
+    """Unit name -> [(qualified name, parameter)] it owns, as the profile charged them
+    (``model.params``, checked against the model by ``binding.bind``). Plans of profiles that
+    predate that table: each block its own parameters, the embedding those registered before
+    the first block's (tied weights included), the head those after the last."""
+    by_name = dict(model.named_parameters())
+    table = plan.model.get("params")
+    if isinstance(table, dict) and table:
+        return {u.name: [(row[0], by_name[row[0]]) for row in table.get(u.name, ())]
+                for u in plan.units}
     in_block = {}
     for bname, b in blocks.items():
         for p in b.parameters():
@@ -837,9 +779,6 @@ class Handle:
 
     def __exit__(self, *exc):
         self.remove()
-
-
-_DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _install_optimizer(runner: _Runner, opt) -> list:
@@ -967,39 +906,13 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
         plan_path = str(plan)
         plan = load_plan(plan)
     src = plan_path or "the plan"
-    blocks_path = plan.model.get("blocks_path")
-    try:
-        _, blocks = find_blocks(model, blocks_path)
-    except UserError as e:
-        raise PlanMismatchError(f"{src}: {e}") from None
-    want = [u.name for u in plan.units if u.kind == UnitKind.BLOCK.value]
-    names = [n for n, _ in blocks]
-    if len(names) != len(want):
-        raise PlanMismatchError(f"{src} is for {len(want)} blocks but the model has {len(names)} "
-                                f"({blocks_path or 'found'}); profile and solve for this model")
-    if names != want:
-        bad = next(i for i, (a, b) in enumerate(zip(names, want)) if a != b)
-        raise PlanMismatchError(f"{src} names block {bad} {want[bad]!r} but the model's is "
-                                f"{names[bad]!r}; profile and solve for this model")
-    h = structure_hash(blocks)
-    if plan.model.get("structure_hash") != h:
-        raise PlanMismatchError(f"{src} has structure hash {plan.model.get('structure_hash')} but "
-                                f"the model's blocks hash to {h} (different widths or layers); "
-                                "profile and solve for this model")
+    blocks = bind(model, plan, src)      # runtime/binding.py: exact names, shapes, identity
     for u, d in zip(plan.units, plan.layers):
         if u.kind != UnitKind.BLOCK.value and d.activation is not Activation.KEEP:
             raise PlanMismatchError(f"{src}: unit {u.name} ({u.kind}) must be 'keep' in this "
                                     "version; regenerate the plan")
     p0 = next(model.parameters(), None)
     dev = p0.device.type if p0 is not None else "cpu"
-    want_dtype = _DTYPE_NAMES.get(plan.model.get("dtype"))
-    blk_dtypes = {q.dtype for _, b in blocks for q in b.parameters() if q.is_floating_point()}
-    if want_dtype is not None and blk_dtypes and want_dtype not in blk_dtypes:
-        warnings.warn(f"{src} was profiled in {plan.model.get('dtype')} but the model's blocks "
-                      f"hold {', '.join(sorted(str(d).replace('torch.', '') for d in blk_dtypes))}"
-                      " parameters; gradients are unaffected, but its predicted bytes and times "
-                      "are for the profiled precision (unless autocast makes them so)",
-                      stacklevel=2)
     plan_dev = plan.hardware.get("device")
     if plan_dev and plan_dev != dev:
         raise PlanMismatchError(f"{src} is for {plan_dev} hardware ({plan.hardware.get('name')}) "
@@ -1007,6 +920,12 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
     nvme_needed = False
     streams = False
     for u, d in zip(plan.units, plan.layers):
+        if d.activation is Activation.RECOMPUTE and d.checkpoint is Tier.NONE and \
+                u.name in (plan.model.get("chain_breaks") or ()):
+            raise PlanMismatchError(f"{src}: {u.name} has checkpoint 'none' but its input is not "
+                                    "the previous block's output (another stack starts there), "
+                                    "so it cannot be recomputed from it; re-plan with a "
+                                    f"checkpoint tier for {u.name}")
         if Tier.NVME in (d.checkpoint, d.home.weights, d.home.grads, d.home.optimizer) or \
                 d.activation is Activation.NVME:
             nvme_needed = True

@@ -9,6 +9,12 @@ RNG state before each block. At the first unpack in backward (the backward of th
 unit, because backward runs in reverse) the whole segment is re-run from the checkpoint under
 recording hooks and each placeholder is served the tensor recorded at the same position. The
 gradient graph is the one built in the forward; recomputed tensors are only values.
+
+A block is re-run as it first ran (``runtime.calls.CallState``): the state objects among its
+arguments (a Hugging Face key/value cache, left on by ``use_cache``'s default) are put back as
+they were before its forward for the replay and as the forward left them afterwards, and
+buffers its forward wrote (BatchNorm's running statistics) are not written a second time. A
+block that writes into its own input in place gets a copied checkpoint (the profile lists it).
 """
 from __future__ import annotations
 
@@ -16,6 +22,8 @@ import contextlib
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
+
+from .calls import CallState
 
 
 class RecomputeMismatch(RuntimeError):
@@ -43,12 +51,15 @@ class Segment:
         self.first = first                  # block index of the first unit
         self.names = names
         self.ck_tier = ck_tier              # gpu | cpu | nvme
-        self.calls: list[tuple] = []        # per unit: (args, kwargs, hidden loc, rng cpu, rng dev)
+        # per unit: (args, kwargs, hidden loc, rng cpu, rng dev, CallState)
+        self.calls: list[tuple] = []
         self.saved: list[list] = []         # per unit, per pack position: (shape, dtype) or None
         self.ck = None                      # the checkpoint tensor (gpu tier)
         self.ck_group = None                # or its offload group and slot (cpu/nvme)
         self.ck_slot = None
         self.ck_requires_grad = False
+        self.ck_copied = False              # the checkpoint is a copy, not the input itself
+        self.ck_version = None
         self.autocast = None
         self.rec: list[list] | None = None
         self.left = 0                        # placeholders not yet served
@@ -64,6 +75,12 @@ class Segment:
                              torch.is_autocast_cache_enabled())
             self.ck_requires_grad = hidden.requires_grad
             x = hidden.detach()
+            # A block that writes into its own input in place (the profile lists it in
+            # model.inplace_input) would change its checkpoint under it: keep a copy instead.
+            if self.names[0] in (r.plan.model.get("inplace_input") or ()):
+                x = x.clone()
+                self.ck_copied = True
+            self.ck_version = x._version
             if self.ck_tier == "gpu":
                 self.ck = x
                 r.counters.add("act", x.numel() * x.element_size())
@@ -72,9 +89,12 @@ class Segment:
                 self.ck_group = Group(r.mover, self.ck_tier, "ck-" + self.names[0])
                 self.ck_slot = self.ck_group.put(x)
                 self.pass_.groups[("ck", self.names[0])] = self.ck_group
+        # What the block's forward is about to change (a key/value cache in its arguments,
+        # BatchNorm statistics in its buffers), so the replay can put it back around itself.
+        state = CallState(self.names[u], r.blocks[self.first + u], args, kwargs, loc)
         args = r.strip_hidden(args, kwargs, loc)
         rng_dev = torch.cuda.get_rng_state(hidden.device) if hidden.device.type == "cuda" else None
-        self.calls.append((args[0], args[1], loc, torch.get_rng_state(), rng_dev))
+        self.calls.append((args[0], args[1], loc, torch.get_rng_state(), rng_dev, state))
         self.saved.append([])
         return u
 
@@ -105,6 +125,11 @@ class Segment:
         if self.ck is not None:
             x, self.ck = self.ck, None
             self.r.counters.add("act", -x.numel() * x.element_size())
+            if x._version != self.ck_version:
+                raise RecomputeMismatch(
+                    f"tierplan: the input of {self.names[0]}, kept as its recompute checkpoint, "
+                    "was written in place after it was taken; the segment cannot be replayed "
+                    f"from it: keep or offload {self.names[0]} instead of recomputing it")
             return x
         g, s = self.ck_group, self.ck_slot
         x = g.get(s)
@@ -118,6 +143,7 @@ class Segment:
         dev, ac_on, ac_dtype, ac_cache = self.autocast
         devices = [x.device] if x.device.type == "cuda" else []
         rec: list[list] = []
+        inplace = set(r.plan.model.get("inplace_input") or ())
         with contextlib.ExitStack() as st:
             # Leave the RNG as backward found it: plain PyTorch draws nothing in backward.
             st.enter_context(torch.random.fork_rng(devices=devices))
@@ -126,7 +152,7 @@ class Segment:
                                             cache_enabled=ac_cache))
             st.enter_context(r.recomputing())
             x = x.requires_grad_(self.ck_requires_grad) if not x.requires_grad else x
-            for u, (args, kwargs, loc, rng_cpu, rng_dev) in enumerate(self.calls):
+            for u, (args, kwargs, loc, rng_cpu, rng_dev, state) in enumerate(self.calls):
                 torch.set_rng_state(rng_cpu)
                 if rng_dev is not None:
                     torch.cuda.set_rng_state(rng_dev, x.device)
@@ -136,9 +162,14 @@ class Segment:
                     got.append(t.detach())
                     return None
 
+                if x.requires_grad and self.names[u] in inplace:
+                    # A leaf may not be written in place; in the forward this input was a
+                    # non-leaf (the output of the code before), so give the block one again.
+                    x = x.clone()
                 a, k = r.put_hidden(args, kwargs, loc, x)
+                block = r.blocks[self.first + u]
                 with saved_tensors_hooks(record, _no_unpack):
-                    out = r.blocks[self.first + u](*a, **k)
+                    out = state.replay(lambda: block(*a, **k))
                 self._check(u, got)
                 rec.append([g if want is not None else None for g, want in zip(got, self.saved[u])])
                 for g, want in zip(got, self.saved[u]):

@@ -8,13 +8,21 @@ tests of the runtime's mechanics do not depend on the profiler.
 from __future__ import annotations
 
 import pytest
+import torch
 
 
-def _units_for(model, batch, seq, blocks_path=None):
-    from planner.blocks import find_blocks, structure_hash
+def _units_for(model, batch, seq, blocks_path=None, inputs=None):
+    from planner.blocks import detect_blocks, find_blocks, param_table, structure_hash
     from planner.formats import UnitRecord
 
-    path, blocks = find_blocks(model, blocks_path)
+    if inputs is None:
+        path, blocks = find_blocks(model, blocks_path)
+    else:
+        def run():
+            with torch.random.fork_rng(devices=[]):
+                return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+        found = detect_blocks(model, run, blocks_path)
+        path, blocks = found.paths, found.pairs()
     p0 = next(model.parameters())
     elt = p0.element_size()
     d = p0.shape[-1] if p0.dim() > 1 else 64
@@ -28,30 +36,45 @@ def _units_for(model, batch, seq, blocks_path=None):
                           saved_bytes=16 * x, workspace_bytes=4 * x, fwd_flops=10**6,
                           bwd_flops=2 * 10**6, fwd_s=1e-3, bwd_s=2e-3)
 
-    in_blocks = {id(p) for _, b in blocks for p in b.parameters()}
-    rest = [p for p in model.parameters() if id(p) not in in_blocks]
+    owner = {}
+    for n, b in blocks:
+        for p in b.parameters():
+            owner.setdefault(id(p), n)
+    rest = [p for p in dict.fromkeys(model.parameters()) if id(p) not in owner]
+    for i, p in enumerate(rest):
+        owner[id(p)] = "embedding" if i == 0 else "head"
     units = [unit("embedding", "embedding", rest[:1])]
     units += [unit(n, "block", list(b.parameters())) for n, b in blocks]
     units += [unit("head", "head", rest[1:])]
-    return path, structure_hash(blocks), units
+    fields = {"structure_hash": structure_hash(blocks), "blocks_path": path,
+              "blocks": [n for n, _ in blocks], "params": param_table(model, owner)}
+    return fields, units
 
 
 def plan_for(model, layers, batch, seq, *, hardware="cpu-host", nvme_dir=None,
-             blocks_path=None, name="test-model", homes=None, micro_batches=1):
+             blocks_path=None, name="test-model", inputs=None, homes=None, micro_batches=1):
     """A Plan for ``model``: ``layers`` is a policy name (keep-all, recompute-all, sqrt,
     offload-all) or a list of ``(activation, checkpoint)`` per block ("keep", None),
-    ("recompute", "gpu"|"nvme"|"none"), ("nvme", None). ``homes`` maps a unit name (or
-    "blocks" for every block) to a ``Home`` (weights, grads, optimizer, step)."""
+    ("recompute", "gpu"|"nvme"|"none"), ("nvme", None). With ``inputs`` (a dict or tuple the
+    model is called with) the blocks are found from a traced forward and every input's shape
+    is recorded; without, the blocks are found by the container rule and the input guard
+    checks ``batch`` x ``seq``. ``homes`` maps a unit name (or "blocks" for every block) to a
+    ``Home`` (weights, grads, optimizer, step)."""
     from planner.baselines import baseline_layers
+    from planner.blocks import identity_hash, input_table
     from planner.formats import Activation, Budgets, LayerDecision, Profile, Tier
     from planner.hardware import load_hardware
     from planner.plans import make_plan
 
     hw = load_hardware(hardware)
-    path, h, units = _units_for(model, batch, seq, blocks_path)
-    prof = Profile(model={"name": name, "batch": batch, "seq": seq, "dtype": "fp32",
-                          "structure_hash": h, "blocks_path": path},
-                   device="meta", timing="estimated", hardware=hw.to_dict(), layers=units)
+    fields, units = _units_for(model, batch, seq, blocks_path, inputs)
+    section = {"name": name, "batch": batch, "seq": seq, "dtype": "fp32", **fields}
+    if inputs is not None:
+        args, kwargs = ((), inputs) if isinstance(inputs, dict) else (tuple(inputs), {})
+        section["inputs"] = input_table(model.forward, args, kwargs)
+    section["identity"] = identity_hash(section)
+    prof = Profile(model=section, device="meta", timing="estimated", hardware=hw.to_dict(),
+                   layers=units)
     if isinstance(layers, str):
         decisions = baseline_layers(layers, units, hw)
     else:

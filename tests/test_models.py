@@ -111,3 +111,30 @@ def test_hf_examples_deterministic(factory):
         assert torch.equal(a, b)
     m1.eval()
     assert torch.isfinite(m1(**i1).loss)
+
+
+# Config fields the zoo factories may set: sizes, dropout (0.1 wherever the architecture has
+# it), token ids that must fall inside the small vocabulary, class labels. Everything else,
+# use_cache and the attention implementation included, is the library's default.
+ZOO_SET = {"vocab_size", "hidden_size", "n_embd", "d_model", "d_kv", "d_ff", "head_dim",
+           "intermediate_size", "ffn_dim", "ffn_hidden_size", "word_embed_proj_dim",
+           "num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "layer_types",
+           "num_attention_heads", "n_head", "num_heads", "num_key_value_heads", "num_kv_heads",
+           "max_position_embeddings", "n_positions", "image_size", "patch_size",
+           "pooler_output_size", "attention_dropout", "hidden_dropout", "resid_pdrop",
+           "embd_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob",
+           "bos_token_id", "eos_token_id", "decoder_start_token_id", "id2label", "label2id"}
+
+
+def test_zoo_factories_keep_the_librarys_defaults():
+    pytest.importorskip("transformers")
+    import examples.hf_models as hf
+    for name in hf.ZOO:
+        model, _ = getattr(hf, name)(2, 16)
+        got, default = model.config.to_dict(), type(model.config)().to_dict()
+        changed = {k for k in set(got) | set(default) if got.get(k) != default.get(k)}
+        assert changed <= ZOO_SET, (name, changed - ZOO_SET)
+        for k in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop",
+                  "hidden_dropout_prob", "dropout_rate", "attn_pdrop"):
+            if isinstance(got.get(k), float):
+                assert got[k] == 0.1, (name, k)

@@ -188,15 +188,20 @@ def test_cli_writes_profile(tmp_path, capsys):
     out = tmp_path / "p.json"
     assert main(["profile", "gpt-tiny", "--batch", "2", "--seq", "16", "-o", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "blocks: 3 at 'blocks'" in text and text.strip().endswith(str(out))
+    assert "blocks: 3 in 'blocks' (blocks.0 .. blocks.2)" in text
+    assert text.strip().endswith(str(out))
     d = json.loads(out.read_text())
     assert list(d)[0] <= "schema" and d["schema"] == "tierplan.profile/1"
     prof = load_profile(out)
     assert [u.name for u in prof.layers] == ["embedding", "blocks.0", "blocks.1", "blocks.2",
                                              "head"]
     for key in ("name", "config", "batch", "seq", "dtype", "param_count", "structure_hash",
-                "blocks_path", "attention", "optimizer", "bytes_per_param"):
+                "blocks_path", "attention", "optimizer", "bytes_per_param", "blocks", "params",
+                "inputs", "identity", "chain_breaks", "inplace_input"):
         assert key in prof.model
+    assert prof.model["blocks"] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert prof.model["inputs"] == [{"name": "input_ids", "shape": [2, 16], "dtype": "int64"},
+                                    {"name": "labels", "shape": [2, 16], "dtype": "int64"}]
 
 
 BAD = [

@@ -1,0 +1,245 @@
+"""Binding a plan to a model: which modules are the plan's blocks, whether the model is the one
+the plan was made for, and whether an input fits the shapes the plan was made for.
+
+A plan made from a current profile names its blocks exactly (``model.blocks``), lists every
+parameter with the unit it is charged to (``model.params``: name, shape, dtype), every model
+input's shape (``model.inputs``) and a hash of all three with the batch and sequence length
+(``model.identity``). ``bind`` finds the blocks by those names (``get_submodule``: no forward,
+no guessing), refuses the plan when the model's parameters differ in name or shape (another
+vocabulary, width or depth) or when the plan's own fields no longer match its identity hash
+(edited by hand), and warns when only the precision differs. ``InputGuard`` refuses, before any
+block runs, an input larger than the plan's in any dimension of any input.
+
+Plans without ``model.blocks`` (made before exact names were recorded) are bound by the old
+rule (``planner.blocks.find_blocks`` on ``blocks_path``) and guarded on ``batch`` x ``seq``;
+a plan that records no input size at all is refused rather than run unguarded.
+
+Every refusal is a ``PlanMismatchError`` (a ``UserError`` and a ``ValueError``): one line
+naming what differs and what to do.
+"""
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import torch
+
+from planner.blocks import (dtype_name, find_blocks, identity_hash, input_table,
+                            structure_hash)
+from planner.errors import UserError
+from planner.formats import Plan, UnitKind
+
+_FIX = "profile and solve for this model"
+
+
+class PlanMismatchError(UserError, ValueError):
+    """The plan does not fit this model or this input (one line: what differs, what to do)."""
+
+
+class InputTooLargeError(PlanMismatchError):
+    """An input is larger than the plan's in some dimension."""
+
+
+def _shape(s) -> str:
+    return "[" + ", ".join(str(int(x)) for x in s) + "]"
+
+
+def bind(model: torch.nn.Module, plan: Plan, src: str) -> list[tuple[str, torch.nn.Module]]:
+    """The plan's blocks in ``model`` as ``[(name, module)]`` in execution order, after checking
+    that ``model`` is the model the plan was made for. ``src`` names the plan in messages."""
+    m = plan.model
+    want = [u.name for u in plan.units if u.kind == UnitKind.BLOCK.value]
+    named = m.get("blocks") is not None
+    blocks = _bind_named(model, m, src, want) if named else _bind_legacy(model, plan, src, want)
+    h = structure_hash(blocks)
+    if m.get("structure_hash") != h:
+        raise PlanMismatchError(f"{src} has structure hash {m.get('structure_hash')} but "
+                                f"the model's blocks hash to {h} (different widths or layers); "
+                                f"{_FIX}")
+    if named:
+        _check_params(model, m, src)
+    _warn_precision(blocks, m, src)
+    cache = m.get("state_bytes") or 0
+    if cache and getattr(getattr(model, "config", None), "use_cache", False):
+        warnings.warn(f"{src}: the model fills a key/value cache of {cache} bytes per forward "
+                      "(use_cache is on), held until its output is dropped and not counted by "
+                      "the plan; set model.config.use_cache = False for training", stacklevel=3)
+    return blocks
+
+
+def _bind_legacy(model, plan, src, want):
+    blocks_path = plan.model.get("blocks_path")
+    try:
+        _, blocks = find_blocks(model, blocks_path)
+    except UserError as e:
+        raise PlanMismatchError(f"{src}: {e}") from None
+    names = [n for n, _ in blocks]
+    if len(names) != len(want):
+        raise PlanMismatchError(f"{src} is for {len(want)} blocks but the model has {len(names)} "
+                                f"({blocks_path or 'found'}); {_FIX}")
+    if names != want:
+        bad = next(i for i, (a, b) in enumerate(zip(names, want)) if a != b)
+        raise PlanMismatchError(f"{src} names block {bad} {want[bad]!r} but the model's is "
+                                f"{names[bad]!r}; {_FIX}")
+    return blocks
+
+
+def _bind_named(model, m, src, want):
+    names = m["blocks"]
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise PlanMismatchError(f"{src}: model.blocks must be a list of module names; "
+                                "regenerate the plan with 'plan profile' and 'plan solve'")
+    if m.get("identity") != identity_hash(m):
+        raise PlanMismatchError(f"{src}: its model section (blocks, parameters or input shapes) "
+                                f"does not match its identity hash {m.get('identity')!r}, so it "
+                                "was edited after profiling; profile and solve again")
+    if names != want:
+        raise PlanMismatchError(f"{src}: its units name blocks {want[:2]}... but model.blocks "
+                                f"says {names[:2]}...; regenerate the plan")
+    if len(set(names)) != len(names):
+        raise PlanMismatchError(f"{src} names a block twice; regenerate the plan")
+    modules = dict(model.named_modules())
+    blocks = []
+    for n in names:
+        mod = modules.get(n)
+        if mod is None:
+            raise PlanMismatchError(f"{src} is for {len(names)} blocks ({names[0]} .. "
+                                    f"{names[-1]}) but the model has no module {n!r}; {_FIX}")
+        blocks.append((n, mod))
+    for n, mod in blocks:
+        for other, _ in blocks:
+            if other != n and n.startswith(other + "."):
+                raise PlanMismatchError(f"{src}: block {n!r} is inside block {other!r}; "
+                                        "regenerate the plan")
+    return blocks
+
+
+def _check_params(model, m, src):
+    """Every parameter the plan charges to a unit (embedding and head included) exists in the
+    model with the same shape, and the model has no other."""
+    table = m.get("params")
+    if not isinstance(table, dict):
+        raise PlanMismatchError(f"{src} records no parameter shapes (model.params); it predates "
+                                "exact binding: profile and solve again")
+    planned = {}
+    for unit, rows in table.items():
+        for name, shape, *_ in rows:
+            planned[name] = (unit, list(shape))
+    have = {n: list(p.shape) for n, p in model.named_parameters()}
+    for n, shape in have.items():
+        if n not in planned:
+            raise PlanMismatchError(f"{src}: the model's parameter {n!r} {_shape(shape)} is in "
+                                    f"no unit of the plan (another architecture?); {_FIX}")
+        unit, want = planned[n]
+        if shape != want:
+            raise PlanMismatchError(f"{src}: unit {unit!r} holds {n!r} of shape {_shape(want)} "
+                                    f"in the plan but {_shape(shape)} in the model (another "
+                                    f"vocabulary, width or depth); {_FIX}")
+    missing = [n for n in planned if n not in have]
+    if missing:
+        unit = planned[missing[0]][0]
+        raise PlanMismatchError(f"{src}: unit {unit!r} holds {missing[0]!r}, which the model "
+                                f"does not have; {_FIX}")
+
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _warn_precision(blocks, m, src):
+    """Not refused: fp32 weights under autocast are a normal way to train a bf16 plan. But a
+    plan profiled at another precision predicts other bytes, so say so once."""
+    want = _DTYPES.get(m.get("dtype"))
+    have = {q.dtype for _, b in blocks for q in b.parameters() if q.is_floating_point()}
+    if want is not None and have and want not in have:
+        warnings.warn(f"{src} was profiled in {m.get('dtype')} but the model's blocks hold "
+                      f"{', '.join(sorted(dtype_name(d) for d in have))} parameters; gradients "
+                      "are unaffected, but its predicted bytes and times are for the profiled "
+                      "precision (unless autocast makes them so)", stacklevel=3)
+
+
+class InputGuard:
+    """Checks a forward's inputs against the shapes the plan was profiled with, before any block
+    runs: every dimension of every recorded input may be smaller (a short last batch, shorter
+    sequences), none larger; an input of another rank is refused; an input the profile never
+    saw is run with one warning (its bytes are not in the plan)."""
+
+    def __init__(self, model: torch.nn.Module, plan: Plan, src: str):
+        self.src = src
+        self.fn = model.forward
+        m = plan.model
+        self.inputs = m.get("inputs")
+        self.warned: set = set()
+        if self.inputs is None:
+            self.batch, self.seq = _positive(m.get("batch")), _positive(m.get("seq"))
+            if not (self.batch and self.seq):
+                raise PlanMismatchError(f"{src} records no input shapes (model.inputs) and no "
+                                        f"batch x seq ({m.get('batch')!r} x {m.get('seq')!r}), "
+                                        "so no input could be checked against it; profile and "
+                                        "solve again")
+            return
+        if not isinstance(self.inputs, list) or not self.inputs:
+            raise PlanMismatchError(f"{src}: model.inputs must list the profiled inputs; "
+                                    "profile and solve again")
+        self.want = {}
+        for i in self.inputs:
+            shape = i.get("shape") if isinstance(i, dict) else None
+            if not (isinstance(shape, list) and all(_positive(s) for s in shape)):
+                raise PlanMismatchError(f"{src}: input {i!r} needs a shape of positive sizes; "
+                                        "profile and solve again")
+            self.want[i["name"]] = shape
+        try:
+            self.sig = inspect.signature(self.fn)
+        except (TypeError, ValueError):
+            self.sig = None
+
+    def __call__(self, args, kwargs) -> None:
+        if self.inputs is None:
+            return self._legacy(args, kwargs)
+        for got in input_table(self.fn, args, kwargs, self.sig):
+            name, shape = got["name"], got["shape"]
+            want = self.want.get(name)
+            if want is None:
+                if name not in self.warned:
+                    self.warned.add(name)
+                    warnings.warn(f"{self.src}: input {name!r} {_shape(shape)} was not profiled "
+                                  f"(the plan knows {', '.join(self.want)}); its bytes are not "
+                                  "in the plan's prediction: profile with the inputs you train "
+                                  "with", stacklevel=4)
+                continue
+            if len(shape) != len(want):
+                raise InputTooLargeError(
+                    f"input {name!r} has shape {_shape(shape)} but the plan ({self.src}) was "
+                    f"profiled with {_shape(want)}; give it {len(want)} dimensions or profile "
+                    "and solve for this shape")
+            for d, (a, b) in enumerate(zip(shape, want)):
+                if a > b:
+                    raise InputTooLargeError(
+                        f"input {name!r} has shape {_shape(shape)}, larger than the plan's "
+                        f"{_shape(want)} in dimension {d} ({a} > {b}) ({self.src}); split it "
+                        "or profile and solve for this shape")
+
+    def _legacy(self, args, kwargs):
+        key, t = None, None
+        for k in ("input_ids", "inputs_embeds"):
+            if isinstance(kwargs.get(k), torch.Tensor):
+                key, t = k, kwargs[k]
+                break
+        if t is None:
+            t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            key = "input"
+        if t is None:
+            key, t = next(((k, v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)),
+                          (None, None))
+        if t is None or t.dim() == 0:
+            return
+        b = t.shape[0]
+        s = t.shape[1] if t.dim() >= 2 else None
+        if b > self.batch or (s is not None and s > self.seq):
+            raise InputTooLargeError(
+                f"input '{key}' has batch {b} x seq {s}, larger than the plan's batch "
+                f"{self.batch} x seq {self.seq} ({self.src}); split the batch or re-plan with "
+                f"--batch {b} --seq {s}")
+
+
+def _positive(v) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
