@@ -165,16 +165,20 @@ class Model:
         self.T = {s: self._var(f"T_{s}") for s in L.pass_stages}
         self.T2 = {s: self._var(f"Tr_{s}") for s in L.pass_stages} if self.rest else {}
         self.To = self._var("To")
-        self.C = {(t, s): self._var(f"C{t[0]}_{s}") for t in self._tiers() for s in L.pass_stages}
         self.pool = self._var("pi") if cm.staging_needs(self.v) else None
+        self.C = {(t, s): self._var(f"C{t[0]}_{s}") for t in self._tiers() for s in L.pass_stages}
         if self.opt.minimise == "gpu":
             self.Gvar = self._var("G")
         if self.opt.minimise == "cpu":
             self.Hvar = self._var("Hc")
 
     def _tiers(self):
+        """The tiers with memory rows: the device; the host wherever anything can use it (its
+        own choices, or the pinned staging of NVMe traffic, which a host budget of 0 then
+        forbids); NVMe where it is a tier."""
         cm = self.cm
-        return [t for t in TIERS if t == "gpu" or (t == "cpu" and cm.has_cpu)
+        host = cm.has_cpu or (not cm.unified and self.pool is not None)
+        return [t for t in TIERS if t == "gpu" or (t == "cpu" and host)
                 or (t == "nvme" and cm.has_nvme)]
 
     def budget(self, tier: str):

@@ -14,10 +14,11 @@ from .formats import (PLAN_SCHEMA, Budgets, HardwareSpec, Plan, Prediction, Prof
 from .schedule import build_schedule
 
 
-def cost_model(profile: Profile, hw: HardwareSpec, budgets: Budgets, micro_batches: int = 1,
+def cost_model(profile: Profile, hw: HardwareSpec, budgets, micro_batches: int = 1,
                **kw) -> CostModel:
     """The cost model of ``profile`` on ``hw`` under ``budgets`` (what the MILP optimises and
     the simulator replays)."""
+    budgets = as_budgets(budgets)
     return CostModel(profile.layers, hw, gpu_bytes=budgets.gpu_bytes, cpu_bytes=budgets.cpu_bytes,
                      nvme_bytes=budgets.nvme_bytes, micro_batches=micro_batches,
                      optimizer_s=profile.optimizer_s,
@@ -28,15 +29,33 @@ def baseline_record(policy: str) -> SolverRecord:
     return SolverRecord(name=policy, status="baseline", origin=f"baseline:{policy}")
 
 
-def make_plan(profile: Profile, profile_path: str | None, hw: HardwareSpec, budgets: Budgets,
+def as_budgets(b) -> Budgets:
+    """A ``Budgets`` from itself or from a dict of ``gpu_bytes``/``cpu_bytes``/``nvme_bytes``."""
+    if isinstance(b, Budgets):
+        return b
+    return Budgets(int(b.get("gpu_bytes", 0)), int(b.get("cpu_bytes", 0) or 0),
+                   int(b.get("nvme_bytes", 0) or 0))
+
+
+def make_plan(profile: Profile, profile_path: str | None, hw: HardwareSpec, budgets,
               policy: str, layers, shares: dict | None = None,
               solver: SolverRecord | None = None, nvme_dir: str | None = None,
-              micro_batches: int = 1, cm: CostModel | None = None) -> tuple[Plan, object]:
+              micro_batches: int = 1, cm: CostModel | None = None) -> Plan:
     """Build the schedule of ``layers`` (with ``shares``, or placed greedily), replay it, and
-    return ``(plan, simulation)`` with the plan's prediction filled in."""
+    return the plan with its prediction filled in."""
+    return plan_and_sim(profile, profile_path, hw, budgets, policy, layers, shares, solver,
+                        nvme_dir, micro_batches, cm)[0]
+
+
+def plan_and_sim(profile: Profile, profile_path: str | None, hw: HardwareSpec, budgets,
+                 policy: str, layers, shares: dict | None = None,
+                 solver: SolverRecord | None = None, nvme_dir: str | None = None,
+                 micro_batches: int = 1, cm: CostModel | None = None) -> tuple[Plan, object]:
+    """``make_plan`` and the simulation that filled its prediction: ``(plan, SimResult)``."""
     from .simulate import simulate   # the judge; imported here to keep the import graph flat
 
     policy = getattr(policy, "value", policy)
+    budgets = as_budgets(budgets)
     cm = cm or cost_model(profile, hw, budgets, micro_batches)
     schedule = build_schedule(cm, list(layers), shares)
     sha = sha256_file(profile_path) if profile_path and Path(profile_path).is_file() else None
@@ -57,9 +76,9 @@ def make_plan(profile: Profile, profile_path: str | None, hw: HardwareSpec, budg
     return dataclasses.replace(plan, predicted=predicted), r
 
 
-def baseline_plan(profile: Profile, profile_path: str | None, hw: HardwareSpec, budgets: Budgets,
-                  policy: str, nvme_dir: str | None = None, micro_batches: int = 1):
-    """A baseline policy's plan (keep-all, recompute-all, sqrt, offload-all) and its replay."""
+def baseline_plan(profile: Profile, profile_path: str | None, hw: HardwareSpec, budgets,
+                  policy: str, nvme_dir: str | None = None, micro_batches: int = 1) -> Plan:
+    """A baseline policy's plan (keep-all, recompute-all, sqrt, offload-all)."""
     from .baselines import baseline_layers
     layers = baseline_layers(policy, profile.layers, hw)
     return make_plan(profile, profile_path, hw, budgets, policy, layers, nvme_dir=nvme_dir,
@@ -90,7 +109,7 @@ def golden_plans() -> dict[str, Plan]:
     out = {}
     p = uniform_profile(4, h200, name="golden-sqrt")
     out["h200-sqrt"] = make_plan(p, None, h200, Budgets(64 * gib), "sqrt",
-                                 baseline_layers("sqrt", p.layers, h200))[0]
+                                 baseline_layers("sqrt", p.layers, h200))
     p = uniform_profile(6, h200, jitter=0.1, seed=3, name="golden-mixed")
     stream = Home(T.CPU, T.CPU, T.NVME, T.CPU)
     layers = [LD("embedding", Act.KEEP, home=Home(T.GPU, T.GPU, T.CPU, T.CPU)),
@@ -102,14 +121,14 @@ def golden_plans() -> dict[str, Plan]:
     out["h200-mixed"] = make_plan(p, None, h200, Budgets(64 * gib, 64 * gib, 64 * gib), "optimal",
                                   layers, solver=SolverRecord(name="hand", status="golden",
                                                               origin="hand"),
-                                  nvme_dir="/tmp/tierplan-golden")[0]
+                                  nvme_dir="/tmp/tierplan-golden")
     p = uniform_profile(3, cpu, name="golden-cpu-host")
     disk = Home(T.NVME, T.NVME, T.NVME, T.GPU)
     layers = [LD(u.name, d.activation, d.checkpoint, disk if u.kind == "block" else d.home)
               for u, d in zip(p.layers, baseline_layers("offload-all", p.layers, cpu))]
     out["cpu-host-streaming"] = make_plan(
         p, None, cpu, Budgets(20 * gib, 0, 16 * gib), "offload-all", layers,
-        nvme_dir="/tmp/tierplan-golden", micro_batches=2)[0]
+        nvme_dir="/tmp/tierplan-golden", micro_batches=2)
     return out
 
 

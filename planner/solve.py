@@ -32,14 +32,14 @@ from .errors import NoFitError, UserError
 from .formats import (Activation, Budgets, Home, LayerDecision, Plan, Policy, Profile,
                       SolverRecord, Tier, UnitKind, load_profile, write_json_atomic)
 from .milp import GB, Model, Options
-from .plans import cost_model, make_plan
+from .plans import cost_model, plan_and_sim
 from .sizes import fmt_bytes, fmt_seconds, parse_size
 
 STREAM_MODES = ("auto", "on", "off")
 # The MILP's rows bound memory in GB with the solvers' feasibility tolerance (1e-6 on the row,
 # i.e. a kilobyte) and bytes are rounded to whole numbers when written: solve against the
 # budget less this margin, so that every written plan fits to the byte.
-MARGIN_BYTES = 64 * 1024
+MARGIN_BYTES = 4096
 # A MILP of more stage rows than this is not built within a --time-limit that leaves it under
 # a second per thousand units (PuLP builds ~10k rows a second on this class of host).
 BUILD_ROWS_PER_S = 10_000
@@ -126,7 +126,7 @@ def baselines(profile, path, hw, budgets, cm: CostModel, nvme_dir, K) -> list[Ca
     for pol in BASELINES:
         try:
             layers = baseline_layers(pol, profile.layers, hw)
-            plan, r = make_plan(profile, path, hw, budgets, pol, layers, nvme_dir=nvme_dir,
+            plan, r = plan_and_sim(profile, path, hw, budgets, pol, layers, nvme_dir=nvme_dir,
                                 micro_batches=K, cm=cm)
         except UserError:
             continue                      # not valid on this spec / these budgets
@@ -136,7 +136,7 @@ def baselines(profile, path, hw, budgets, cm: CostModel, nvme_dir, K) -> list[Ca
         if layers is None:
             break
         try:
-            plan, r = make_plan(profile, path, hw, budgets, "stream-all", layers,
+            plan, r = plan_and_sim(profile, path, hw, budgets, "stream-all", layers,
                                 nvme_dir=nvme_dir, micro_batches=K, cm=cm)
         except UserError:
             continue
@@ -172,7 +172,7 @@ def milp(profile, path, hw, budgets, cm: CostModel, *, origin, solver, gap, cloc
                        objective=out.solution.objective, gap=out.gap,
                        solve_s=round(time.perf_counter() - t0, 4), variables=out.variables,
                        constraints=out.constraints)
-    plan, r = make_plan(profile, path, hw, budgets, "optimal", out.solution.layers,
+    plan, r = plan_and_sim(profile, path, hw, budgets, "optimal", out.solution.layers,
                         shares=out.solution.shares, solver=rec, nvme_dir=nvme_dir,
                         micro_batches=K, cm=cm)
     return Candidate(plan, r, origin)
@@ -205,8 +205,23 @@ def _min_budget(profile, path, hw, budgets, cm, solver, clock, tier: str):
         out = solvers.solve(m, solver, None if left is None else max(2.0, left), 1e-4)
     except (solvers.Infeasible, solvers.NoIncumbent):
         return None
-    need = int(math.ceil((m.Gvar if tier == "gpu" else m.Hvar).value() * GB)) + MARGIN_BYTES
+    # twice the margin the time-minimising solve keeps below a budget: at the named budget
+    # that solve has the GPU-minimising plan's room and a little more
+    need = int(math.ceil((m.Gvar if tier == "gpu" else m.Hvar).value() * GB)) + 2 * MARGIN_BYTES
     return need, out.solution
+
+
+def _min_gpu_candidate(profile, path, hw, budgets, cm, solver, clock, nvme_dir, K):
+    """The GPU-minimising joint MILP's plan as a candidate (None if it has none)."""
+    got = _min_budget(profile, path, hw, budgets, cm, solver, clock, "gpu")
+    if got is None or got[0] > budgets.gpu_bytes:
+        return None
+    rec = SolverRecord(name=solver, status="smallest GPU peak (no faster plan was found in "
+                       "time)", origin="min-gpu")
+    plan, r = plan_and_sim(profile, path, hw, budgets, "optimal", got[1].layers,
+                           shares=got[1].shares, solver=rec, nvme_dir=nvme_dir,
+                           micro_batches=K, cm=cm)
+    return Candidate(plan, r, "min-gpu")
 
 
 def _no_fit(profile, path, hw, budgets, cm, solver, clock) -> NoFitError:
@@ -258,7 +273,7 @@ def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: 
     if policy not in (Policy.OPTIMAL.value, Policy.REMAT_ONLY.value):
         from .baselines import baseline_layers
         layers = baseline_layers(policy, profile.layers, hw)
-        plan, r = make_plan(profile, profile_path, hw, budgets, policy, layers,
+        plan, r = plan_and_sim(profile, profile_path, hw, budgets, policy, layers,
                             nvme_dir=nvme_dir, micro_batches=K, cm=act_cm)
         if not r.fits:
             raise NoFitError(f"the {policy} plan does not fit: {r.budget_violations[0]}; "
@@ -287,6 +302,13 @@ def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: 
         if joint is not None:
             cands.append(joint)
     best = _pick(cands)
+    if best is None and policy == Policy.OPTIMAL.value:
+        # no strategy found a plan in time: the plan with the smallest GPU peak, if it fits
+        low = _min_gpu_candidate(profile, profile_path, hw, budgets, cm, solver, clock,
+                                 nvme_dir, K)
+        if low is not None:
+            cands.append(low)
+            best = _pick(cands)
     tried = {c.origin: (c.sim.step_s, c.sim.fits, c.sim.peak_gpu_bytes) for c in cands}
     if best is None:
         raise _no_fit(profile, profile_path, hw, budgets, cm, solver, clock)

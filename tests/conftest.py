@@ -92,7 +92,7 @@ def plan_for(model, layers, batch, seq, *, hardware="cpu-host", nvme_dir=None,
     budgets = Budgets(hw.memory_bytes, 0, hw.nvme_bytes)
     return make_plan(prof, None, hw, budgets, layers if isinstance(layers, str) else "optimal",
                      decisions, nvme_dir=str(nvme_dir) if nvme_dir else None,
-                     micro_batches=micro_batches)[0]
+                     micro_batches=micro_batches)
 
 
 @pytest.fixture

@@ -98,7 +98,7 @@ def make_plans(prof, nvme_dir):
     """The four plans for ``prof``: the three baselines and the optimal plan at a budget half
     of the blocks' activations below keep-all's peak."""
     from planner.baselines import baseline_layers
-    from planner.formulation import Budgets
+    from planner.formats import Budgets
     from planner.plans import make_plan
     from planner.solve import solve_profile
 
