@@ -301,7 +301,9 @@ class UnitRecord:
         return self.saved_bytes - self.shared_saved_bytes
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["tied_to"] = list(self.tied_to)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "profile", what: str = "profile") -> "UnitRecord":

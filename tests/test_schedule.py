@@ -1,172 +1,223 @@
-"""Schedule builder: event layout, validation of decisions, segments, issue points."""
+"""Schedule builder: the events every decision implies, their stages and bytes, and the checks
+on decisions and shares."""
+import dataclasses
+
 import pytest
 
 from planner.baselines import baseline_layers
+from planner.costmodel import CostModel
 from planner.errors import UserError
-from planner.formats import Activation as Act, HardwareSpec, LayerDecision as LD, Tier
-from planner.schedule import build_schedule, compute_order, segments
+from planner.events import Op, Passes, Stream, TensorClass, event_id
+from planner.formats import Activation as Act, HardwareSpec, Home, LayerDecision as LD, Tier as T
+from planner.schedule import build_schedule, greedy_shares, segments
 from planner.synthetic import uniform_profile
 
 
-def spec(unified=False, link=250.0, nvme_r=50.0, nvme_w=25.0):
-    return HardwareSpec(name="unified" if unified else "toy", description="test", device="cpu" if unified else "cuda",
-                        unified_memory=unified, memory_bytes=10**9, host_memory_bytes=0 if unified else 10**10,
+def spec(unified=False, link=250.0, nvme_r=50.0, nvme_w=25.0, adam=1e9):
+    return HardwareSpec(name="unified" if unified else "toy", description="test",
+                        device="cpu" if unified else "cuda", unified_memory=unified,
+                        memory_bytes=10**9, host_memory_bytes=0 if unified else 10**10,
                         peak_flops={"bf16": 1e9}, efficiency=1.0, memory_bandwidth=1e9,
                         h2d_bandwidth=0 if unified else link, d2h_bandwidth=0 if unified else link,
-                        nvme_read_bandwidth=nvme_r, nvme_write_bandwidth=nvme_w, nvme_bytes=10**10)
+                        nvme_read_bandwidth=nvme_r, nvme_write_bandwidth=nvme_w, nvme_bytes=10**10,
+                        host_memory_bandwidth=1e9, cpu_adam_params_per_s=0 if unified else adam,
+                        staging_buffer_bytes=64)
 
 
-def units(n, hw=None):
-    return uniform_profile(n, hw or spec(), fwd_s=1.0, saved_bytes=1000, input_bytes=100,
-                           param_bytes=10, workspace_bytes=50, head_saved_bytes=2000).layers
+def model(n, hw, cpu=10**9, nvme=10**9, K=1):
+    units = uniform_profile(n, hw, fwd_s=1.0, saved_bytes=1000, input_bytes=100,
+                            param_bytes=10, workspace_bytes=50, head_saved_bytes=2000).layers
+    return CostModel(units, hw, gpu_bytes=10**9, cpu_bytes=0 if hw.unified_memory else cpu,
+                     nvme_bytes=nvme, micro_batches=K), units
 
 
 def ids(evs):
     return [e.id for e in evs]
 
 
-def test_keep_all_has_only_compute_and_empty_links():
-    us = units(2)
-    s = build_schedule(us, baseline_layers("keep-all", us, spec()), spec(), optimizer_s=0.5)
-    assert ids(s["compute"]) == ["F:embedding", "F:blocks.0", "F:blocks.1", "F:head", "B:head",
-                                 "B:blocks.1", "B:blocks.0", "B:embedding", "OPT"]
-    assert [e.stage for e in s["compute"]] == [0, 1, 2, 3, 4, 5, 6, 7, 8]
-    assert s["compute"][-1].seconds == 0.5
-    assert s["d2h"] == [] and s["h2d"] == [] and s["nvme"] == []
+def test_keep_all_has_only_compute_events_in_their_stages():
+    cm, us = model(2, spec())
+    s = build_schedule(cm, baseline_layers("keep-all", us, cm.hw))
+    assert set(s) == {"compute"}
+    comp = s["compute"]
+    assert ids(comp) == ["F:embedding", "F:blocks.0", "F:blocks.1", "F:head", "B:head",
+                         "B:blocks.1", "B:blocks.0", "B:embedding", "S:embedding", "S:blocks.0",
+                         "S:blocks.1", "S:head"]
+    # prologue 0, forwards 1..U, backwards U+1..2U, the optimizer phase 2U+1
+    assert [e.stage for e in comp] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 9, 9]
+    assert all(e.stream is Stream.COMPUTE for e in comp)
 
 
-def test_cpu_offload_events_bytes_seconds_and_default_issue():
-    hw, us = spec(link=250.0), units(2)
-    s = build_schedule(us, baseline_layers("offload-all", us, hw), hw)
-    assert ids(s["d2h"]) == ["out:blocks.0", "out:blocks.1"]
-    # Prefetch order follows the backward: blocks.1 first, issued one unit ahead.
-    assert ids(s["h2d"]) == ["in:blocks.1", "in:blocks.0"]
-    in1, in0 = s["h2d"]
-    assert (in1.issue, in0.issue) == ("B:head", "B:blocks.1")
-    assert in0.after == ("out:blocks.0",) and in0.bytes == 1000 and in0.seconds == 4.0
-    assert s["d2h"][0].after == ("F:blocks.0",) and s["d2h"][0].seconds == 4.0
-    b0 = next(e for e in s["compute"] if e.id == "B:blocks.0")
-    assert b0.after == ("in:blocks.0",)
+def test_cpu_offload_leaves_in_the_forward_and_comes_back_in_the_backward():
+    cm, us = model(3, spec(link=250.0))
+    s = build_schedule(cm, baseline_layers("offload-all", us, cm.hw))
+    for i in (1, 2, 3):
+        name = us[i].name
+        out = [e for e in s["d2h"] if e.unit == name]
+        back = [e for e in s["h2d"] if e.unit == name]
+        assert sum(e.bytes for e in out) == sum(e.bytes for e in back) == us[i].activation_bytes
+        assert all(e.op is Op.OFFLOAD and e.cls is TensorClass.ACT for e in out)
+        assert all(e.op is Op.PREFETCH for e in back)
+        assert all(cm.L.fwd(i) < e.stage <= cm.L.U for e in out)      # after its forward
+        assert all(cm.U < e.stage < cm.L.bwd(i) for e in back)       # before its backward
+        # seconds are bytes over the link's rate
+        assert all(e.seconds == pytest.approx(e.bytes / 250.0) for e in out + back)
+    assert "nvme" not in s
 
 
-def test_nvme_offload_goes_through_d2h_write_read_h2d():
-    hw, us = spec(nvme_r=50.0, nvme_w=25.0), units(1)
+def test_nvme_on_cuda_moves_through_the_host_in_the_same_stage():
+    hw = spec()
+    cm, us = model(1, hw)
     layers = [LD("embedding", Act.KEEP), LD("blocks.0", Act.NVME), LD("head", Act.KEEP)]
-    s = build_schedule(us, layers, hw)
-    assert ids(s["nvme"]) == ["w:blocks.0", "r:blocks.0"]
-    w, r = s["nvme"]
-    assert w.after == ("out:blocks.0",) and w.seconds == 1000 / 25.0
-    assert r.after == ("w:blocks.0",) and r.issue == "B:head" and r.seconds == 1000 / 50.0
-    (i,) = s["h2d"]
-    assert i.after == ("r:blocks.0",) and i.issue is None
+    s = build_schedule(cm, layers)
+    writes = {e.stage: e.bytes for e in s["nvme"] if e.op is Op.WRITE}
+    reads = {e.stage: e.bytes for e in s["nvme"] if e.op is Op.READ}
+    assert writes == {e.stage: e.bytes for e in s["d2h"]}
+    assert reads == {e.stage: e.bytes for e in s["h2d"]}
+    assert sum(writes.values()) == 1000
 
 
-def test_unified_offload_all_uses_only_nvme_events():
+def test_unified_memory_has_no_host_links():
     hw = spec(unified=True)
-    us = units(3, hw)
-    s = build_schedule(us, baseline_layers("offload-all", us, hw), hw)
-    assert set(s) == {"compute", "nvme"}
-    assert {e.op for e in s["nvme"]} == {"write", "read"}
-    assert ids(s["nvme"]) == ["w:blocks.0", "w:blocks.1", "w:blocks.2",
-                              "r:blocks.2", "r:blocks.1", "r:blocks.0"]
-    assert s["nvme"][0].after == ("F:blocks.0",)
-    b1 = next(e for e in s["compute"] if e.id == "B:blocks.1")
-    assert b1.after == ("r:blocks.1",)
+    cm, us = model(2, hw)
+    s = build_schedule(cm, baseline_layers("offload-all", us, hw))
+    assert "d2h" not in s and "h2d" not in s
+    assert {e.op for e in s["nvme"]} == {Op.WRITE, Op.READ}
 
 
-@pytest.mark.parametrize("L,expected", [
-    (9, [[1, 2, 3], [4, 5, 6], [7, 8, 9]]),        # ceil(sqrt 9) = 3
-    (10, [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10]]),   # ceil(sqrt 10) = 4
-])
-def test_sqrt_segments(L, expected):
-    us = units(L)
-    layers = baseline_layers("sqrt", us, spec())
+@pytest.mark.parametrize("n,expected", [(9, [[1, 2, 3], [4, 5, 6], [7, 8, 9]]),
+                                        (10, [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10]])])
+def test_sqrt_segments_recompute_at_their_last_units_backward(n, expected):
+    hw = spec()
+    cm, us = model(n, hw)
+    layers = baseline_layers("sqrt", us, hw)
     assert segments(layers) == expected
-    order = compute_order(us, layers)
-    # One recompute per segment, just before the backward of its last unit.
-    recs = [x for x in order if x.startswith("R:")]
-    assert recs == [f"R:blocks.{s[-1] - 1}" for s in reversed(expected)]
-    for s in expected:
-        r = order.index(f"R:blocks.{s[-1] - 1}")
-        assert order[r + 1] == f"B:blocks.{s[-1] - 1}"
+    s = build_schedule(cm, layers)
+    recs = [e for e in s["compute"] if e.op is Op.RECOMPUTE]
+    assert [list(e.units) for e in recs] == [[us[i].name for i in seg] for seg in expected[::-1]]
+    assert [e.stage for e in recs] == [cm.L.bwd(seg[-1]) for seg in expected[::-1]]
+    assert recs[0].id == f"R:{us[expected[-1][-1]].name}"
 
 
-def test_recompute_checkpoint_on_cpu_is_fetched_before_the_segment():
-    hw, us = spec(), units(3)
-    layers = [LD("embedding", Act.KEEP), LD("blocks.0", Act.RECOMPUTE, Tier.CPU),
-              LD("blocks.1", Act.RECOMPUTE, Tier.NONE), LD("blocks.2", Act.KEEP), LD("head", Act.KEEP)]
-    s = build_schedule(us, layers, hw)
-    assert ids(s["d2h"]) == ["ckout:blocks.0"] and s["d2h"][0].bytes == 100
-    (ck,) = s["h2d"]
-    assert ck.id == "ckin:blocks.0" and ck.issue == "B:blocks.2" and ck.after == ("ckout:blocks.0",)
-    rec = next(e for e in s["compute"] if e.id == "R:blocks.1")
-    assert rec.units == ("blocks.0", "blocks.1") and rec.seconds == 2.0 and rec.after == ("ckin:blocks.0",)
+def test_checkpoint_on_cpu_leaves_after_its_forward_and_returns_before_the_recompute():
+    hw = spec()
+    cm, us = model(3, hw)
+    layers = [LD("embedding", Act.KEEP), LD("blocks.0", Act.RECOMPUTE, T.CPU),
+              LD("blocks.1", Act.RECOMPUTE, T.NONE), LD("blocks.2", Act.KEEP), LD("head", Act.KEEP)]
+    s = build_schedule(cm, layers)
+    (out,) = [e for e in s["d2h"] if e.cls is TensorClass.CKPT]
+    (back,) = [e for e in s["h2d"] if e.cls is TensorClass.CKPT]
+    assert out.stage == cm.L.fwd(1) + 1 and back.stage == cm.L.bwd(2) - 1
+    assert out.bytes == back.bytes == 100
 
 
-def test_prefetch_issue_override_and_its_checks():
-    hw, us = spec(), units(2)
+def test_streamed_weights_grads_and_state_have_their_events():
+    hw = spec()
+    cm, us = model(3, hw, K=2)
+    home = Home(T.CPU, T.CPU, T.NVME, T.CPU)
+    layers = [LD(u.name, Act.KEEP, home=home if u.kind == "block" else Home()) for u in us]
+    s = build_schedule(cm, layers)
+    name, i = us[2].name, 2
+    fetch = [e for e in s["h2d"] if e.unit == name and e.cls is TensorClass.WEIGHT]
+    assert sum(e.bytes for e in fetch if e.stage < cm.L.fwd(i)) == 10       # before its forward
+    assert sum(e.bytes for e in fetch if cm.L.fwd(i) < e.stage < cm.L.bwd(i)) == 10
+    grads = [e for e in s["d2h"] if e.unit == name and e.cls is TensorClass.GRAD]
+    assert sum(e.bytes for e in grads) == 10 and all(e.stage > cm.L.bwd(i) for e in grads)
+    acc = [e for e in s["host"] if e.unit == name and e.op is Op.ACCUMULATE]
+    assert [e.bytes for e in acc] == [e.bytes for e in grads]
+    opt = cm.L.opt_stage
+    state = [e for e in s["nvme"] if e.unit == name and e.cls is TensorClass.STATE]
+    assert {(e.op, e.stage, e.bytes) for e in state} == {(Op.READ, opt, 60), (Op.WRITE, opt, 60)}
+    (step,) = [e for e in s["host"] if e.op is Op.STEP and e.unit == name]
+    assert step.stage == opt and step.seconds == pytest.approx(5 / 1e9)
+    assert event_id(Op.WRITE, TensorClass.STATE, name, opt) in {e.id for e in state}
+
+
+def test_gradients_on_nvme_are_read_back_in_later_passes_only():
+    hw = spec(unified=True)
+    cm, us = model(2, hw, K=3)
+    home = Home(T.NVME, T.NVME, T.NVME, T.GPU)
+    layers = [LD(u.name, Act.KEEP, home=home if u.kind == "block" else Home()) for u in us]
+    s = build_schedule(cm, layers)
+    g = [e for e in s["nvme"] if e.cls is TensorClass.GRAD and e.stage <= 2 * cm.U]
+    reads = [e for e in g if e.op is Op.READ]
+    writes = [e for e in g if e.op is Op.WRITE]
+    assert reads and all(e.passes is Passes.REST for e in reads)
+    assert all(e.passes is Passes.ALL for e in writes)
+    assert sorted((e.unit, e.stage, e.bytes) for e in reads) == \
+        sorted((e.unit, e.stage, e.bytes) for e in writes)
+
+
+def test_greedy_shares_fill_compute_time_first_and_sum_to_one():
+    hw = spec(link=250.0)
+    cm, us = model(4, hw)
     layers = baseline_layers("offload-all", us, hw)
-    s = build_schedule(us, layers, hw, prefetch_issue={"blocks.0": "F:head"})
-    assert ids(s["h2d"]) == ["in:blocks.0", "in:blocks.1"]     # issued earlier, so queued first
-    with pytest.raises(UserError, match="must run after F:blocks.0 and before B:blocks.0"):
-        build_schedule(us, layers, hw, prefetch_issue={"blocks.0": "B:blocks.0"})
-    with pytest.raises(UserError, match="not a compute event"):
-        build_schedule(us, layers, hw, prefetch_issue={"blocks.0": "B:nowhere"})
-    with pytest.raises(UserError, match="neither offloaded"):
-        build_schedule(us, layers, hw, prefetch_issue={"head": "B:head"})
+    sh = greedy_shares(cm, layers)
+    for i in range(1, 5):
+        for kind in ("oc", "pc"):
+            assert sum(v for (k, j, s), v in sh.items() if k == kind and j == i) == \
+                pytest.approx(1.0)
+    # the first offload takes what its first stage hides (1 s x 250 B/s of 1000 B)
+    assert sh["oc", 1, cm.L.fwd(1) + 1] == pytest.approx(0.25)
 
 
-@pytest.mark.parametrize("layers,msg", [
-    ([LD("embedding", Act.KEEP), LD("blocks.0", Act.KEEP), LD("blocks.1", Act.RECOMPUTE, Tier.NONE),
+@pytest.mark.parametrize("layers,match", [
+    ([LD("embedding", Act.KEEP), LD("blocks.0", Act.RECOMPUTE, T.NONE), LD("head", Act.KEEP)],
+     "must follow a 'recompute'"),
+    ([LD("embedding", Act.KEEP), LD("blocks.0", Act.KEEP), LD("blocks.1", Act.RECOMPUTE, T.NONE),
       LD("head", Act.KEEP)], "must follow a 'recompute'"),
-    ([LD("embedding", Act.KEEP), LD("blocks.0", Act.RECOMPUTE, Tier.NONE), LD("blocks.1", Act.KEEP),
-      LD("head", Act.KEEP)], "must follow a 'recompute'"),
-    ([LD("embedding", Act.KEEP), LD("blocks.0", Act.KEEP), LD("blocks.1", Act.KEEP),
-      LD("head", Act.RECOMPUTE, Tier.GPU)], "must be 'keep'"),
-    ([LD("embedding", Act.CPU), LD("blocks.0", Act.KEEP), LD("blocks.1", Act.KEEP),
-      LD("head", Act.KEEP)], "must be 'keep'"),
-    ([LD("embedding", Act.KEEP), LD("blocks.0", Act.KEEP), LD("head", Act.KEEP)], "do not match"),
+    ([LD("embedding", Act.RECOMPUTE, T.GPU), LD("blocks.0", Act.KEEP), LD("head", Act.KEEP)],
+     "must be 'keep'"),
+    ([LD("embedding", Act.KEEP), LD("blocks.0", Act.KEEP), LD("head", Act.CPU)], "must be 'keep'"),
+    ([LD("embedding", Act.KEEP), LD("head", Act.KEEP)], "do not match"),
 ])
-def test_malformed_decisions(layers, msg):
-    with pytest.raises(UserError, match=msg):
-        build_schedule(units(2), layers, spec())
+def test_malformed_decisions_are_refused(layers, match):
+    cm, us = model(2 if "blocks.1" in {d.name for d in layers} else 1, spec())
+    with pytest.raises(UserError, match=match):
+        build_schedule(cm, layers)
 
 
-def test_cpu_on_unified_memory_is_refused():
-    hw = spec(unified=True)
-    us = units(1, hw)
-    for d in (LD("blocks.0", Act.CPU), LD("blocks.0", Act.RECOMPUTE, Tier.CPU)):
-        with pytest.raises(UserError, match="not allowed on the unified-memory spec"):
-            build_schedule(us, [LD("embedding", Act.KEEP), d, LD("head", Act.KEEP)], hw)
+def test_what_a_spec_or_budget_lacks_is_refused():
+    cm, us = model(1, spec(unified=True))
+    with pytest.raises(UserError, match="not a tier on the unified-memory spec"):
+        build_schedule(cm, [LD("embedding", Act.KEEP), LD("blocks.0", Act.CPU), LD("head", Act.KEEP)])
+    cm, us = model(1, spec(), nvme=0)
+    with pytest.raises(UserError, match="--nvme-mem is 0"):
+        build_schedule(cm, [LD("embedding", Act.KEEP), LD("blocks.0", Act.NVME), LD("head", Act.KEEP)])
+    cm, us = model(1, spec(), cpu=0)
+    with pytest.raises(UserError, match="--cpu-mem is 0"):
+        build_schedule(cm, [LD("embedding", Act.KEEP), LD("blocks.0", Act.KEEP,
+                                                           home=Home(T.CPU, T.CPU, T.CPU, T.CPU)),
+                            LD("head", Act.KEEP)])
 
 
-def test_baselines_shapes():
-    hw, us = spec(), units(4)
-    assert [d.activation for d in baseline_layers("keep-all", us, hw)] == [Act.KEEP] * 6
-    ra = baseline_layers("recompute-all", us, hw)
-    assert [(d.activation, d.checkpoint) for d in ra[1:5]] == [(Act.RECOMPUTE, Tier.GPU)] * 4
-    assert ra[0].activation is Act.KEEP and ra[5].activation is Act.KEEP
-    assert [d.activation for d in baseline_layers("offload-all", us, hw)[1:5]] == [Act.CPU] * 4
-    assert [d.activation for d in baseline_layers("offload-all", us, spec(unified=True))[1:5]] == [Act.NVME] * 4
-    with pytest.raises(UserError, match="not a baseline"):
-        baseline_layers("optimal", us, hw)
+def test_tied_and_segmented_streaming_is_refused():
+    hw = spec()
+    units = uniform_profile(2, hw, fwd_s=1.0, saved_bytes=1000, input_bytes=100,
+                            param_bytes=10).layers
+    units[0] = dataclasses.replace(units[0], tied_to=("head",))
+    units[-1] = dataclasses.replace(units[-1], tied_to=("embedding",))
+    cm = CostModel(units, hw, gpu_bytes=10**9, cpu_bytes=10**9, nvme_bytes=10**9)
+    stream = Home(T.CPU, T.CPU, T.CPU, T.CPU)
+    with pytest.raises(UserError, match="tied weights stay on the device"):
+        build_schedule(cm, [LD("embedding", Act.KEEP, home=stream), LD("blocks.0", Act.KEEP),
+                            LD("blocks.1", Act.KEEP), LD("head", Act.KEEP)])
+    with pytest.raises(UserError, match="recomputed only on its own"):
+        build_schedule(cm, [LD("embedding", Act.KEEP), LD("blocks.0", Act.RECOMPUTE, T.GPU,
+                                                           home=stream),
+                            LD("blocks.1", Act.RECOMPUTE, T.NONE), LD("head", Act.KEEP)])
 
 
-def test_unified_nvme_checkpoint_is_written_and_read_back_before_the_recompute():
-    hw = spec(unified=True)
-    us = units(2, hw)
-    layers = [LD("embedding", Act.KEEP), LD("blocks.0", Act.RECOMPUTE, Tier.NVME),
-              LD("blocks.1", Act.RECOMPUTE, Tier.NONE), LD("head", Act.KEEP)]
-    s = build_schedule(us, layers, hw)
-    assert ids(s["nvme"]) == ["ckw:blocks.0", "ckr:blocks.0"]
-    w, r = s["nvme"]
-    assert w.after == ("F:blocks.0",) and w.bytes == 100 and r.issue == "B:head"
-    rec = next(e for e in s["compute"] if e.id == "R:blocks.1")
-    assert rec.after == ("ckr:blocks.0",)
-
-
-def test_nvme_without_bandwidth_is_refused():
-    hw = spec(nvme_r=0.0)
-    us = units(1)
-    with pytest.raises(UserError, match="needs positive NVMe"):
-        build_schedule(us, [LD("embedding", Act.KEEP), LD("blocks.0", Act.NVME), LD("head", Act.KEEP)], hw)
+def test_shares_out_of_their_window_or_order_are_refused():
+    hw = spec()
+    cm, us = model(2, hw)
+    layers = [LD("embedding", Act.KEEP), LD("blocks.0", Act.CPU), LD("blocks.1", Act.KEEP),
+              LD("head", Act.KEEP)]
+    good = {("oc", 1, 3): 1.0, ("pc", 1, 6): 1.0}
+    build_schedule(cm, layers, good)
+    with pytest.raises(UserError, match="cannot move in stage"):
+        build_schedule(cm, layers, {("oc", 1, 2): 1.0, ("pc", 1, 6): 1.0})   # during its forward
+    with pytest.raises(UserError, match="come back by stage"):
+        build_schedule(cm, layers, {("oc", 1, 5): 1.0, ("pc", 1, 4): 1.0})   # back before out
+    with pytest.raises(UserError, match="has no share"):
+        build_schedule(cm, layers, {("oc", 1, 3): 1.0})

@@ -1,0 +1,118 @@
+"""The MILP and ``plan solve``'s strategies: a written plan's objective is its simulated step,
+it fits, it is never slower than a baseline that fits, and more budget never makes it slower."""
+import random
+
+import pytest
+
+from planner.baselines import baseline_layers
+from planner.costmodel import REC
+from planner.errors import NoFitError
+from planner.formats import Activation, Budgets
+from planner.hardware import load_hardware
+from planner.milp import Model
+from planner.plans import cost_model, plan_and_sim
+from planner.solve import solve_profile
+from planner.synthetic import random_profile, uniform_profile
+
+SPECS = ("a100-80g", "h100-80g", "rtx4090", "cpu-host")
+
+
+def _budgets(prof, hw, rng):
+    big = Budgets(10**15, 0 if hw.unified_memory else 10**15, 10**15)
+    keep = plan_and_sim(prof, None, hw, big, "keep-all",
+                        baseline_layers("keep-all", prof.layers, hw))[1]
+    rec = plan_and_sim(prof, None, hw, big, "recompute-all",
+                       baseline_layers("recompute-all", prof.layers, hw))[1]
+    g = int(rng.uniform(rec.peak_gpu_bytes, keep.peak_gpu_bytes))
+    cpu = 0 if hw.unified_memory else int(keep.peak_gpu_bytes * rng.uniform(0.2, 2))
+    return Budgets(g, cpu, rng.choice([0, 10**13]))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_objective_is_the_simulated_step_and_beats_every_baseline(seed, tmp_path):
+    rng = random.Random(seed)
+    hw = load_hardware(SPECS[seed % len(SPECS)])
+    prof = random_profile(seed, hw, n_blocks=rng.randint(3, 8))
+    b = _budgets(prof, hw, rng)
+    K = rng.choice([1, 2])
+    out = solve_profile(prof, None, hw, b, time_limit=60, micro_batches=K,
+                        nvme_dir=str(tmp_path))
+    assert out.sim.fits
+    assert out.plan.predicted.step_s == out.sim.step_s
+    if out.milp_objective is not None:
+        assert out.milp_objective == pytest.approx(out.sim.step_s, rel=1e-6)
+    best_base = min((v[0] for k, v in out.tried.items() if k.startswith("baseline") and v[1]),
+                    default=None)
+    if best_base is not None:
+        assert out.sim.step_s <= best_base * (1 + 1e-9)
+    assert out.sim.step_s >= out.sim.compute_s * (1 - 1e-9)
+
+
+def test_more_budget_never_gives_a_slower_plan(tmp_path):
+    hw = load_hardware("h100-80g")
+    prof = random_profile(3, hw, n_blocks=6)
+    rng = random.Random(0)
+    b = _budgets(prof, hw, rng)
+    steps = []
+    lo = plan_and_sim(prof, None, hw, Budgets(10**15, 10**15, 10**15), "recompute-all",
+                      baseline_layers("recompute-all", prof.layers, hw))[1].peak_gpu_bytes
+    hi = plan_and_sim(prof, None, hw, Budgets(10**15, 10**15, 10**15), "keep-all",
+                      baseline_layers("keep-all", prof.layers, hw))[1].peak_gpu_bytes
+    for k in range(8):
+        g = int(lo * 0.8 + (hi * 1.05 - lo * 0.8) * k / 7)
+        try:
+            out = solve_profile(prof, None, hw, Budgets(g, b.cpu_bytes, b.nvme_bytes),
+                                time_limit=60, gap=0.001, nvme_dir=str(tmp_path))
+        except NoFitError:
+            assert not steps, "a larger budget stopped fitting"
+            continue
+        steps.append(out.sim.step_s)
+    assert len(steps) >= 5
+    for a, c in zip(steps, steps[1:]):
+        assert c <= a * (1 + 0.001) + 1e-12
+
+
+def test_remat_only_moves_nothing(tmp_path):
+    hw = load_hardware("a100-80g")
+    prof = uniform_profile(6, hw, jitter=0.1, seed=2)
+    keep = plan_and_sim(prof, None, hw, Budgets(10**15, 10**15, 10**15), "keep-all",
+                        baseline_layers("keep-all", prof.layers, hw))[1]
+    b = Budgets(int(keep.peak_gpu_bytes * 0.8), 10**12, 10**12)
+    out = solve_profile(prof, None, hw, b, "remat-only", time_limit=60, nvme_dir=str(tmp_path))
+    assert all(d.activation in (Activation.KEEP, Activation.RECOMPUTE) for d in out.plan.layers)
+    assert all(d.checkpoint in (None, ) or d.checkpoint.value in ("gpu", "none")
+               for d in out.plan.layers)
+    assert all(d.home.resident for d in out.plan.layers)
+
+
+def test_rows_are_named_by_family_and_stage():
+    hw = load_hardware("h100-80g")
+    prof = uniform_profile(3, hw)
+    m = Model(cost_model(prof, hw, Budgets(10**11, 10**11, 10**11), 2))
+    names = set(m.prob.constraints)
+    for prefix in ("choice_", "home_", "mem_gpu_", "carried_gpu_", "time_compute_",
+                   "timeo_", "share_", "peak_knapsack", "time_total"):
+        assert any(n.startswith(prefix) for n in names), prefix
+
+
+def test_micro_batches_weigh_the_passes_not_the_optimizer(tmp_path):
+    hw = load_hardware("cpu-host")
+    prof = uniform_profile(3, hw, fwd_s=0.01, saved_bytes=10**6, param_bytes=10**6)
+    b = Budgets(10**12, 0, 10**12)
+    one = solve_profile(prof, None, hw, b, time_limit=30, nvme_dir=str(tmp_path)).sim
+    four = solve_profile(prof, None, hw, b, time_limit=30, micro_batches=4,
+                         nvme_dir=str(tmp_path)).sim
+    assert four.step_s == pytest.approx(4 * one.pass_s + one.optimizer_s, rel=1e-9)
+    assert four.flops == pytest.approx(4 * one.flops)
+
+
+def test_segment_recompute_pays_each_forward_once_more():
+    hw = load_hardware("h100-80g")
+    prof = uniform_profile(4, hw)
+    b = Budgets(10**15, 10**15, 10**15)
+    keep = plan_and_sim(prof, None, hw, b, "keep-all", baseline_layers("keep-all", prof.layers, hw))[1]
+    sq = plan_and_sim(prof, None, hw, b, "sqrt", baseline_layers("sqrt", prof.layers, hw))[1]
+    blocks = [u for u in prof.layers if u.kind == "block"]
+    assert sq.recompute_s == pytest.approx(sum(u.fwd_s for u in blocks))
+    assert sq.step_s == pytest.approx(keep.step_s + sq.recompute_s)
+    assert set(REC) == {"rg", "rc", "rn", "rz"}
