@@ -527,12 +527,12 @@ class CostModel:
             K = KINDS[kind]
             nb = float(self.size(kind, i))
             sh = v.share(kind, i, s)
+            # only activations take room where they go: a gradient is added into its home
+            # copy, which is resident (``base``)
             if K.dst == "gpu":
                 g.append((sh, nb))
-            elif K.dst == "cpu":
-                c.append((sh, nb))
             elif K.cls == "act":
-                n.append((sh, nb))
+                (c if K.dst == "cpu" else n).append((sh, nb))
             if rest and kind == "gdn":       # reading a gradient accumulator back
                 dev.append((sh, nb))
         for k, e, ch in v.ck_returns(s):
@@ -570,12 +570,11 @@ class CostModel:
             K = KINDS[kind]
             nb = float(self.size(kind, i))
             sh = v.share(kind, i, s)
+            # a weight fetched from its home is copied, not moved: the home copy stays
             if K.src == "gpu":
                 g.append((sh, nb))
-            elif K.src == "cpu":
-                c.append((sh, nb))
             elif K.cls == "act":
-                n.append((sh, nb))
+                (c if K.src == "cpu" else n).append((sh, nb))
             if rest and kind == "gdn":
                 g.append((sh, nb))
         for k, e, ch in v.ck_returns(s):     # a checkpoint's copy was read back

@@ -111,8 +111,9 @@ def _link_rate(cm: CostModel, kind: str) -> float:
 def greedy_shares(cm: CostModel, layers: list[LayerDecision]) -> dict:
     """(kind, i, stage) -> share for decisions no MILP timed: offloads leave as early as their
     window allows and fetches arrive as late as it allows, each stage taking what its compute
-    time hides on the link; whatever does not fit goes to the window's last choice (that stage
-    then waits for its link)."""
+    time hides on the link; whatever does not fit goes to the stage nearest the bytes' use
+    (the first after an offload's forward, the last before a fetch's use), which then waits
+    for its link but holds the bytes no longer than it must."""
     L = cm.L
     hide = {}
     for s in L.pass_stages:
@@ -140,12 +141,14 @@ def greedy_shares(cm: CostModel, layers: list[LayerDecision]) -> dict:
                     break
                 room = max(0.0, hide[s] * rate - used.get((link, s), 0.0))
                 take = min(left, room / size) if size else left
-                if s == order[-1]:
-                    take = left
                 if take > 0:
                     out[kind, i, s] = out.get((kind, i, s), 0.0) + take
                     used[link, s] = used.get((link, s), 0.0) + take * size
                     left -= take
+            if left > 1e-12:
+                s = order[0]
+                out[kind, i, s] = out.get((kind, i, s), 0.0) + left
+                used[link, s] = used.get((link, s), 0.0) + left * size
     return out
 
 

@@ -82,41 +82,44 @@ def _size(n: int) -> str:
 # ----------------------------------------------------------------------------- strategies
 
 def stream_all_layers(cm: CostModel, base: list[LayerDecision]) -> list[LayerDecision] | None:
-    """``base``'s activation decisions with every block's tensors streamed: weights and
-    gradients on the host where there is one, optimizer state on the host if it fits there,
-    else NVMe (NVMe everything on unified memory). None when no such home exists here."""
-    out = []
-    host_room = cm.budget["cpu"]
-    want = []
-    for i, d in enumerate(base):
-        if cm.units[i].kind != UnitKind.BLOCK.value or len(cm.homes[i]) == 1:
-            want.append(None)
-            continue
-        # the home that takes the most off the device, preferring the host to NVMe
-        def key(h, i=i):
-            r = cm.resident(i, h)
-            return (-r["gpu"] - (0 if cm.unified else 0), r["nvme"])
-        cands = sorted(cm.homes[i], key=key)
-        want.append(cands)
-    if all(w is None for w in want):
+    """``base``'s activation decisions with every block's tensors off the device: first each
+    block gets, of the homes that leave nothing on the device, the one that needs the least
+    host memory (NVMe takes the rest); then, block by block while host memory lasts, the one
+    that leaves the least on NVMe (host transfers are the faster). None when no such home
+    exists here."""
+    blocks = [i for i, u in enumerate(cm.units)
+              if u.kind == UnitKind.BLOCK.value and len(cm.homes[i]) > 1]
+    if not blocks:
         return None
-    used = 0
+    # host room for homes: the budget less the optimizer phase's pipeline (three units' state
+    # in flight) and a tenth for staging and offloaded activations
+    transient = max((cm.step_transient(i, h) for i in blocks for h in cm.homes[i]), default=0)
+    room = cm.budget["cpu"] * 0.9 - cm.OPT_DEPTH * transient
+
+    def off(i):
+        hs = cm.homes[i]
+        least = min(cm.resident(i, h)["gpu"] for h in hs)
+        return [h for h in hs if cm.resident(i, h)["gpu"] == least]
+    pick = {i: min(off(i), key=lambda h, i=i: (cm.resident(i, h)["cpu"], cm.resident(i, h)["nvme"]))
+            for i in blocks}
+    used = sum(cm.resident(i, pick[i])["cpu"] for i in blocks)
+    for i in blocks:
+        better = sorted(off(i), key=lambda h, i=i: cm.resident(i, h)["nvme"])
+        for h in better:
+            extra = cm.resident(i, h)["cpu"] - cm.resident(i, pick[i])["cpu"]
+            if cm.resident(i, h)["nvme"] < cm.resident(i, pick[i])["nvme"] and used + extra <= room:
+                used += extra
+                pick[i] = h
+                break
+    out = []
     for i, d in enumerate(base):
-        if want[i] is None:
+        if i not in pick:
             out.append(d)
             continue
-        pick = None
-        for h in want[i]:
-            r = cm.resident(i, h)
-            if used + r["cpu"] <= host_room * 0.9:
-                pick = h
-                break
-        pick = pick or want[i][-1]
-        used += cm.resident(i, pick)["cpu"]
         act, ck = d.activation, d.checkpoint
-        if pick.streams_weights and act is Activation.RECOMPUTE and ck is Tier.NONE:
+        if pick[i].streams_weights and act is Activation.RECOMPUTE and ck is Tier.NONE:
             ck = Tier.GPU
-        out.append(LayerDecision(d.name, act, ck, pick))
+        out.append(LayerDecision(d.name, act, ck, pick[i]))
     return out
 
 
@@ -203,8 +206,12 @@ def _min_budget(profile, path, hw, budgets, cm, solver, clock, tier: str):
     left = clock.left()
     try:
         out = solvers.solve(m, solver, None if left is None else max(2.0, left), 1e-4)
-    except (solvers.Infeasible, solvers.NoIncumbent):
+    except solvers.Infeasible:
         return None
+    except solvers.NoIncumbent:
+        raise NoFitError(f"no plan was found within --time-limit {clock.limit:g} s, and none was "
+                         "proven impossible; give it more time (--time-limit) or more memory",
+                         budget="time") from None
     # twice the margin the time-minimising solve keeps below a budget: at the named budget
     # that solve has the GPU-minimising plan's room and a little more
     need = int(math.ceil((m.Gvar if tier == "gpu" else m.Hvar).value() * GB)) + 2 * MARGIN_BYTES
