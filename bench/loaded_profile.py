@@ -58,7 +58,7 @@ def predicted(spec, batch, seq, hw):
     prof = profile_model(spec, batch, seq, dtype="fp32", device="cpu", hardware=hw)
     budgets = {"gpu_bytes": hw.memory_bytes, "cpu_bytes": 0, "nvme_bytes": 0}
     plan = baseline_plan(prof, None, hw, budgets, "keep-all")
-    return plan.predicted["step_s"], prof.model["timing_quality"]
+    return plan.predicted.step_s, prof.model["timing_quality"]
 
 
 def wait_quiet(limit_s: float) -> float | None:

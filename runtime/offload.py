@@ -320,7 +320,9 @@ class Group:
             self._fin.detach()
             store = self.m.store
             if store is not None:
-                store.unlink_later(self.path)
+                # off the I/O thread, everything queued for this file has run (callers waited):
+                # delete it now; on it, behind whatever is still queued
+                (store.unlink_later if store.on_io_thread() else store.unlink)(self.path)
         for s in self.slots:
             if s.host is not None:
                 self.m.counters.add("host", -s.nbytes)

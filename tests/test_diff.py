@@ -6,8 +6,9 @@ import pytest
 
 from planner.cli import main
 from planner.diff import diff_plans, format_diff
-from planner.formats import (Activation, LayerDecision, Plan, Tier, load_plan,
-                             write_json_atomic)
+from planner.costmodel import CostModel
+from planner.formats import (Activation, Budgets, LayerDecision, Plan, Prediction, SolverRecord,
+                             Tier, load_plan, write_json_atomic)
 from planner.hardware import load_hardware
 from planner.schedule import build_schedule
 from planner.synthetic import uniform_profile
@@ -25,15 +26,16 @@ def _plan(layers_by_index=None, *, n=N_BLOCKS, gpu=36 << 30, policy="optimal", s
         d = (layers_by_index or {}).get(k - 1) if u.kind == "block" else None
         layers.append(LayerDecision(u.name, d[0], d[1]) if d
                       else LayerDecision(u.name, Activation.KEEP))
-    sched = build_schedule(prof.layers, layers, hw)
+    cm = CostModel(prof.layers, hw, gpu_bytes=gpu, cpu_bytes=512 << 30, nvme_bytes=0)
+    sched = build_schedule(cm, layers)
     return Plan(profile={"path": f"profiles/{name}.json", "sha256": "ab" * 32},
                 model=prof.model, hardware=hw.to_dict(),
-                budgets={"gpu_bytes": gpu, "cpu_bytes": 512 << 30, "nvme_bytes": 0},
-                policy=policy,
-                solver={"name": solver, "status": "optimal", "objective": step_s, "gap": 0.0,
-                        "solve_s": 1.0, "variables": 10, "constraints": 20},
-                predicted={"step_s": step_s, "compute_s": 0.3, "peak_gpu_bytes": peak_gpu,
-                           "peak_cpu_bytes": 0, "peak_nvme_bytes": 0},
+                budgets=Budgets(gpu, 512 << 30, 0), policy=policy,
+                solver=SolverRecord(name=solver, status="optimal", origin="milp",
+                                    objective=step_s, gap=0.0, solve_s=1.0, variables=10,
+                                    constraints=20),
+                predicted=Prediction(step_s=step_s, compute_s=0.3, peak_gpu_bytes=peak_gpu,
+                                     peak_cpu_bytes=0, peak_nvme_bytes=0),
                 units=prof.layers, layers=layers, schedule=sched)
 
 
@@ -136,7 +138,7 @@ def test_diff_refuses_different_models(tmp_path, capsys):
         rec[1]["name"] = "blocks.renamed"
     (tmp_path / "d.json").write_text(json.dumps(d))
     assert main(["diff", pa, str(tmp_path / "d.json")]) == 2
-    assert "different units" in _err(capsys)
+    assert "which is not a unit of the plan" in _err(capsys)   # its events name the old unit
 
 
 def test_diff_bad_files_exit_2_one_line(tmp_path, capsys):
@@ -150,7 +152,7 @@ def test_diff_bad_files_exit_2_one_line(tmp_path, capsys):
     other = tmp_path / "other.json"
     other.write_text('{"schema": "something/1"}')
     assert main(["diff", str(other), pa]) == 2
-    assert "expected 'tierplan.plan/1'" in _err(capsys)
+    assert "expected 'tierplan.plan/2'" in _err(capsys)
     # A plan whose layer has an unknown activation.
     d = json.loads(Path(pa).read_text())
     d["layers"][3]["activation"] = "swap"
@@ -183,11 +185,13 @@ def test_gpt2_xl_80G_against_36G(tmp_path, capsys):
     assert all(d.activation is Activation.KEEP for d in pa.layers)
     not_kept = {d.name for d in pb.layers if d.activation is not Activation.KEEP}
     assert not_kept
+    # a unit changes when its activation decision or its home differs
+    rehomed = {x.name for x, y in zip(pa.layers, pb.layers) if x.home != y.home}
 
     assert main(["diff", a, b, "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert {c["name"] for c in d["changed"]} == not_kept
-    assert all(c["a"] == "keep" for c in d["changed"])
+    assert {c["name"] for c in d["changed"]} == not_kept | rehomed
+    assert all(c["a"].startswith("keep") for c in d["changed"])
     assert d["predicted"]["peak_gpu_bytes"]["b"] <= 36 << 30
     assert {s["field"] for s in d["settings"]} >= {"budgets.gpu_bytes"}
 
@@ -197,7 +201,7 @@ def test_gpt2_xl_80G_against_36G(tmp_path, capsys):
         assert [u["unit"] for u in got["units"]] == names
     png = tmp_path / "b.png"
     assert main(["inspect", b, "--plot", str(png)]) == 0
-    out = capsys.readouterr().out
-    table = out[out.index("fwd ms"):].splitlines()[1:]
-    assert [line.split()[0] for line in table[:50]] == names
+    out = capsys.readouterr().out.splitlines()
+    start = next(k for k, line in enumerate(out) if line.split() == ["unit"])
+    assert [line.split()[0] for line in out[start + 1:start + 51]] == names
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

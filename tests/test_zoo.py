@@ -110,8 +110,8 @@ def make_plans(prof, nvme_dir):
     # Tight: half of the blocks' activations less than keep-all's peak, but no less than
     # recompute-all's (so a plan fits).
     acts = sum(u.activation_bytes for u in prof.layers if u.kind == "block")
-    gpu = max(plans["keep-all"].predicted["peak_gpu_bytes"] - acts // 2,
-              plans["recompute-all"].predicted["peak_gpu_bytes"])
+    gpu = max(plans["keep-all"].predicted.peak_gpu_bytes - acts // 2,
+              plans["recompute-all"].predicted.peak_gpu_bytes)
     tight = Budgets(gpu_bytes=int(gpu), cpu_bytes=0, nvme_bytes=1 << 30)
     plans["optimal"] = solve_profile(prof, None, hw, tight, "optimal", time_limit=20,
                                      nvme_dir=str(nvme_dir)).plan
@@ -124,18 +124,24 @@ def train(name, plan=None, steps=2):
     from runtime import apply_plan
     model, inputs = factory(name)(B, S)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    handle = apply_plan(model, plan) if plan is not None else None
+    # the optimizer goes through the handle: a tight plan may home some units' tensors on disk
+    handle = apply_plan(model, plan, optimizer=opt) if plan is not None else None
     call = (lambda: model(**inputs)) if isinstance(inputs, dict) else (lambda: model(*inputs))
     torch.manual_seed(1234)
     grads = []
     for _ in range(steps):
         loss_of(call()).backward()
-        grads.append([p.grad.clone() for p in model.parameters()])
+        if handle is not None:      # gradients wherever they live
+            g = handle.gradients()
+            grads.append([g[n].clone() for n, _ in model.named_parameters()])
+        else:
+            grads.append([p.grad.clone() for p in model.parameters()])
         opt.step()
         opt.zero_grad()
         with torch.no_grad():
             call()
-    weights = [p.detach().clone() for p in model.parameters()]
+    sd = model.state_dict()         # real values wherever the weights live
+    weights = [sd[n].clone() for n, _ in model.named_parameters()]
     buffers = [b.detach().clone() for b in model.buffers() if b.is_floating_point()]
     if handle is not None:
         handle.remove()
