@@ -56,7 +56,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="gpt-tiny")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="optimizer steps")
+    ap.add_argument("--micro-batches", type=int, default=1, help="passes per optimizer step")
+    ap.add_argument("--clip", type=float, default=None, help="clip the gradients' norm to this")
     ap.add_argument("--plan", help="plan JSON from 'plan solve'; without it, train plainly")
     ap.add_argument("--nvme-dir", help="override the plan's NVMe directory")
     ap.add_argument("--text", help="train on this file's bytes instead of synthetic tokens")
@@ -69,20 +71,29 @@ def main(argv=None) -> int:
         torch.manual_seed(0)
         model, vocab, shifted = _build(args.model, args.batch, args.seq, args.dtype, args.device)
         model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
         handle = None
         if args.plan:
             from runtime import apply_plan
-            handle = apply_plan(model, args.plan, nvme_dir=args.nvme_dir)
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+            handle = apply_plan(model, args.plan, optimizer=opt, nvme_dir=args.nvme_dir)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, args.steps))
         data = _batches(vocab, args.batch, args.seq, args.text, args.device)
+        K = max(1, args.micro_batches)
         for step in range(args.steps):
-            ids, labels = next(data)
-            out = model(input_ids=ids, labels=labels if shifted else ids)
-            loss = out.loss
-            loss.backward()
+            total = 0.0
+            for _ in range(K):
+                ids, labels = next(data)
+                out = model(input_ids=ids, labels=labels if shifted else ids)
+                (out.loss / K).backward()
+                total += out.loss.item() / K
+            if args.clip is not None:
+                # through the handle: a plan may keep some gradients on disk
+                (handle.clip_grad_norm_ if handle else
+                 lambda m: torch.nn.utils.clip_grad_norm_(model.parameters(), m))(args.clip)
             opt.step()
+            sched.step()
             opt.zero_grad(set_to_none=True)
-            print(f"step {step + 1}/{args.steps}  loss {loss.item():.4f}", flush=True)
+            print(f"step {step + 1}/{args.steps}  loss {total:.4f}", flush=True)
         if handle is not None:
             rep = handle.report()
             print(rep)

@@ -183,7 +183,7 @@ class CostModel:
                  cpu_bytes: int, nvme_bytes: int, micro_batches: int = 1,
                  optimizer_s: float = 0.0, optimizer_workspace_bytes: int = 0,
                  allow_offload: bool = True, allow_streaming: bool = True,
-                 windows: Windows | None = None):
+                 windows: Windows | None = None, optimizer_depth: int = 3):
         self.units = list(units)
         self.hw = hw
         self.U = len(self.units)
@@ -205,6 +205,11 @@ class CostModel:
         self.f = [float(x.fwd_s) for x in u]
         self.b = [float(x.bwd_s) for x in u]
         self.opt_ws = int(optimizer_workspace_bytes)
+        # units in flight in the optimizer phase: 1 steps them one after the other (read, step,
+        # write back), 3 reads the next and writes the previous back while one steps
+        if optimizer_depth not in (1, 3):
+            raise ValueError(f"optimizer_depth {optimizer_depth}: use 1 or 3")
+        self.opt_depth = optimizer_depth
         static = [self.P[i] + self.G[i] + self.O[i] for i in range(self.U)]
         total = sum(static)
         # The device optimizer step of each unit: the profile's figure, shared by static bytes.
@@ -413,8 +418,6 @@ class CostModel:
         h2d = self.P[i] if (h.step is Tier.CPU and h.weights is Tier.GPU) else 0
         return {"nvme": nv, "h2d": h2d}
 
-    OPT_DEPTH = 3
-
     def step_transient(self, i: int, h: Home) -> int:
         """Bytes held where the step runs, from its read stage to its write stage."""
         r = self.step_reads(i, h)
@@ -610,8 +613,8 @@ class CostModel:
 
     def opt_transients(self, v: View) -> dict:
         """Per tier, one Lin per unit: what the unit's step holds where it runs, from its read
-        to its write. The optimizer phase's pipeline holds at most three units' at once (one
-        read ahead, one stepping, one written behind): ``OPT_DEPTH`` times the largest."""
+        to its write. The optimizer phase holds at most ``opt_depth`` units' at once (with 3:
+        one read ahead, one stepping, one written behind): that many times the largest."""
         out = {t: [] for t in TIERS}
         for j in range(self.U):
             per = {t: [] for t in TIERS}
@@ -695,10 +698,10 @@ class CostModel:
         return out
 
     def opt_loads(self, v: View) -> dict:
-        """Lin per resource of the optimizer phase, each the total over units in seconds: the
-        phase is a pipeline (read unit j+1, step unit j, write unit j-1 at once), so it lasts
-        as long as its busiest resource, or as one unit's own read-step-write chain if that is
-        longer (``opt_chains``)."""
+        """Lin per resource of the optimizer phase, each the total over units in seconds. With
+        depth 3 the phase is a pipeline (read unit j+1, step unit j, write unit j-1 at once),
+        so it lasts as long as its busiest resource, or as one unit's own read-step-write chain
+        if that is longer (``opt_chains``); with depth 1 it is the sum of the chains."""
         comp, d2h, h2d, rd, wr, host = [], [], [], [], [], []
         for j in range(self.U):
             for k, h in enumerate(self.homes[j]):

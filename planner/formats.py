@@ -572,6 +572,7 @@ class Plan:
     schedule: dict       # stream name -> list[Event]
     nvme_dir: str | None = None
     micro_batches: int = 1       # forward/backward passes per optimizer step
+    optimizer_depth: int = 1     # units in flight in the optimizer phase (1 or 3)
     world_size: int = 1
     ranks_per_node: int = 1
     engine: str = "none"
@@ -628,6 +629,8 @@ class Plan:
         for k in ("micro_batches", "world_size", "ranks_per_node"):
             if getattr(plan, k) < 1:
                 raise UserError(f"{where}: {k} must be at least 1; {fix}")
+        if plan.optimizer_depth not in (1, 3):
+            raise UserError(f"{where}: optimizer_depth must be 1 or 3; {fix}")
         schedule = _schedule_from_dict(plan.schedule, {u.name for u in units}, where, fix)
         return dataclasses.replace(
             plan, units=units, layers=layers, schedule=schedule,
@@ -640,6 +643,7 @@ _PLAN_FIELDS = {"profile": "dict", "model": "dict", "hardware": "dict", "budgets
                 "policy": "str", "solver": "dict", "predicted": "dict", "units": "list",
                 "layers": "list", "schedule": "dict", "nvme_dir": "str?", "optimizer_s": "number",
                 "optimizer_workspace_bytes": "bytes", "micro_batches": "count",
+                "optimizer_depth": "count",
                 "world_size": "count", "ranks_per_node": "count", "engine": "str"}
 
 

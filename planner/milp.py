@@ -314,7 +314,7 @@ class Model:
         carried_t_s:  C_{t,s} = C_{t,s-1} - free_t(s-1) + alloc_t(s),   C_{t,-1} = 0
         mem_t_s:      base_t + shared_t(s) + C_{t,s} + ws_s [gpu] + pi [cpu; gpu on unified] <= B_t
         opt_held_t_j: tmax_t >= what unit j's step holds on tier t (read to write)
-        mem_t_opt:    base_t + 3 tmax_t [+ optimizer workspace on gpu] + pi [host] <= B_t
+        mem_t_opt:    base_t + depth tmax_t [+ optimizer workspace on gpu] + pi [host] <= B_t
         ws_s >= each workspace candidate of stage s (the largest of a recomputed segment's)
         staging_n:    pi >= each staging need (two buffers of the largest NVMe transfer)
         """
@@ -353,7 +353,7 @@ class Model:
             tmax = self._var(f"tmax_{t}") if per_unit else 0
             for j, terms in enumerate(per_unit):
                 self._c(tmax - lin(terms, 1 / GB) >= 0, f"opt_held_{t}_{j}")
-            row = lin(base[t], 1 / GB) + cm.OPT_DEPTH * tmax
+            row = lin(base[t], 1 / GB) + cm.opt_depth * tmax
             if t == "gpu" and cm.opt_ws:
                 row += cm.opt_ws / GB
             if t == pool_tier:
@@ -365,8 +365,9 @@ class Model:
 
         time_r_s:   T_s >= load_r(s)            r in compute, d2h, h2d, duplex, nvme, host
         (and Tr_s for the passes after the first, which also read gradient accumulators back)
-        timeo_r:       To >= Σ_j load_r(j)       the optimizer phase: its busiest resource
-        timeo_chain_j: To >= read_j + step_j + write_j     or one unit's chain, if longer
+        timeo_r:       To >= Σ_j load_r(j)       the optimizer phase (depth 3): its busiest
+        timeo_chain_j: To >= read_j + step_j + write_j     resource, or one unit's chain
+        timeo_sum:     To >= Σ_j (read_j + step_j + write_j)    (depth 1: one after another)
         """
         cm, L, v = self.cm, self.cm.L, self.v
         for s in L.pass_stages:
@@ -376,11 +377,16 @@ class Model:
                 for r, terms in cm.loads(s, v, rest).items():
                     if terms:
                         self._c(T[s] - lin(terms) >= 0, f"time{tag}_{r}_{s}")
-        for r, terms in cm.opt_loads(v).items():
-            if terms:
-                self._c(self.To - lin(terms) >= 0, f"timeo_{r}")
-        for j, terms in enumerate(cm.opt_chains(v)):
-            self._c(self.To - lin(terms) >= 0, f"timeo_chain_{j}")
+        chains = cm.opt_chains(v)
+        if cm.opt_depth == 1:
+            # one unit after the other: the phase is the sum of their chains
+            self._c(self.To - lin([t for c in chains for t in c]) >= 0, "timeo_sum")
+        else:
+            for r, terms in cm.opt_loads(v).items():
+                if terms:
+                    self._c(self.To - lin(terms) >= 0, f"timeo_{r}")
+            for j, terms in enumerate(chains):
+                self._c(self.To - lin(terms) >= 0, f"timeo_chain_{j}")
 
     def c_link_totals(self):
         """Valid inequalities (implied in integer solutions; they tighten the LP relaxation):

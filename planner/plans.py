@@ -66,7 +66,8 @@ def plan_and_sim(profile: Profile, profile_path: str | None, hw: HardwareSpec, b
         policy=policy, solver=solver or baseline_record(policy),
         predicted=Prediction(0.0, 0.0, 0, 0, 0),
         units=list(profile.layers), layers=list(layers), schedule=schedule, nvme_dir=nvme_dir,
-        micro_batches=int(micro_batches), optimizer_s=float(profile.optimizer_s),
+        micro_batches=int(micro_batches), optimizer_depth=cm.opt_depth,
+        optimizer_s=float(profile.optimizer_s),
         optimizer_workspace_bytes=int(profile.optimizer_workspace_bytes))
     r = simulate(plan)
     predicted = Prediction(step_s=r.step_s, compute_s=r.compute_s,

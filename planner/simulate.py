@@ -139,7 +139,8 @@ def cost_model_of(plan: Plan) -> CostModel:
     return CostModel(plan.units, plan.hardware_spec, gpu_bytes=plan.budgets.gpu_bytes,
                      cpu_bytes=plan.budgets.cpu_bytes, nvme_bytes=plan.budgets.nvme_bytes,
                      micro_batches=plan.micro_batches, optimizer_s=plan.optimizer_s,
-                     optimizer_workspace_bytes=plan.optimizer_workspace_bytes)
+                     optimizer_workspace_bytes=plan.optimizer_workspace_bytes,
+                     optimizer_depth=plan.optimizer_depth)
 
 
 def _check_schedule(plan: Plan, cm: CostModel, shares: dict) -> None:
@@ -163,8 +164,10 @@ def _stage_seconds(cm: CostModel, s: int, v: View, rest: bool) -> tuple[float, d
         vals = {r: evaluate(t) for r, t in cm.loads(s, v, rest).items()}
         return max(vals.values(), default=0.0), vals
     vals = {r: evaluate(t) for r, t in cm.opt_loads(v).items()}
-    chain = max((evaluate(t) for t in cm.opt_chains(v)), default=0.0)
-    return max([chain, *vals.values()]), vals
+    chains = [evaluate(t) for t in cm.opt_chains(v)]
+    if cm.opt_depth == 1:
+        return sum(chains), vals
+    return max([max(chains, default=0.0), *vals.values()]), vals
 
 
 def simulate(plan: Plan) -> SimResult:
@@ -198,7 +201,7 @@ def simulate(plan: Plan) -> SimResult:
         else:
             held = {t: max((evaluate(x) for x in per), default=0.0)
                     for t, per in cm.opt_transients(v).items()}
-            mem = {t: base[t] + cm.OPT_DEPTH * held[t] for t in TIERS}
+            mem = {t: base[t] + cm.opt_depth * held[t] for t in TIERS}
             mem["gpu"] += cm.opt_ws
         if staging:
             mem[pool_tier] += staging

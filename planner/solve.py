@@ -94,7 +94,7 @@ def stream_all_layers(cm: CostModel, base: list[LayerDecision]) -> list[LayerDec
     # host room for homes: the budget less the optimizer phase's pipeline (three units' state
     # in flight) and a tenth for staging and offloaded activations
     transient = max((cm.step_transient(i, h) for i in blocks for h in cm.homes[i]), default=0)
-    room = cm.budget["cpu"] * 0.9 - cm.OPT_DEPTH * transient
+    room = cm.budget["cpu"] * 0.9 - cm.opt_depth * transient
 
     def off(i):
         hs = cm.homes[i]
@@ -272,10 +272,14 @@ def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: 
         raise UserError(f"--stream {stream!r}: use {', '.join(STREAM_MODES)}")
     clock = _Clock(time_limit)
     K = int(micro_batches)
+    offload = policy != Policy.REMAT_ONLY.value
+    # the optimizer phase pipelined (3 units in flight: faster) and one unit at a time (1: the
+    # least memory); the second is tried where homes off the device can matter
     cm = cost_model(profile, hw, budgets, K, allow_streaming=stream != "off",
-                    allow_offload=policy != Policy.REMAT_ONLY.value)
-    act_cm = cost_model(profile, hw, budgets, K, allow_streaming=False,
-                        allow_offload=policy != Policy.REMAT_ONLY.value)
+                    allow_offload=offload, optimizer_depth=3)
+    cm1 = cost_model(profile, hw, budgets, K, allow_streaming=stream != "off",
+                     allow_offload=offload, optimizer_depth=1)
+    act_cm = cost_model(profile, hw, budgets, K, allow_streaming=False, allow_offload=offload)
 
     if policy not in (Policy.OPTIMAL.value, Policy.REMAT_ONLY.value):
         from .baselines import baseline_layers
@@ -288,8 +292,13 @@ def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: 
                              budget=r.budget_violations[0].split(":")[0])
         return SolveOutcome(plan, r, {f"baseline:{policy}": (r.step_s, True, r.peak_gpu_bytes)})
 
+    homes_matter = any(len(h) > 1 for h in cm.homes) and policy == Policy.OPTIMAL.value
     if policy == Policy.OPTIMAL.value:
         cands = baselines(profile, profile_path, hw, budgets, cm, nvme_dir, K)
+        if homes_matter:
+            cands += [dataclasses.replace(c, origin=c.origin + "/depth1")
+                      for c in baselines(profile, profile_path, hw, budgets, cm1, nvme_dir, K)
+                      if "stream-all" in c.origin]
     else:   # remat-only: the same strategies with nothing moved off the device
         cands = [c for c in baselines(profile, profile_path, hw, budgets, act_cm, nvme_dir, K)
                  if c.origin != "baseline:offload-all"]
@@ -301,24 +310,26 @@ def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: 
     if act is not None:
         cands.append(act)
     best = _pick(cands)
-    homes_matter = any(len(h) > 1 for h in cm.homes) and policy == Policy.OPTIMAL.value
     if homes_matter and (best is None or stream == "on" or _streaming_may_pay(cm, best, gap)):
-        joint = milp(profile, profile_path, hw, budgets, cm, origin="milp", solver=solver,
-                     gap=gap, clock=clock, warm=best.plan.layers if best else None,
-                     nvme_dir=nvme_dir, K=K, progress=progress)
-        if joint is not None:
-            cands.append(joint)
+        for model, origin, share in ((cm, "milp", 0.5), (cm1, "milp/depth1", 1.0)):
+            joint = milp(profile, profile_path, hw, budgets, model, origin=origin,
+                         solver=solver, gap=gap, clock=clock,
+                         warm=best.plan.layers if best else None, nvme_dir=nvme_dir, K=K,
+                         progress=progress, share=share)
+            if joint is not None:
+                cands.append(joint)
+                best = _pick(cands)
     best = _pick(cands)
     if best is None and policy == Policy.OPTIMAL.value:
         # no strategy found a plan in time: the plan with the smallest GPU peak, if it fits
-        low = _min_gpu_candidate(profile, profile_path, hw, budgets, cm, solver, clock,
+        low = _min_gpu_candidate(profile, profile_path, hw, budgets, cm1, solver, clock,
                                  nvme_dir, K)
         if low is not None:
             cands.append(low)
             best = _pick(cands)
     tried = {c.origin: (c.sim.step_s, c.sim.fits, c.sim.peak_gpu_bytes) for c in cands}
     if best is None:
-        raise _no_fit(profile, profile_path, hw, budgets, cm, solver, clock)
+        raise _no_fit(profile, profile_path, hw, budgets, cm1, solver, clock)
     plan = best.plan
     if not best.origin.startswith("milp"):
         rec = dataclasses.replace(plan.solver, status=f"{plan.solver.status}: fastest candidate",

@@ -30,7 +30,8 @@ def plan_v1_to_v2(d: dict, source: str) -> dict:
     b = Budgets.from_dict(d["budgets"], where, fix)
     cm = CostModel(units, hw, gpu_bytes=b.gpu_bytes, cpu_bytes=b.cpu_bytes,
                    nvme_bytes=b.nvme_bytes, optimizer_s=float(d.get("optimizer_s", 0.0)),
-                   optimizer_workspace_bytes=int(d.get("optimizer_workspace_bytes", 0)))
+                   optimizer_workspace_bytes=int(d.get("optimizer_workspace_bytes", 0)),
+                   optimizer_depth=1)
     schedule = build_schedule(cm, layers)
     pred = d.get("predicted") if isinstance(d.get("predicted"), dict) else {}
     solver = d.get("solver") if isinstance(d.get("solver"), dict) else {}
@@ -45,5 +46,5 @@ def plan_v1_to_v2(d: dict, source: str) -> dict:
                 "variables": 0, "constraints": 0},
         predicted={k: pred.get(k, 0) for k in ("step_s", "compute_s", "peak_gpu_bytes",
                                                "peak_cpu_bytes", "peak_nvme_bytes")},
-        micro_batches=1, world_size=1, ranks_per_node=1, engine="none")
+        micro_batches=1, optimizer_depth=1, world_size=1, ranks_per_node=1, engine="none")
     return out

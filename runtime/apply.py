@@ -317,7 +317,12 @@ class _Runner:
         self.trim = trim
         from planner.simulate import cost_model_of
         cm = cost_model_of(plan)
-        static_pred = sum(cm.resident(i, d.home)["gpu"] for i, d in enumerate(plan.layers))
+        # what is resident on the device before a step: weights and optimizer state at home
+        # there; not the gradients, which zero_grad frees and the backward makes again (they
+        # belong to the step's rise, as the plan counts them)
+        static_pred = sum(cm.resident(i, d.home)["gpu"] - (cm.G[i] if d.home.grads.value == "gpu"
+                                                           else 0)
+                          for i, d in enumerate(plan.layers))
         self.report = Report(
             plan_path=plan_path, policy=str(plan.policy), device=self.device.type,
             hardware=str(plan.hardware.get("name")), batch=int(plan.model.get("batch", 0)),
