@@ -4,7 +4,8 @@ A plan is its decisions (per unit: activation choice and home) and the shares of
 transfer. For fixed decisions the best shares are a linear program: the MILP of
 ``planner.milp`` with those binaries fixed. Enumerating the blocks' decisions, and solving each
 (the embedding's and head's homes left to the solver, at gap 0), gives the best step under a
-budget, and the smallest GPU budget any plan fits in. Exponential in the number of blocks:
+budget, and the smallest GPU budget any plan fits in; both optimizer depths where homes can
+leave the device. Exponential in the number of blocks:
 meant for two or three.
 """
 from __future__ import annotations
@@ -69,19 +70,32 @@ def _solve_each(m: Model, cm, value):
     return best
 
 
+def _models(prof, hw, budgets, stream, micro_batches):
+    """One cost model per optimizer depth the planner may choose (1 matters only where a
+    unit's home can leave the device)."""
+    cm = cost_model(prof, hw, budgets, micro_batches, allow_streaming=stream != "off")
+    yield cm
+    if any(len(h) > 1 for h in cm.homes):
+        yield cost_model(prof, hw, budgets, micro_batches, allow_streaming=stream != "off",
+                         optimizer_depth=1)
+
+
 def best_plan(prof: Profile, hw, budgets: Budgets, stream: str = "on",
               micro_batches: int = 1) -> float:
     """The shortest step of any plan that fits ``budgets`` (inf if none does)."""
-    cm = cost_model(prof, hw, budgets, micro_batches, allow_streaming=stream != "off")
-    m = Model(cm)
-    return _solve_each(m, cm, lambda: float(pulp.value(m.step_expr())))
+    best = math.inf
+    for cm in _models(prof, hw, budgets, stream, micro_batches):
+        m = Model(cm)
+        best = min(best, _solve_each(m, cm, lambda: float(pulp.value(m.step_expr()))))
+    return best
 
 
 def smallest_budget(prof: Profile, hw, budgets: Budgets, stream: str = "on",
                     micro_batches: int = 1) -> int | None:
     """The smallest GPU budget any plan fits in, with ``budgets``' host and NVMe (None if no
     GPU budget does)."""
-    cm = cost_model(prof, hw, budgets, micro_batches, allow_streaming=stream != "off")
-    m = Model(cm, Options(minimise="gpu"))
-    g = _solve_each(m, cm, lambda: float(m.Gvar.value()))
+    g = math.inf
+    for cm in _models(prof, hw, budgets, stream, micro_batches):
+        m = Model(cm, Options(minimise="gpu"))
+        g = min(g, _solve_each(m, cm, lambda: float(m.Gvar.value())))
     return None if math.isinf(g) else int(math.ceil(g * GB))
