@@ -223,6 +223,8 @@ class CostModel:
         self.homes = [self._homes(i, allow_streaming) for i in range(self.U)]
         self.choices = [self._choices(i) for i in range(self.U)]
         self.shared = self._shared_memory()
+        for s, n in enumerate(self._tied_grad_buffers()):
+            self.shared[s] += n
 
     # -- data-sized windows -----------------------------------------------------------------
 
@@ -469,6 +471,25 @@ class CostModel:
                 out[s] += size
         return out
 
+    def _tied_grad_buffers(self) -> list[int]:
+        """Bytes autograd holds for tied parameters' gradients in each pass stage: a parameter
+        two units use gets its gradient in parts, and the engine keeps the first part (from the
+        later unit's backward) until the earlier unit's backward adds the second and hands the
+        sum to ``.grad``. In the first pass that sum is the resident gradient's first value, so
+        ``base``, which counts the gradient for the whole step, covers the part held; in the
+        passes after it (K > 1) the resident gradient exists beside it."""
+        out = [0] * (2 * self.U + 1)
+        if self.K == 1:
+            return out
+        idx = {x.name: i for i, x in enumerate(self.units)}
+        for j, x in enumerate(self.units):
+            if not x.tied_grad_bytes:
+                continue
+            span = [idx[t] for t in x.tied_to if t in idx] + [j]
+            for s in range(self.L.bwd(max(span)), self.L.bwd(min(span)) + 1):
+                out[s] += int(x.tied_grad_bytes)
+        return out
+
     # -- memory ----------------------------------------------------------------------------
 
     def base(self, v: View) -> dict:
@@ -598,17 +619,22 @@ class CostModel:
     def transient(self, s: int, v: View) -> list:
         """GPU Lins of which the largest is held on top of the carried bytes during pass stage
         s: the running unit's workspace; during a segment's recompute, the largest workspace
-        of the segment's forwards."""
+        of the segment's forwards. In the passes after the first (K > 1), a backward also
+        holds its unit's new gradient beside the resident one it is added into."""
         U = self.U
         if s == 0:
             return [[]]
         if s <= U:
             return [[(1, float(self.W[s - 1]))]]
         i = 2 * U - s
-        out = [[(1, float(self.W[i]))]]
+        acc = []
+        if self.K > 1 and self.G[i]:
+            acc = [(v.h(i, k), float(self.G[i])) for k, h in enumerate(self.homes[i])
+                   if h.grads is Tier.GPU]
+        out = [[(1, float(self.W[i])), *acc]]
         for k in v.recomputed_at(i):
             if self.W[k] > self.W[i]:
-                out.append([(v.q(k, i), float(self.W[k]))])
+                out.append([(v.q(k, i), float(self.W[k])), *acc])
         return out
 
     def opt_transients(self, v: View) -> dict:

@@ -290,6 +290,10 @@ class UnitRecord:
     # Other units that use a parameter charged to this unit, or charge one this unit uses (tied
     # embeddings): such weights and gradients cannot leave the GPU between those units' uses.
     tied_to: tuple = ()
+    # Gradient bytes of the parameters this unit uses but another unit is charged for (a head
+    # tied to the embedding): autograd holds this unit's part of their gradient from the later
+    # user's backward until the earlier user's, before adding it into ``.grad``.
+    tied_grad_bytes: int = 0
 
     @property
     def static_bytes(self) -> int:
@@ -330,6 +334,7 @@ _UNIT_FIELDS = {
     "measured_peak_bytes": "bytes?",
     "fwd_flops": "number", "bwd_flops": "number", "fwd_s": "number", "bwd_s": "number",
     "param_count": "count", "samples": "count", "master_bytes": "bytes", "tied_to": "strs",
+    "tied_grad_bytes": "bytes",
 }
 
 
@@ -572,7 +577,7 @@ class Plan:
     schedule: dict       # stream name -> list[Event]
     nvme_dir: str | None = None
     micro_batches: int = 1       # forward/backward passes per optimizer step
-    optimizer_depth: int = 1     # units in flight in the optimizer phase (1 or 3)
+    optimizer_depth: int = 3     # units in flight in the optimizer phase (1 or 3)
     world_size: int = 1
     ranks_per_node: int = 1
     engine: str = "none"

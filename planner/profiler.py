@@ -973,6 +973,7 @@ def _assemble(model, inputs, units, prologues, rep_of, blockset, tracker, timing
     index = {n: i for i, n in enumerate(order)}
     per_unit = {n: [0, 0, 0, 0, 0] for n in order}        # count, weight, grad, optimizer, master
     tied: dict = {n: set() for n in order}
+    tied_grad = {n: 0 for n in order}    # grad bytes of parameters used but charged elsewhere
     for p in params:
         c = per_unit[owner[id(p)]]
         n = p.numel()
@@ -986,6 +987,8 @@ def _assemble(model, inputs, units, prologues, rep_of, blockset, tracker, timing
         users = set(tracker.param_users.get(id(p), ())) | {owner[id(p)]}
         for u in users:
             tied[u] |= users - {u}
+            if u != owner[id(p)] and p.requires_grad:
+                tied_grad[u] += n * g
 
     records, spreads, ratios = [], {}, {}
     for n in order:
@@ -1052,7 +1055,8 @@ def _assemble(model, inputs, units, prologues, rep_of, blockset, tracker, timing
             fwd_s=float(fwd_s), bwd_s=float(bwd_s), shared_saved_bytes=int(shared),
             shared_from=shared_from if shared else None, param_count=int(count),
             samples=samples, measured_peak_bytes=None if peak is None else int(peak),
-            master_bytes=int(master), tied_to=tuple(sorted(tied[n]))))
+            master_bytes=int(master), tied_to=tuple(sorted(tied[n])),
+            tied_grad_bytes=int(tied_grad[n])))
 
     n_params = sum(p.numel() for p in params)
     static = sum(r.static_bytes for r in records)

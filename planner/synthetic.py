@@ -80,7 +80,7 @@ def random_profile(seed: int, hardware: HardwareSpec, n_blocks: int | None = Non
     flops_per_s = hardware.flops_per_s("bf16")
     units = []
 
-    def unit(uname, kind, a, x, w, params, f, shared_bytes=0, tied_to=()):
+    def unit(uname, kind, a, x, w, params, f, shared_bytes=0, tied_to=(), tied_grad=0):
         b = f * rng.uniform(1.5, 3.0)
         units.append(UnitRecord(
             name=uname, kind=kind, param_bytes=params, grad_bytes=params,
@@ -88,7 +88,8 @@ def random_profile(seed: int, hardware: HardwareSpec, n_blocks: int | None = Non
             saved_bytes=a + shared_bytes, workspace_bytes=w, fwd_flops=int(f * flops_per_s),
             bwd_flops=int(b * flops_per_s), fwd_s=f, bwd_s=b,
             shared_saved_bytes=shared_bytes, shared_from="embedding" if shared_bytes else None,
-            param_count=params // 2, tied_to=tuple(tied_to)))
+            param_count=params // 2, tied_to=tuple(tied_to),
+            tied_grad_bytes=tied_grad))
 
     x = int(scale * rng.uniform(0.02, 0.1))
     unit("embedding", "embedding", x, x, x, int(scale * rng.uniform(0.1, 2)),
@@ -101,7 +102,8 @@ def random_profile(seed: int, hardware: HardwareSpec, n_blocks: int | None = Non
              shared_bytes=shared)
     unit("head", "head", int(scale * rng.uniform(0.5, 2)), x, x,
          0 if tied else int(scale * rng.uniform(0.1, 2)), scale / bw * rng.uniform(0.05, 0.5),
-         tied_to=("embedding",) if tied else ())
+         tied_to=("embedding",) if tied else (),
+         tied_grad=units[0].grad_bytes if tied else 0)
     return Profile(
         schema=PROFILE_SCHEMA,
         model={"name": f"{name}-{seed}", "config": {"seed": seed, "n_blocks": n}, "batch": 1,

@@ -227,9 +227,11 @@ class UnitStatic:
         if not self.grads_out:
             return
         self._collect()
-        if self.g_fd is None:
-            self.g_fd, self.g_path = self.store_of().open(f"g-{self.name}")
         size = self.dev_grads.size
+        if self.g_fd is None:
+            # the accumulator file lives until the handle closes: counted once, when made
+            self.g_fd, self.g_path = self.store_of().open(f"g-{self.name}")
+            self.c.add("nvme", size)
         a = int(round(fa * size))
         b = size if fb >= 1 - 1e-12 else int(round(fb * size))
         last = fb >= 1 - 1e-12
@@ -252,8 +254,6 @@ class UnitStatic:
                 # the tensor's accumulated gradient is complete: its norm, as clipping takes it
                 self._norms[k] = torch.linalg.vector_norm(g, 2.0)
         if last:
-            if not self.acc_valid:
-                self.c.add("nvme", flat.size)
             self.acc_valid = True
             self.grad_norms = dict(self._norms)
             self.dev_grads = None
