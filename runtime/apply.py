@@ -809,8 +809,16 @@ def _install_optimizer(runner: _Runner, opt) -> list:
         for s in runner.statics.values():
             s.wait()
         out = phase.step(orig_step, closure)
+        if sched_wrapped:
+            _opt._opt_called = True          # what the scheduler's own wrapper records
         runner.end_step()
         return out
+
+    # An LR scheduler made before apply_plan wrapped ``opt.step`` and checks for its mark at
+    # every ``sched.step()``; the step that replaces it carries the mark on.
+    sched_wrapped = hasattr(orig_step, "_wrapped_by_lr_sched")
+    if sched_wrapped:
+        step._wrapped_by_lr_sched = True
 
     def zero_grad(_opt, set_to_none: bool = True):
         for s in runner.statics.values():
@@ -832,10 +840,18 @@ def _install_optimizer(runner: _Runner, opt) -> list:
         orig_load(sd)
         for s in runner.statics.values():
             if s.state_out:
+                # the optimizer may hold the caller's own tensors (``load_state_dict`` keeps
+                # those already of the right dtype and device): the home gets copies, and
+                # freeing them on the device leaves the caller's dict as it was
+                for _, p in s.params:
+                    st = opt.state.get(p, {})
+                    for key, v in list(st.items()):
+                        if isinstance(v, torch.Tensor) and v.numel() == p.numel() > 1:
+                            st[key] = v.clone()
                 tens = s.state_tensors(opt.state)
                 if tens:
                     s.state_layout = None            # rewritten from the loaded values
-                    s.write_back(opt.state)
+                    s.write_back(opt.state, weights=False)
     patch("step", step)
     patch("zero_grad", zero_grad)
     patch("state_dict", state_dict)

@@ -316,9 +316,10 @@ class UnitStatic:
             self.c.moved_add("nvme_read", n)
             off += n
 
-    def write_back(self, opt_state) -> None:
-        """After the step: weights and state to their homes, freed on the device; gradients
-        stay where they were (the accumulation lives until ``zero_grad``)."""
+    def write_back(self, opt_state, weights: bool = True) -> None:
+        """After the step: weights (unless ``weights`` is False: a loaded optimizer state
+        alone) and state to their homes, freed on the device; gradients stay where they were
+        (the accumulation lives until ``zero_grad``)."""
         store = self.store_of()
         jobs = []
         if self.state_out:
@@ -328,14 +329,15 @@ class UnitStatic:
                 self.c.add("nvme", sum(v.numel() * v.element_size() for _, _, v in tens))
             self.state_layout = [(k, key) for k, key, _ in tens]
             jobs.append(store.submit(self._write_state, tens))
-        if self.weights_out:
+        weights = weights and self.weights_out
+        if weights:
             jobs.append(store.submit(self._write_all_weights))
         for j in jobs:
             j.result()
         if self.state_out:
             for _, _, v in self.state_tensors(opt_state):
                 v.untyped_storage().resize_(0)
-        if self.weights_out:
+        if weights:
             self._free_weights()
             self.in_use = False
         if self.grads_out and self.acc_valid:
@@ -456,6 +458,9 @@ class OptimizerPhase:
         for u, subs in self.subs:
             u.materialize(self.opt.state, self.clip)
             for sub, gi in subs:
+                # the user's state and hyper-parameters as they are now: a scheduler changes
+                # the groups, and ``opt.load_state_dict`` replaces ``opt.state`` altogether
+                sub.state = self.opt.state
                 for k, v in self.opt.param_groups[gi].items():
                     if k != "params":
                         sub.param_groups[0][k] = v

@@ -1,0 +1,179 @@
+"""Layer streaming on a CPU host: weights, gradients and optimizer state homed on the NVMe tier
+(the local disk here) train exactly like plain PyTorch, state dicts give and take the real
+values wherever they live, and nothing is left on disk.
+
+The user's loop is the ordinary one: gradient accumulation over micro-batches, clipping through
+the handle, an LR scheduler, AdamW with weight decay, dropout on (gpt-tiny has 0.1).
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from planner.formats import Home, Tier as T
+from planner.models import build_model, load_config, make_inputs
+from runtime import apply_plan
+from runtime.streaming import OffloadedGrad
+
+from conftest import plan_for
+
+B, S, K, STEPS = 2, 16, 2, 3
+HOMES = {
+    "all-on-disk": Home(T.NVME, T.NVME, T.NVME, T.GPU),
+    "state-on-disk": Home(T.GPU, T.GPU, T.NVME, T.GPU),
+    "weights-and-grads-on-disk": Home(T.NVME, T.NVME, T.GPU, T.GPU),
+}
+
+
+def _model():
+    cfg = dict(load_config("gpt-tiny"), dtype="fp32")
+    torch.manual_seed(0)
+    model = build_model(cfg, dtype="fp32")
+    model.train()
+    return cfg, model
+
+
+def _train(model, data, opt, sched, handle=None, steps=STEPS):
+    torch.manual_seed(123)               # dropout masks: the same draws in both runs
+    for step in range(steps):
+        for k in range(K):
+            (model(**data[step * K + k]).loss / K).backward()
+        if handle is not None:
+            handle.clip_grad_norm_(0.5)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+
+def _optimizer(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return opt, torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def _files(path) -> list:
+    return [f for _, _, fs in os.walk(path) for f in fs] if os.path.exists(path) else []
+
+
+@pytest.fixture(scope="module")
+def reference():
+    cfg, model = _model()
+    data = [make_inputs(cfg, B, S, seed=k) for k in range(STEPS * K)]
+    ref = copy.deepcopy(model)
+    opt, sched = _optimizer(ref)
+    _train(ref, data, opt, sched)
+    return cfg, model, data, ref, opt
+
+
+@pytest.mark.parametrize("home", list(HOMES))
+@pytest.mark.parametrize("acts", ["keep-all", "recompute-all"])
+def test_streamed_training_equals_plain_pytorch(reference, home, acts, tmp_path):
+    cfg, model0, data, ref, ref_opt = reference
+    model = copy.deepcopy(model0)
+    nvme = tmp_path / "nvme"
+    plan = plan_for(model, acts, B, S, nvme_dir=nvme, homes={"blocks": HOMES[home]},
+                    micro_batches=K)
+    opt, sched = _optimizer(model)
+    handle = apply_plan(model, plan, optimizer=opt)
+    _train(model, data, opt, sched, handle)
+    # weights and optimizer state, read wherever they live
+    assert _max_diff(model.state_dict(), ref.state_dict()) <= 1e-6
+    got, want = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    assert got.keys() == want.keys()
+    for i in want:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert (got[i][key] - want[i][key]).abs().max().item() <= 1e-6, (i, key)
+    assert _files(nvme), "a plan with homes on disk wrote no file"
+    handle.remove()
+    assert _files(nvme) == []
+    # after remove the model is a plain model holding the trained values
+    assert _max_diff(model.state_dict(), ref.state_dict()) <= 1e-6
+
+
+def test_state_dict_round_trip_between_streamed_and_plain_models(reference, tmp_path):
+    cfg, model0, data, ref, _ = reference
+    model = copy.deepcopy(model0)
+    plan = plan_for(model, "keep-all", B, S, nvme_dir=tmp_path / "nvme",
+                    homes={"blocks": HOMES["all-on-disk"]}, micro_batches=K)
+    opt, sched = _optimizer(model)
+    handle = apply_plan(model, plan, optimizer=opt)
+    _train(model, data, opt, sched, handle)
+    # save under the plan, load into a plain model: the same weights as plain training
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+    ck = torch.load(path)
+    plain = copy.deepcopy(model0)
+    plain.load_state_dict(ck["model"])
+    assert _max_diff(plain.state_dict(), ref.state_dict()) <= 1e-6
+    popt, _ = _optimizer(plain)
+    popt.load_state_dict(ck["opt"])
+
+    # and back: a streamed model loads the plain one's values into its homes, and both then
+    # take the same next step
+    fresh = copy.deepcopy(model0)
+    plan2 = plan_for(fresh, "keep-all", B, S, nvme_dir=tmp_path / "nvme2",
+                     homes={"blocks": HOMES["all-on-disk"]}, micro_batches=K)
+    fopt, fsched = _optimizer(fresh)
+    h2 = apply_plan(fresh, plan2, optimizer=fopt)
+    ck = torch.load(path)      # its own tensors: an optimizer keeps the loaded ones it can
+    fresh.load_state_dict(ck["model"])
+    fopt.load_state_dict(ck["opt"])
+    assert _max_diff(fresh.state_dict(), ref.state_dict()) <= 1e-6
+    more = [make_inputs(cfg, B, S, seed=100 + k) for k in range(K)]
+    _train(plain, more, popt, torch.optim.lr_scheduler.StepLR(popt, 1), steps=1)
+    _train(fresh, more, fopt, torch.optim.lr_scheduler.StepLR(fopt, 1), h2, steps=1)
+    assert _max_diff(fresh.state_dict(), plain.state_dict()) <= 1e-6
+    for h in (handle, h2):
+        h.remove()
+    assert _files(tmp_path / "nvme") == [] and _files(tmp_path / "nvme2") == []
+
+
+def test_gradients_on_disk_are_read_through_the_handle_not_used_by_mistake(reference,
+                                                                         tmp_path):
+    cfg, model0, data, _, _ = reference
+    model = copy.deepcopy(model0)
+    plain = copy.deepcopy(model0)
+    plan = plan_for(model, "keep-all", B, S, nvme_dir=tmp_path / "nvme",
+                    homes={"blocks": HOMES["all-on-disk"]})
+    opt, _ = _optimizer(model)
+    handle = apply_plan(model, plan, optimizer=opt)
+    torch.manual_seed(5)
+    model(**data[0]).loss.backward()
+    torch.manual_seed(5)
+    plain(**data[0]).loss.backward()
+    grads = handle.gradients()
+    for n, p in plain.named_parameters():
+        assert (grads[n] - p.grad).abs().max().item() <= 1e-6, n
+    p = model.blocks[0].mlp.up.weight if hasattr(model, "blocks") else None
+    offloaded = [q for q in model.parameters() if isinstance(q.grad, OffloadedGrad)]
+    assert offloaded, "no gradient was left on disk"
+    with pytest.raises(Exception, match="handle"):
+        offloaded[0].grad.sum()
+    handle.remove()
+    assert _files(tmp_path / "nvme") == []
+
+
+def test_exception_mid_step_leaves_no_file(reference, tmp_path):
+    cfg, model0, data, _, _ = reference
+    model = copy.deepcopy(model0)
+    nvme = tmp_path / "nvme"
+    plan = plan_for(model, "keep-all", B, S, nvme_dir=nvme, homes={"blocks": HOMES["all-on-disk"]})
+    opt, _ = _optimizer(model)
+    boom = RuntimeError("injected")
+
+    def fail(*_):
+        raise boom
+    with pytest.raises(RuntimeError, match="injected"):
+        with apply_plan(model, plan, optimizer=opt):
+            model.blocks[1].register_forward_hook(fail)
+            model(**data[0]).loss.backward()
+    assert _files(nvme) == []
