@@ -59,6 +59,21 @@ def gpt2(batch: int, seq: int, n_layer: int = 3):
                    eos_token_id=VOCAB - 1)
 
 
+def gpt2_default(batch: int, seq: int):
+    """GPT2LMHeadModel exactly as ``GPT2Config()`` gives it: 12 layers, hidden 768, vocabulary
+    50257, dropout 0.1, tied head, use_cache on -- 124M parameters, 2 GB of fp32 AdamW state
+    (the layer-streaming benchmark's model nobody here wrote)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def build():
+        return GPT2LMHeadModel._from_config(GPT2Config())
+
+    def make():
+        ids = torch.randint(0, GPT2Config().vocab_size, (batch, seq))
+        return {"input_ids": ids, "labels": ids.clone()}
+    return _seeded(build, make)
+
+
 def llama(batch: int, seq: int, n_layer: int = 3):
     """LlamaForCausalLM: 3 layers, hidden 64, 4 heads sharing 2 KV heads, SwiGLU 176, RoPE,
     attention dropout 0.1, untied head."""

@@ -183,7 +183,8 @@ class CostModel:
                  cpu_bytes: int, nvme_bytes: int, micro_batches: int = 1,
                  optimizer_s: float = 0.0, optimizer_workspace_bytes: int = 0,
                  allow_offload: bool = True, allow_streaming: bool = True,
-                 windows: Windows | None = None, optimizer_depth: int = 3):
+                 windows: Windows | None = None, optimizer_depth: int = 3,
+                 cache_bytes: int = 0):
         self.units = list(units)
         self.hw = hw
         self.U = len(self.units)
@@ -192,7 +193,9 @@ class CostModel:
         self.unified = bool(hw.unified_memory)
         # Every host byte the runtime holds is pinned (CUDA): the pinned limit caps the budget.
         cpu_cap = cpu_bytes if self.unified or not hw.pinned_limit else min(cpu_bytes, hw.pinned_limit)
-        self.budget = {"gpu": gpu_bytes, "cpu": cpu_cap, "nvme": nvme_bytes}
+        # the spec's reserve stays free on the device (what no profile counts)
+        self.budget = {"gpu": max(0, gpu_bytes - int(hw.reserved_bytes)), "cpu": cpu_cap,
+                       "nvme": nvme_bytes}
         u = self.units
         self.A = [x.activation_bytes for x in u]
         self.X = [x.input_bytes for x in u]
@@ -210,6 +213,10 @@ class CostModel:
         if optimizer_depth not in (1, 3):
             raise ValueError(f"optimizer_depth {optimizer_depth}: use 1 or 3")
         self.opt_depth = optimizer_depth
+        # a key/value cache the blocks fill (Hugging Face use_cache): the model's output holds
+        # it, and a loop may keep that output until the next forward replaces it, so it is
+        # counted for the whole step
+        self.cache = int(cache_bytes)
         static = [self.P[i] + self.G[i] + self.O[i] for i in range(self.U)]
         total = sum(static)
         # The device optimizer step of each unit: the profile's figure, shared by static bytes.
@@ -493,13 +500,15 @@ class CostModel:
     # -- memory ----------------------------------------------------------------------------
 
     def base(self, v: View) -> dict:
-        """Lin per tier: what every home holds for the whole step."""
+        """Lin per tier: what every home holds for the whole step (and a key/value cache)."""
         out = {t: [] for t in TIERS}
         for i in range(self.U):
             for k, h in enumerate(self.homes[i]):
                 for t, n in self.resident(i, h).items():
                     if n:
                         out[t].append((v.h(i, k), float(n)))
+        if self.cache:
+            out["gpu"].append((1, float(self.cache)))
         return out
 
     def staging_needs(self, v: View) -> list:

@@ -93,9 +93,9 @@ def best_plan(prof: Profile, hw, budgets: Budgets, stream: str = "on",
 def smallest_budget(prof: Profile, hw, budgets: Budgets, stream: str = "on",
                     micro_batches: int = 1) -> int | None:
     """The smallest GPU budget any plan fits in, with ``budgets``' host and NVMe (None if no
-    GPU budget does)."""
+    GPU budget does); it includes the spec's reserve."""
     g = math.inf
     for cm in _models(prof, hw, budgets, stream, micro_batches):
         m = Model(cm, Options(minimise="gpu"))
         g = min(g, _solve_each(m, cm, lambda: float(m.Gvar.value())))
-    return None if math.isinf(g) else int(math.ceil(g * GB))
+    return None if math.isinf(g) else int(math.ceil(g * GB)) + int(hw.reserved_bytes)

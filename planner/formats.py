@@ -186,6 +186,9 @@ class HardwareSpec:
     # NVMe traffic through pinned staging (CUDA): this many buffers, each at most this size.
     staging_buffers: int = 2
     staging_buffer_bytes: int = 256 * 1024**2
+    # Device memory a plan leaves unused for what no profile counts: autograd's bookkeeping,
+    # small allocations and the allocator's rounding (on a CPU host, the process heap).
+    reserved_bytes: int = 0
     sources: dict = field(default_factory=dict)  # field -> where the number comes from
     schema: str = HARDWARE_SCHEMA
 
@@ -243,7 +246,7 @@ class HardwareSpec:
 _HARDWARE_FIELDS = {
     "name": "str", "description": "str?", "device": "str", "unified_memory": "bool",
     **{k: "bytes" for k in ("memory_bytes", "host_memory_bytes", "nvme_bytes",
-                            "pinned_memory_bytes", "staging_buffer_bytes")},
+                            "pinned_memory_bytes", "staging_buffer_bytes", "reserved_bytes")},
     "staging_buffers": "count", "peak_flops": "dict", "sources": "dict?",
     **{k: "rate" for k in ("efficiency", "memory_bandwidth", "h2d_bandwidth", "d2h_bandwidth",
                            "nvme_read_bandwidth", "nvme_write_bandwidth", "duplex_bandwidth",

@@ -22,7 +22,8 @@ def cost_model(profile: Profile, hw: HardwareSpec, budgets, micro_batches: int =
     return CostModel(profile.layers, hw, gpu_bytes=budgets.gpu_bytes, cpu_bytes=budgets.cpu_bytes,
                      nvme_bytes=budgets.nvme_bytes, micro_batches=micro_batches,
                      optimizer_s=profile.optimizer_s,
-                     optimizer_workspace_bytes=profile.optimizer_workspace_bytes, **kw)
+                     optimizer_workspace_bytes=profile.optimizer_workspace_bytes,
+                     cache_bytes=int(profile.model.get("state_bytes") or 0), **kw)
 
 
 def baseline_record(policy: str) -> SolverRecord:

@@ -1315,8 +1315,9 @@ def cli_profile(args) -> int:
           f"{fmt_bytes(sum(u.saved_bytes for u in prof.layers))}")
     if m.get("state_bytes"):
         print(f"note: the blocks fill a key/value cache of {fmt_bytes(m['state_bytes'])} "
-              "(use_cache is on), held until the model's output is dropped and not in any "
-              "plan; set model.config.use_cache = False to train without it", file=sys.stderr)
+              "(use_cache is on), held until the model's output is dropped; plans count it "
+              "for the whole step. Set model.config.use_cache = False to train without it",
+              file=sys.stderr)
     quality = m.get("timing_quality")
     if quality:
         load = quality["other_load_cpus"]

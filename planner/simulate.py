@@ -140,7 +140,8 @@ def cost_model_of(plan: Plan) -> CostModel:
                      cpu_bytes=plan.budgets.cpu_bytes, nvme_bytes=plan.budgets.nvme_bytes,
                      micro_batches=plan.micro_batches, optimizer_s=plan.optimizer_s,
                      optimizer_workspace_bytes=plan.optimizer_workspace_bytes,
-                     optimizer_depth=plan.optimizer_depth)
+                     optimizer_depth=plan.optimizer_depth,
+                     cache_bytes=int(plan.model.get("state_bytes") or 0))
 
 
 def _check_schedule(plan: Plan, cm: CostModel, shares: dict) -> None:
@@ -239,7 +240,10 @@ def simulate(plan: Plan) -> SimResult:
     for t in TIERS:
         cap = cm.budget[t]
         if peaks[t] > cap:
-            what = "the pinned-memory limit" if (t == "cpu" and cap < budgets.of(t)) else "the budget"
+            what = "the budget"
+            if cap < budgets.of(t):
+                what = "the pinned-memory limit" if t == "cpu" else \
+                    f"the budget less the spec's reserved_bytes {fmt_bytes(budgets.of(t) - cap)}"
             if cap == 0:
                 violations.append(f"{t}: budget 0 means the tier stays unused, but the plan "
                                   f"peaks at {fmt_bytes(peaks[t])} ({peaks[t]} B)")

@@ -185,7 +185,7 @@ def _with_budget(cm: CostModel, b: Budgets) -> CostModel:
     """The same cost model under other budgets (homes and windows unchanged)."""
     c = object.__new__(CostModel)
     c.__dict__.update(cm.__dict__)
-    c.budget = dict(cm.budget, gpu=b.gpu_bytes)
+    c.budget = dict(cm.budget, gpu=max(0, b.gpu_bytes - int(cm.hw.reserved_bytes)))
     return c
 
 
@@ -215,6 +215,8 @@ def _min_budget(profile, path, hw, budgets, cm, solver, clock, tier: str):
     # twice the margin the time-minimising solve keeps below a budget: at the named budget
     # that solve has the GPU-minimising plan's room and a little more
     need = int(math.ceil((m.Gvar if tier == "gpu" else m.Hvar).value() * GB)) + 2 * MARGIN_BYTES
+    if tier == "gpu":
+        need += int(hw.reserved_bytes)       # the budget must also hold the spec's reserve
     return need, out.solution
 
 

@@ -62,8 +62,9 @@ def bind(model: torch.nn.Module, plan: Plan, src: str) -> list[tuple[str, torch.
     cache = m.get("state_bytes") or 0
     if cache and getattr(getattr(model, "config", None), "use_cache", False):
         warnings.warn(f"{src}: the model fills a key/value cache of {cache} bytes per forward "
-                      "(use_cache is on), held until its output is dropped and not counted by "
-                      "the plan; set model.config.use_cache = False for training", stacklevel=3)
+                      "(use_cache is on), held until its output is dropped; the plan counts it "
+                      "for the whole step; set model.config.use_cache = False to train without "
+                      "it", stacklevel=3)
     return blocks
 
 

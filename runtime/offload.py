@@ -154,12 +154,16 @@ class Group:
         self.m.counters.add("act", s.nbytes)
         return s
 
-    def _parts(self, a: int, b: int):
-        """(slot, start, end) byte ranges of the slots that overlap the stream's [a, b)."""
+    def _parts(self, a: int, b: int, by: str):
+        """(slot, 0, nbytes) of the whole slots a planned share [a, b) of the stream moves: a
+        slot goes with the share its first byte falls in (``by="start"``: sends, which free
+        it) or its last byte (``by="end"``: fetches, which allocate it). The shares tile the
+        stream, so each slot moves once and the runtime never holds more than the plan's
+        fractional count."""
         for s in self.slots:
-            lo, hi = max(a, s.offset), min(b, s.offset + s.nbytes)
-            if lo < hi:
-                yield s, lo - s.offset, hi - s.offset
+            edge = s.offset if by == "start" else s.offset + s.nbytes
+            if s.nbytes and (a <= edge < b if by == "start" else a < edge <= b):
+                yield s, 0, s.nbytes
 
     def span(self, fa: float, fb: float) -> tuple[int, int]:
         """The real bytes of the planned fraction range [fa, fb) of the stream."""
@@ -171,7 +175,7 @@ class Group:
     def send(self, a: int, b: int) -> None:
         """Move the stream's bytes [a, b) off the device (this stage's share)."""
         m, c = self.m, self.m.counters
-        parts = [(s, lo, hi) for s, lo, hi in self._parts(a, b) if s.src is not None]
+        parts = [(s, lo, hi) for s, lo, hi in self._parts(a, b, "start") if s.src is not None]
         if not parts:
             return
         if self.tier == "nvme":
@@ -227,7 +231,7 @@ class Group:
     def fetch(self, a: int, b: int) -> None:
         """Bring the stream's bytes [a, b) back to the device (this stage's share)."""
         m, c = self.m, self.m.counters
-        parts = [(s, lo, hi) for s, lo, hi in self._parts(a, b) if s.src is None]
+        parts = [(s, lo, hi) for s, lo, hi in self._parts(a, b, "end") if s.src is None]
         if not parts:
             return
         if not m.cuda or self.tier == "nvme":

@@ -75,18 +75,15 @@ class _Flat:
             off += n
         self.size = off
 
-    def parts(self, a: int, b: int, align: bool = False):
-        """(index, tensor, start, end, offset) of the tensors' bytes in the stream's [a, b);
-        with ``align``, each cut falls on an element boundary of the tensor it cuts (the same
-        way for the end of one range and the start of the next, so ranges still tile)."""
+    def parts(self, a: int, b: int, by: str):
+        """(index, tensor, 0, nbytes, offset) of the whole tensors a planned share [a, b) of
+        the stream moves: a tensor goes with the share its first byte falls in (``by="start"``:
+        sends, which free it) or its last byte (``by="end"``: fetches, which allocate it). The
+        shares tile the stream, so each tensor moves once, and the runtime never holds more
+        than the plan's fractional count (it frees no later and allocates no earlier)."""
         for k, (t, off, n) in enumerate(self.items):
-            lo, hi = max(a, off) - off, min(b, off + n) - off
-            if align:
-                e = t.element_size()
-                lo = lo - lo % e
-                hi = n if hi >= n else hi - hi % e
-            if lo < hi:
-                yield k, t, lo, hi, off
+            if n and (a <= off < b if by == "start" else a < off + n <= b):
+                yield k, t, 0, n, off
 
 
 class UnitStatic:
@@ -149,7 +146,7 @@ class UnitStatic:
             return
         a = int(round(fa * self.flat.size))
         b = self.flat.size if fb >= 1 - 1e-12 else int(round(fb * self.flat.size))
-        parts = list(self.flat.parts(a, b))
+        parts = list(self.flat.parts(a, b, by="end"))
         for k, t, lo, hi, off in parts:      # allocate on the training thread, fill on the I/O one
             if t.untyped_storage().nbytes() == 0:
                 t.untyped_storage().resize_(t.numel() * t.element_size())
@@ -239,7 +236,7 @@ class UnitStatic:
 
     def _accumulate(self, a: int, b: int, last: bool):
         flat = self.dev_grads
-        for k, g, lo, hi, off in flat.parts(a, b, align=True):
+        for k, g, lo, hi, off in flat.parts(a, b, by="start"):
             part = as_bytes(g)[lo:hi]
             if self.acc_valid:
                 # add the accumulator into the new gradient in its dtype: new + acc, the same
@@ -253,6 +250,9 @@ class UnitStatic:
             if hi == g.numel() * g.element_size() and g.numel():
                 # the tensor's accumulated gradient is complete: its norm, as clipping takes it
                 self._norms[k] = torch.linalg.vector_norm(g, 2.0)
+                # and its memory goes now, not when the unit's last share has left: the plan
+                # frees a split transfer share by share
+                flat.items[k] = (g.new_empty(0), off, hi)
         if last:
             self.acc_valid = True
             self.grad_norms = dict(self._norms)

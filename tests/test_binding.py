@@ -303,6 +303,14 @@ def test_the_cache_use_cache_fills_is_weighed_and_warned_about():
     plan = profiled_plan(hf.llama)
     # 3 layers x (keys + values) x [batch 2, 2 KV heads, 16 positions, head dim 16] fp32
     assert plan.model["state_bytes"] == 3 * 2 * (B * 2 * S * 16) * 4
+    # and counted: the same plan without it peaks exactly that much lower at every stage
+    import dataclasses
+
+    from planner.simulate import simulate
+    bare = dataclasses.replace(plan, model=dict(plan.model, state_bytes=0))
+    with_cache, without = simulate(plan), simulate(bare)
+    assert [a.memory["gpu"] - b.memory["gpu"] for a, b in zip(with_cache.stages, without.stages)] \
+        == [plan.model["state_bytes"]] * len(without.stages)
     model, _ = hf.llama(B, S)
     with pytest.warns(UserWarning, match=r"fills a key/value cache of 24576 bytes"):
         h = apply_plan(model, plan)
