@@ -3,6 +3,7 @@
     python bench/runtime.py                         # both parts, the defaults below
     python bench/runtime.py --part overhead --steps 7
     python bench/runtime.py --part fidelity --fid-steps 6
+    python bench/runtime.py --part checksum          # what the offload checksums cost
 
 Overhead (CPU, fp32): two identical models train side by side, step by step in alternation (who
 goes first alternates too), and the ratio is taken pair by pair, so load from other processes
@@ -145,6 +146,84 @@ def overhead(pairs: int, sizes: list[tuple]):
     return rows
 
 
+# ----------------------------------------------------------------------------- checksums
+
+def checksum_cost(pairs: int, d: int, layers: int, batch: int, seq: int, nvme_base=None):
+    """What the offload checksums cost (runtime/files.py, docs/reliability.md): two identical
+    models train an offload-all plan (every block's activations to the local disk and back)
+    side by side, one step each in alternation, checksums on for one and off for the other
+    (``runtime.files.CHECKSUM``, read when each range is written and read back, so a step runs
+    wholly under one setting); the ratio is taken pair by pair, wall clock and process CPU
+    time, and the median reported. Also: xxh3's own rate on this CPU."""
+    import xxhash
+
+    import runtime.files as rf
+    from planner.formats import Budgets
+    from planner.plans import baseline_plan
+
+    hw = load_hardware("cpu-host")
+    cfg = gpt_config(d, layers, seq, name="gpt-checksum")
+    meta = build_model(cfg, device="meta")
+    prof = profile_module(meta, make_inputs(cfg, batch, seq, device="meta"), name=cfg["name"],
+                          hardware=hw, dtype="fp32", config=cfg, batch=batch, seq=seq,
+                          timing="estimate")
+    tmp = tempfile.TemporaryDirectory(prefix="tierplan-bench-", dir=nvme_base)
+    plan, _ = baseline_plan(prof, None, hw, Budgets(hw.memory_bytes, 0, hw.nvme_bytes),
+                            "offload-all", nvme_dir=str(Path(tmp.name) / "nvme"))
+    inputs = make_inputs(cfg, batch, seq)
+    torch.manual_seed(0)
+    a = build_model(cfg)
+    b = build_model(cfg)
+    b.load_state_dict(a.state_dict())
+    ha, hb = apply_plan(a, plan), apply_plan(b, plan)
+    oa, ob = torch.optim.AdamW(a.parameters()), torch.optim.AdamW(b.parameters())
+
+    def step(m, o, on):
+        rf.CHECKSUM = on
+        try:
+            return _step(m, o, inputs, cpu=True)
+        finally:
+            rf.CHECKSUM = True
+    for _ in range(2):                               # warm-up (AdamW state, page cache)
+        step(a, oa, True), step(b, ob, False)
+    on, off = [], []
+    for k in range(pairs):
+        if k % 2:
+            off.append(step(b, ob, False))
+            on.append(step(a, oa, True))
+        else:
+            on.append(step(a, oa, True))
+            off.append(step(b, ob, False))
+    moved = ha.report().steps[-1].moved
+    ha.remove(), hb.remove()
+    tmp.cleanup()
+    buf = bytearray(os.urandom(1 << 20)) * 256       # 256 MiB
+    t0 = time.perf_counter()
+    for _ in range(3):
+        xxhash.xxh3_64_intdigest(buf)
+    rate = 3 * len(buf) / (time.perf_counter() - t0)
+    hashed = moved["nvme_write"] + moved["nvme_read"]
+    print(f"\nChecksum cost on an offload-all step (CPU, fp32, {torch.get_num_threads()} "
+          f"thread(s); gpt d={d} x {layers} blocks, batch {batch}, seq {seq}; "
+          f"{fmt_bytes(moved['nvme_write'])} written and read back per step, each byte hashed "
+          f"once each way; xxh3-64 {xxhash.VERSION} hashes {rate / 1e9:.1f} GB/s here; median "
+          f"of {pairs} alternating pairs)")
+    print("| clock | checksums off | checksums on | median ratio | lo | hi | hashing alone |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    rows = []
+    for j, kind in ((1, "cpu"), (0, "wall")):
+        ratios = sorted(x[j] / y[j] for x, y in zip(on, off))
+        t_off = statistics.median(y[j] for y in off)
+        row = dict(clock=kind, off=t_off, on=statistics.median(x[j] for x in on),
+                   ratio=statistics.median(ratios), lo=ratios[0], hi=ratios[-1],
+                   hash_share=hashed / rate / t_off)
+        rows.append(row)
+        print(f"| {kind} | {fmt_seconds(row['off'])} | {fmt_seconds(row['on'])} | "
+              f"{row['ratio']:.4f} | {row['lo']:.3f} | {row['hi']:.3f} | "
+              f"{row['hash_share']:.2%} of the step |")
+    return rows
+
+
 # ----------------------------------------------------------------------------- fidelity
 
 def fidelity_child(a) -> list[dict]:
@@ -219,7 +298,10 @@ def fidelity(a):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description="tierplan runtime benchmark")
-    ap.add_argument("--part", choices=["overhead", "fidelity", "all"], default="all")
+    ap.add_argument("--part", choices=["overhead", "fidelity", "checksum", "all"], default="all")
+    ap.add_argument("--ck-pairs", type=int, default=9, help="checksum part: alternating pairs")
+    ap.add_argument("--ck-size", default="512,4,4,512",
+                    help="checksum part: d_model,blocks,batch,seq of the offload-all GPT")
     ap.add_argument("--steps", type=int, default=7, help="overhead pairs (>= 5)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads for the overhead part (1: on a shared host, a second "
@@ -247,6 +329,10 @@ def main(argv=None):
         known = {"tiny": ("tiny: d=128 x 4, b 4, s 128", 128, 4, 4, 128),
                  "realistic": ("realistic: d=512 x 2, b 4, s 512", 512, 2, 4, 512)}
         overhead(max(5, a.steps), [known[s] for s in a.sizes.split(",")])
+    if a.part in ("checksum", "all"):
+        torch.set_num_threads(a.threads)
+        d, layers, batch, seq = (int(x) for x in a.ck_size.split(","))
+        checksum_cost(max(5, a.ck_pairs), d, layers, batch, seq, a.nvme_base)
     if a.part in ("fidelity", "all"):
         fidelity(a)
 

@@ -3,12 +3,20 @@
 Each verb's work lives in its own module (imported only when that verb runs, so ``plan
 inspect`` never pays for importing torch). This file only parses arguments and turns a
 ``UserError`` into one line on stderr and the documented exit code:
-0 done, 2 bad input, 3 no plan fits the budgets, 130 interrupted.
+0 done, 2 bad input, 3 no plan fits the budgets (or none was found within --time-limit),
+130 interrupted (SIGINT), 143 terminated (SIGTERM; 129 for SIGHUP): both unwind the same way,
+so temporary files are removed and solver processes ended.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import math
+import os
+import signal
 import sys
+import threading
 
 from .errors import UserError
 
@@ -128,21 +136,127 @@ def _dispatch(args) -> int:
     return run(args) or 0
 
 
+# ----------------------------------------------------------------------------- outputs
+
+def _inputs(args) -> list[str]:
+    """The files the command reads: no output may overwrite one of them."""
+    out = []
+    for k in ("profile", "plan", "a", "b", "report", "hardware", "model"):
+        v = getattr(args, k, None)
+        if isinstance(v, str) and v:
+            out.append(v)
+    return out
+
+
+def check_outputs(args) -> None:
+    """Refuse, before any work, an output the verb must not write (``fileio.check_output``):
+    a directory, a device, a FIFO, a socket, one of the command's own inputs, or a path whose
+    folders are missing beyond the one level ``-o`` creates."""
+    from .fileio import check_output
+    inputs = _inputs(args)
+    for flag, attr in (("-o", "output"), ("--plot", "plot")):
+        v = getattr(args, attr, None)
+        if v is not None:
+            check_output(v, inputs=inputs, what=f"{flag} output", make_parents=True)
+
+
+# ----------------------------------------------------------------------------- signals
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (or SIGHUP) arrived: unwound like Ctrl-C, so that every ``finally`` and
+    ``except KeyboardInterrupt`` cleans up (temporary outputs, solver processes and files)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class OutOfTime(KeyboardInterrupt):
+    """``plan solve`` ran past its --time-limit (the backstop below): unwound like Ctrl-C,
+    never caught as bad input on the way."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(signum)
+
+
+def _raise_out_of_time(signum, frame):
+    raise OutOfTime()
+
+
+# The backstop's slack over --time-limit: what writing the plan and exiting may take after
+# the last phase the solve's own clock governs (a 10,000-unit plan is written in ~1 s).
+BACKSTOP_GRACE_S = 3.0
+
+
+@contextlib.contextmanager
+def _signals(args):
+    """SIGTERM and SIGHUP unwind like SIGINT; ``plan solve`` gets a timer that interrupts it
+    ``BACKSTOP_GRACE_S`` after its --time-limit, whatever phase it is in."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    saved = {}
+    if main_thread:
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            saved[sig] = signal.signal(sig, _raise_terminated)
+    limit = getattr(args, "time_limit", None) if getattr(args, "verb", None) == "solve" else None
+    timer = main_thread and isinstance(limit, (int, float)) and math.isfinite(limit) and 0 < limit <= 1e7
+    if timer:
+        saved[signal.SIGALRM] = signal.signal(signal.SIGALRM, _raise_out_of_time)
+        signal.setitimer(signal.ITIMER_REAL, float(limit) + BACKSTOP_GRACE_S)
+    try:
+        yield
+    finally:
+        if timer:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        for sig, h in saved.items():
+            signal.signal(sig, h)
+
+
+def _one_line(msg: str) -> str:
+    """A message as one printable line: a newline or control character that came in with a
+    user's path or field is shown escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in msg)
+
+
+def _quiet_encoding_errors() -> None:
+    """Paths given as bytes that are not UTF-8 reach Python as surrogates; printing them must
+    not fail (stdout is strict by default)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):
+            stream.reconfigure(errors="backslashreplace")
+
+
 def main(argv=None) -> int:
+    _quiet_encoding_errors()
     parser = build_parser()
+    args = None
     try:
         args = parser.parse_args(argv)
         if not args.verb:
             parser.print_help()
             return 2
-        return _dispatch(args)
+        with _signals(args):
+            check_outputs(args)
+            return _dispatch(args)
     except UserError as e:
-        print(f"plan: error: {e}", file=sys.stderr)
+        print(f"plan: error: {_one_line(str(e))}", file=sys.stderr)
         return e.exit_code
+    except OutOfTime:
+        print(f"plan: error: plan solve ran past its --time-limit of {args.time_limit:g} s "
+              f"(+{BACKSTOP_GRACE_S:g} s to write the plan) and was stopped, nothing written; "
+              "raise --time-limit", file=sys.stderr)
+        return 3
+    except Terminated as e:
+        print(f"plan: terminated by {signal.Signals(e.signum).name}", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print("plan: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
+        # stdout closed early (plan inspect | head): not an error; keep Python from
+        # complaining again when it flushes stdout at exit.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
 
 

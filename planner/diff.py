@@ -174,8 +174,13 @@ def format_diff(d: dict) -> str:
 
 
 def cli_diff(args) -> int:
+    from .simulate import simulate_file
     a = load_plan_for(args.a, "A")
     b = load_plan_for(args.b, "B")
+    # A plan whose schedule is not what its decisions imply is refused here as by simulate
+    # and inspect (diff compares 'predicted', which such a plan cannot be trusted for).
+    simulate_file(a, args.a)
+    simulate_file(b, args.b)
     d = diff_plans(a, b, args.a, args.b)
     if args.json:
         json.dump(d, sys.stdout, sort_keys=True, indent=1)

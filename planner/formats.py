@@ -95,24 +95,69 @@ def _int(v) -> bool:
 
 
 def _num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    # ints are compared exactly (math.isfinite(10**400) raises OverflowError)
+    return (isinstance(v, int) and not isinstance(v, bool)) or (
+        isinstance(v, float) and math.isfinite(v))
+
+
+# Ranges every loaded number must lie in (docs/reliability.md): wide enough for any real
+# machine or model, narrow enough that no sum, product or quotient the planner forms overflows
+# a float or loses its meaning (a 400-digit byte count, a 1e308 time and a 1e-300 bandwidth
+# each crashed the solver).
+MAX_BYTES = 2**60            # 1 EiB
+MAX_COUNT = 2**53            # the largest integer a float holds exactly
+MAX_SECONDS = 1e6            # 11.6 days for one unit's forward, or one step
+MAX_FLOPS = 1e30             # a unit's FLOPs; 1e30 is ~10^6 x GPT-3's training compute
+MIN_RATE, MAX_RATE = 1e3, 1e15        # bytes/s of a link or a drive: 1 kB/s .. 1 PB/s
+MIN_FLOP_RATE, MAX_FLOP_RATE = 1e6, 1e21   # FLOP/s: 1 MFLOP/s .. 1 ZFLOP/s
+MAX_NAME = 1000              # characters of a name (qualified module names are < 200)
+
+
+def _name_ok(v) -> bool:
+    """A non-empty printable name: control characters would break one-line messages and
+    tables."""
+    return isinstance(v, str) and 0 < len(v) <= MAX_NAME and v.isprintable()
+
+
+def _rate(v) -> bool:
+    return _num(v) and (v == 0 or MIN_RATE <= v <= MAX_RATE)
 
 
 _KINDS = {
-    "bytes": (lambda v: _int(v) and v >= 0, "a non-negative integer number of bytes"),
-    "bytes?": (lambda v: v is None or (_int(v) and v >= 0),
-               "null or a non-negative integer number of bytes"),
-    "count": (lambda v: _int(v) and v >= 0, "a non-negative integer"),
-    "number": (lambda v: _num(v) and v >= 0, "a non-negative finite number"),
-    # rates and sizes in a spec: finite, non-negative and below 1e18 (an exabyte a second)
-    "rate": (lambda v: _num(v) and 0 <= v < 1e18, "a non-negative finite number below 1e18"),
+    "bytes": (lambda v: _int(v) and 0 <= v <= MAX_BYTES,
+              "a non-negative integer number of bytes, at most 2^60"),
+    "bytes?": (lambda v: v is None or (_int(v) and 0 <= v <= MAX_BYTES),
+               "null or a non-negative integer number of bytes, at most 2^60"),
+    "count": (lambda v: _int(v) and 0 <= v <= MAX_COUNT, "a non-negative integer below 2^53"),
+    "count?": (lambda v: v is None or (_int(v) and 0 <= v <= MAX_COUNT),
+               "null or a non-negative integer below 2^53"),
+    "seconds": (lambda v: _num(v) and 0 <= v <= MAX_SECONDS,
+                f"a finite number of seconds from 0 to {MAX_SECONDS:g}"),
+    "flops": (lambda v: _num(v) and 0 <= v <= MAX_FLOPS,
+              f"a finite number of FLOPs from 0 to {MAX_FLOPS:g}"),
+    "number": (lambda v: _num(v) and 0 <= v <= MAX_FLOPS,
+               f"a finite number from 0 to {MAX_FLOPS:g}"),
+    "number?": (lambda v: v is None or (_num(v) and 0 <= v <= MAX_FLOPS),
+                f"null or a finite number from 0 to {MAX_FLOPS:g}"),
+    # rates in a spec: 0 (no such link) or a real machine's figure
+    "rate": (_rate, f"0 or a finite number of bytes/s from {MIN_RATE:g} to {MAX_RATE:g}"),
+    "fraction": (lambda v: _num(v) and 0 < v <= 1, "a number above 0 and at most 1"),
     "bool": (lambda v: isinstance(v, bool), "true or false"),
     "dict?": (lambda v: v is None or isinstance(v, dict), "null or a mapping"),
     "str": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
     "str?": (lambda v: v is None or isinstance(v, str), "null or a string"),
-    "number?": (lambda v: v is None or (_num(v) and v >= 0), "null or a non-negative number"),
+    "name": (_name_ok, f"a non-empty printable string of at most {MAX_NAME} characters"),
+    "name?": (lambda v: v is None or _name_ok(v),
+              f"null or a non-empty printable string of at most {MAX_NAME} characters"),
+    "names": (lambda v: isinstance(v, list) and all(_name_ok(x) for x in v),
+              "a list of non-empty printable strings"),
     "strs": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
              "a list of strings"),
+    "strs?": (lambda v: v is None or (isinstance(v, list) and all(isinstance(x, str) for x in v)),
+              "null or a list of strings"),
+    "path?": (lambda v: v is None or (isinstance(v, str) and v != "" and "\x00" not in v
+                                      and len(v) <= 4096),
+              "null or a path (a non-empty string without NUL, at most 4096 characters)"),
     "dict": (lambda v: isinstance(v, dict), "a JSON object"),
     "list": (lambda v: isinstance(v, list), "a JSON list"),
 }
@@ -232,23 +277,34 @@ class HardwareSpec:
         if not spec.unified_memory and (spec.h2d_bandwidth <= 0 or spec.d2h_bandwidth <= 0):
             raise UserError(f"{where}: a spec with a separate host tier needs positive "
                             "h2d_bandwidth and d2h_bandwidth")
-        if not spec.peak_flops or not all(
-                isinstance(k, str) and _num(v) and v > 0 for k, v in spec.peak_flops.items()):
-            raise UserError(f"{where}: peak_flops must map dtypes to positive FLOP/s; {fix}")
+        if "fp32" not in spec.peak_flops or not all(
+                isinstance(k, str) and k.isprintable() and 0 < len(k) <= 16 and _num(v)
+                and MIN_FLOP_RATE <= v <= MAX_FLOP_RATE for k, v in spec.peak_flops.items()):
+            raise UserError(f"{where}: peak_flops must map dtypes (fp32 at least: every other "
+                            f"falls back to it) to FLOP/s from {MIN_FLOP_RATE:g} to "
+                            f"{MAX_FLOP_RATE:g}; {fix}")
         if not 0 < spec.efficiency <= 1:
             raise UserError(f"{where}: efficiency must be in (0, 1], got {spec.efficiency!r}; {fix}")
         if spec.memory_bandwidth <= 0:
             raise UserError(f"{where}: memory_bandwidth must be positive; {fix}")
+        if spec.memory_bytes <= 0:
+            raise UserError(f"{where}: memory_bytes must be positive (the device's memory); {fix}")
+        if not 1 <= spec.staging_buffers <= 64:
+            raise UserError(f"{where}: staging_buffers must be 1 to 64; {fix}")
+        if spec.sources and not all(isinstance(k, str) and isinstance(v, str)
+                                    for k, v in spec.sources.items()):
+            raise UserError(f"{where}: sources must map field names to text; {fix}")
         return dataclasses.replace(spec, peak_flops=dict(spec.peak_flops),
                                    sources=dict(spec.sources or {}))
 
 
 _HARDWARE_FIELDS = {
-    "name": "str", "description": "str?", "device": "str", "unified_memory": "bool",
+    "name": "name", "description": "str?", "device": "str", "unified_memory": "bool",
     **{k: "bytes" for k in ("memory_bytes", "host_memory_bytes", "nvme_bytes",
                             "pinned_memory_bytes", "staging_buffer_bytes", "reserved_bytes")},
     "staging_buffers": "count", "peak_flops": "dict", "sources": "dict?",
-    **{k: "rate" for k in ("efficiency", "memory_bandwidth", "h2d_bandwidth", "d2h_bandwidth",
+    "efficiency": "fraction", "schema": "str",
+    **{k: "rate" for k in ("memory_bandwidth", "h2d_bandwidth", "d2h_bandwidth",
                            "nvme_read_bandwidth", "nvme_write_bandwidth", "duplex_bandwidth",
                            "host_memory_bandwidth", "cpu_adam_params_per_s")},
 }
@@ -330,13 +386,13 @@ class UnitRecord:
 
 
 _UNIT_FIELDS = {
-    "name": "str", "kind": "str", "shared_from": "str?",
+    "name": "name", "kind": "str", "shared_from": "name?",
     **{k: "bytes" for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "input_bytes",
                             "output_bytes", "saved_bytes", "workspace_bytes",
                             "shared_saved_bytes")},
     "measured_peak_bytes": "bytes?",
-    "fwd_flops": "number", "bwd_flops": "number", "fwd_s": "number", "bwd_s": "number",
-    "param_count": "count", "samples": "count", "master_bytes": "bytes", "tied_to": "strs",
+    "fwd_flops": "flops", "bwd_flops": "flops", "fwd_s": "seconds", "bwd_s": "seconds",
+    "param_count": "count", "samples": "count", "master_bytes": "bytes", "tied_to": "names",
     "tied_grad_bytes": "bytes",
 }
 
@@ -378,6 +434,13 @@ class Profile:
         fix = _FIX["profile"]
         _check_fields(d, _PROFILE_FIELDS, f"profile '{source}'", fix)
         prof = _from_fields(cls, d, "profile", source)
+        if prof.device not in ("meta", "cpu", "cuda"):
+            raise UserError(f"profile '{source}': device must be meta, cpu or cuda, got "
+                            f"{_short(prof.device)}; {fix}")
+        if prof.timing not in ("estimated", "measured"):
+            raise UserError(f"profile '{source}': timing must be estimated or measured, got "
+                            f"{_short(prof.timing)}; {fix}")
+        check_model_section(prof.model, f"profile '{source}'", fix)
         if not prof.layers:
             raise UserError(f"profile '{source}' has no layers; {fix}")
         layers = [u if isinstance(u, UnitRecord) else UnitRecord.from_dict(u, source, "profile")
@@ -388,7 +451,7 @@ class Profile:
 
 
 _PROFILE_FIELDS = {"model": "dict", "device": "str", "timing": "str", "hardware": "dict",
-                   "layers": "list", "optimizer_s": "number",
+                   "layers": "list", "optimizer_s": "seconds",
                    "optimizer_workspace_bytes": "bytes"}
 
 
@@ -626,6 +689,8 @@ class Plan:
         where = f"plan '{source}'"
         _check_fields(d, _PLAN_FIELDS, where, fix)
         plan = _from_fields(cls, d, "plan", source)
+        check_model_section(plan.model, where, fix)
+        _check_fields(plan.profile, {"path": "str?", "sha256": "str?"}, f"{where} profile", fix)
         HardwareSpec.from_dict(plan.hardware, source + " (hardware)")
         units = [UnitRecord.from_dict(u, source, "plan") for u in plan.units]
         check_units(units, where, fix)
@@ -634,9 +699,11 @@ class Plan:
             raise UserError(f"{where}: layers and units disagree on names or order; {fix}")
         if plan.engine not in ENGINES:
             raise UserError(f"{where}: engine {plan.engine!r} is not one of {', '.join(ENGINES)}")
-        for k in ("micro_batches", "world_size", "ranks_per_node"):
-            if getattr(plan, k) < 1:
-                raise UserError(f"{where}: {k} must be at least 1; {fix}")
+        for k, most in (("micro_batches", 4096), ("world_size", 2**20), ("ranks_per_node", 2**10)):
+            if not 1 <= getattr(plan, k) <= most:
+                raise UserError(f"{where}: {k} must be 1 to {most}; {fix}")
+        if plan.ranks_per_node > plan.world_size:
+            raise UserError(f"{where}: ranks_per_node exceeds world_size; {fix}")
         if plan.optimizer_depth not in (1, 3):
             raise UserError(f"{where}: optimizer_depth must be 1 or 3; {fix}")
         schedule = _schedule_from_dict(plan.schedule, {u.name for u in units}, where, fix)
@@ -649,10 +716,30 @@ class Plan:
 
 _PLAN_FIELDS = {"profile": "dict", "model": "dict", "hardware": "dict", "budgets": "dict",
                 "policy": "str", "solver": "dict", "predicted": "dict", "units": "list",
-                "layers": "list", "schedule": "dict", "nvme_dir": "str?", "optimizer_s": "number",
+                "layers": "list", "schedule": "dict", "nvme_dir": "path?", "optimizer_s": "seconds",
                 "optimizer_workspace_bytes": "bytes", "micro_batches": "count",
                 "optimizer_depth": "count",
                 "world_size": "count", "ranks_per_node": "count", "engine": "str"}
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+# The model section's fields that the planner reads (the rest is the runtime's, checked by
+# runtime/binding.py against the model itself).
+_MODEL_FIELDS = {"name": "name", "batch": "count", "seq": "count", "param_count": "count",
+                 "dtype": "str?", "structure_hash": "str?", "blocks_path": "str?",
+                 "blocks": "strs?", "attention": "str?", "optimizer": "str?",
+                 "bytes_per_param": "count", "unique_blocks": "count", "state_bytes": "bytes?",
+                 "chain_breaks": "strs?", "inplace_input": "strs?", "identity": "str?",
+                 "config": "dict?", "params": "dict?", "timing_quality": "dict?"}
+
+
+def check_model_section(m: dict, where: str, fix: str) -> None:
+    """The profile's (or plan's) ``model`` section: each field the tools read of its kind."""
+    _check_fields(m, _MODEL_FIELDS, f"{where} model", fix)
 
 
 def check_units(units: list, where: str, fix: str) -> None:
@@ -702,7 +789,7 @@ def _event_from_dict(d, units: set, where: str, fix: str) -> Event:
     return e
 
 
-_EVENT_FIELDS = {"id": "str", "stream": "str", "op": "str", "cls": "str", "units": "strs",
+_EVENT_FIELDS = {"id": "str", "stream": "str", "op": "str", "cls": "str", "units": "names",
                  "stage": "count", "bytes": "bytes", "seconds": "number", "passes": "str"}
 
 

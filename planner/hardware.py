@@ -1,18 +1,25 @@
 """Hardware specs: the shipped sheets in ``profiles/hardware/`` and user YAML files.
 
-Measuring this host (``plan hardware``) lives in ``planner.measure``.
+Measuring this host (``plan hardware``) lives in ``planner.measure``. YAML is read the way
+every input is (``planner.fileio``: a regular file, bounded, strict UTF-8), as plain data:
+no tags, no anchors or aliases (a few nested aliases expand to billions of nodes when the
+spec is copied), nesting bounded.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import yaml
 
 from . import PROFILES_DIR
 from .errors import UserError
+from .fileio import _shown, check_depth, read_text
 from .formats import HardwareSpec
 
 HARDWARE_DIR = PROFILES_DIR / "hardware"
+# A shipped spec's name: letters, digits, '.', '_' and '-' (anything else is a file path).
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 def shipped_names() -> list[str]:
@@ -21,27 +28,54 @@ def shipped_names() -> list[str]:
 
 def load_hardware(name_or_file: str) -> HardwareSpec:
     """Resolve ``a100-80g`` (a shipped sheet) or ``path/to/spec.yaml`` into a HardwareSpec."""
-    p = Path(name_or_file)
-    if p.suffix in (".yaml", ".yml", ".json") or p.exists():
-        source = p
+    s = str(name_or_file)
+    if _NAME.match(s) and s in shipped_names():
+        source = HARDWARE_DIR / f"{s}.yaml"
+    elif _NAME.match(s) and not s.endswith((".yaml", ".yml", ".json")):
+        raise UserError(f"--hardware '{s}': no such spec; use one of "
+                        f"{', '.join(shipped_names())} or a YAML file")
     else:
-        source = HARDWARE_DIR / f"{name_or_file}.yaml"
-        if not source.exists():
-            raise UserError(f"--hardware '{name_or_file}': no such spec; use one of "
-                            f"{', '.join(shipped_names())} or a YAML file")
-    if not source.exists():
-        raise UserError(f"--hardware '{name_or_file}': no such file; check the path")
-    data = read_yaml_mapping(source, "hardware spec", "profiles/hardware/*.yaml")
-    return HardwareSpec.from_dict(data, str(source))
+        source = Path(s)
+    data = read_yaml_mapping(source, "hardware spec", "profiles/hardware/*.yaml",
+                             label=f"--hardware '{_shown(s)}'",
+                             names=f", or use one of {', '.join(shipped_names())}")
+    return HardwareSpec.from_dict(data, _shown(source))
 
 
-def read_yaml_mapping(source: Path, what: str, example: str) -> dict:
-    """A YAML file that must hold a mapping; every failure is one UserError line."""
+class _PlainLoader(yaml.SafeLoader):
+    """SafeLoader without aliases: a spec or a model config never needs them."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            ev = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed",
+                                              ev.start_mark)
+        return super().compose_node(parent, index)
+
+
+def read_yaml_mapping(source: Path, what: str, example: str, label: str | None = None,
+                      names: str = "") -> dict:
+    """A YAML file that must hold a mapping; every failure is one UserError line (``label``
+    names the argument in 'no such file', followed by ``names``, the alternatives)."""
+    where = f"{what} '{_shown(source)}'"
     try:
-        data = yaml.safe_load(source.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise UserError(f"{what} '{source}' cannot be read as YAML ({type(e).__name__}); "
-                        f"fix the file or start from {example}")
+        text = read_text(source, what)
+    except UserError as e:
+        if label and "no such file" in str(e):
+            raise UserError(f"{label}: no such file; check the path{names}") from None
+        raise
+    try:
+        data = yaml.load(text, Loader=_PlainLoader)   # noqa: S506 -- a SafeLoader subclass
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or type(e).__name__
+        raise UserError(f"{where} cannot be read as YAML ({problem}{at}); fix the file or "
+                        f"start from {example}") from None
+    except RecursionError:
+        raise UserError(f"{where} nests too deeply to read; fix the file or start from "
+                        f"{example}") from None
     if not isinstance(data, dict):
-        raise UserError(f"{what} '{source}' is not a mapping; see {example}")
+        raise UserError(f"{where} is not a mapping; see {example}")
+    check_depth(data, where, f"fix the file or start from {example}")
     return data

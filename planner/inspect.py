@@ -167,7 +167,7 @@ def render_profile(prof: Profile, source: str) -> str:
 
 
 def cli_inspect(args) -> int:
-    from .simulate import simulate
+    from .simulate import simulate_file
     obj = load_any(args.plan)
     if isinstance(obj, Profile):
         if args.plot or args.report:
@@ -176,7 +176,7 @@ def cli_inspect(args) -> int:
         print(json.dumps(obj.to_dict(), sort_keys=True) if args.json else
               render_profile(obj, args.plan))
         return 0
-    sim = simulate(obj)
+    sim = simulate_file(obj, args.plan)
     report = None
     if args.report:
         from .report import load_report

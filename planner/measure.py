@@ -12,6 +12,7 @@ import contextlib
 import mmap
 import os
 import socket
+import stat
 import statistics
 import sys
 import tempfile
@@ -21,6 +22,7 @@ from pathlib import Path
 import yaml
 
 from .errors import UserError
+from .fileio import _check_path_text, _shown, check_output, write_atomic
 from .formats import HARDWARE_SCHEMA, HardwareSpec
 from .sizes import parse_size
 
@@ -159,13 +161,22 @@ def measure_host(nvme_dir: str | None, size: int, matmul_n: int | None = None) -
 
     created: list[Path] = []
     if nvme_dir:
+        _check_path_text(nvme_dir, "--nvme-dir")
         target = Path(nvme_dir)
-        if target.exists() and not target.is_dir():
-            raise UserError(f"--nvme-dir '{nvme_dir}' is a file; give a directory")
+        shown = _shown(nvme_dir)
+        try:
+            st = os.stat(target)
+        except FileNotFoundError:
+            st = None
+        except OSError as e:
+            raise UserError(f"--nvme-dir '{shown}': cannot use it ({e.strerror}); give a "
+                            "writable directory") from None
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            raise UserError(f"--nvme-dir '{shown}' is not a directory; give a directory")
         # Create what is missing, remembering each level so that exactly those are removed.
         missing = []
         p = target.absolute()
-        while not p.exists():
+        while not os.path.lexists(p):
             missing.append(p)
             p = p.parent
         try:
@@ -179,10 +190,14 @@ def measure_host(nvme_dir: str | None, size: int, matmul_n: int | None = None) -
     else:
         probe_dir = Path(tempfile.gettempdir())
     try:
-        disk = disk_bandwidth(probe_dir, size)
         free = _free_bytes(probe_dir)
+        if size > free // 2:
+            # the probe's file would take most of the disk (and, past its room, fail late)
+            raise UserError(f"--size {size} bytes is more than half the {free} bytes free in "
+                            f"'{_shown(probe_dir)}'; give a smaller --size, e.g. 1G")
+        disk = disk_bandwidth(probe_dir, size)
     except OSError as e:
-        raise UserError(f"--nvme-dir '{probe_dir}': disk probe failed ({e.strerror}); "
+        raise UserError(f"--nvme-dir '{_shown(probe_dir)}': disk probe failed ({e.strerror}); "
                         "give a writable directory on the disk to measure") from None
     finally:
         for p in reversed(created):
@@ -247,15 +262,14 @@ def cli_hardware(args) -> int:
     size = parse_size(args.size, "--size")
     if size <= 0:
         raise UserError("--size 0: give the number of bytes the disk probe writes, e.g. 1G")
+    if args.output:       # refused before the minutes of measuring, not after
+        check_output(args.output, what="-o output", make_parents=True)
     spec = measure_host(args.nvme_dir, size)
     text = spec_yaml(spec)
     if args.output:
-        out = Path(args.output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, out)
+        # atomically, like every output (a directory or device is refused; Ctrl-C or SIGTERM
+        # leaves no temporary file)
+        out = write_atomic(args.output, lambda f: f.write(text), what="-o output")
         print(out)
     else:
         sys.stdout.write(text)

@@ -145,11 +145,14 @@ class Model:
                     self.qv[k, i] = self._var(f"q_{k}_{i}", 0, 1)
         # y^c_{k,e}: k's offloaded checkpoint returns for a segment ending at e
         self.yv = {}
+        ends = {}                  # k -> the i of each m_{k,i}, in order (a scan per k was O(U^2))
+        for kk, i in self.mv:
+            ends.setdefault(kk, []).append(i)
         for k in range(U):
             for c in ("rc", "rn"):
                 if c not in cm.choices[k]:
                     continue
-                for e in [k] + [i for (kk, i) in self.mv if kk == k]:
+                for e in [k] + ends.get(k, []):
                     if cm.ck_allowed(k, e):
                         self.yv[c, k, e] = self._var(f"y{c[1]}_{k}_{e}", 0, 1)
         # what the cost model asks per stage: the shares, segment members, checkpoint returns
@@ -244,12 +247,15 @@ class Model:
         for (k, i), q in self.qv.items():
             if i in self.ev:
                 self._c(q >= self.mv[k, i] + self.ev[i] - 1, f"seg_rec_{k}_{i}")
+        by_ck = {}                 # (c, k) -> {e: y}, in order (a scan per k was O(U^2))
+        for (cc, kk, e), v in self.yv.items():
+            by_ck.setdefault((cc, kk), {})[e] = v
         for k in range(U):
             for c in ("rc", "rn"):
                 if c not in self.xv[k]:
                     continue
                 xs = self.xv[k][c]
-                ys = {e: v for (cc, kk, e), v in self.yv.items() if cc == c and kk == k}
+                ys = by_ck.get((c, k), {})
                 self._c(pulp.lpSum(ys.values()) == xs, f"ck_home_{c}_{k}")
                 if k in ys and k in self.ev:
                     self._c(ys[k] >= self.ev[k] + xs - 1, f"ck_end_{c}_{k}_{k}")

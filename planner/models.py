@@ -56,9 +56,9 @@ def load_config(name_or_yaml: str) -> dict:
     """A built-in name (``gpt2-small``) or a path to a model YAML -> a complete config dict."""
     p = Path(name_or_yaml)
     if p.suffix in (".yaml", ".yml"):
-        if not p.exists():
-            raise UserError(f"model '{name_or_yaml}': no such file; check the path")
-        source = p
+        source = p      # read_yaml_mapping refuses a missing, special or over-long path
+        return _complete(read_yaml_mapping(source, "model config", "profiles/models/*.yaml",
+                                           label=f"model '{name_or_yaml}'"), str(source))
     else:
         source = MODELS_DIR / f"{name_or_yaml}.yaml"
         if not source.exists():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .errors import UserError
 from .fileio import read_json, write_json_atomic
-from .formats import REPORT_SCHEMA, _check_fields, _check_schema, _require
+from .formats import _PREDICTED_FIELDS, REPORT_SCHEMA, _check_fields, _check_schema, _require
 from .sizes import fmt_bytes, fmt_seconds
 
 LINKS = ("d2h", "h2d", "nvme_write", "nvme_read")
@@ -42,13 +42,23 @@ class StepRecord:
         _require(d, ("step_s", "passes", "peak_cpu_bytes", "peak_nvme_bytes",
                      "peak_activation_bytes", "static_bytes"), where, _FIX)
         _check_fields(d, _STEP_FIELDS, where, _FIX)
+        _check_moved(d.get("moved", {}), f"{where} moved")
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 
-_STEP_FIELDS = {"step_s": "number", "passes": "count", "peak_gpu_bytes": "bytes?",
+def _check_moved(moved: dict, where: str) -> None:
+    """Bytes per link: the report's links only, each a byte count."""
+    for k in moved:
+        if k not in LINKS:
+            raise UserError(f"{where}: link {str(k)[:40]!r} is not one of {', '.join(LINKS)}; "
+                            f"{_FIX}")
+    _check_fields(moved, {k: "bytes" for k in LINKS}, where, _FIX)
+
+
+_STEP_FIELDS = {"step_s": "seconds", "passes": "count", "peak_gpu_bytes": "bytes?",
                 "peak_cpu_bytes": "bytes", "peak_nvme_bytes": "bytes",
                 "peak_activation_bytes": "bytes", "static_bytes": "bytes", "base_bytes": "bytes?",
-                "moved": "dict", "stall_s": "number"}
+                "moved": "dict", "stall_s": "seconds"}
 
 
 @dataclass(frozen=True)
@@ -183,6 +193,10 @@ def load_report_dict(d: dict, source: str = "report") -> Report:
                       "seq": "count", "micro_batches": "count"}, f"{where} plan", _FIX)
     if d["device"] not in ("cuda", "cpu"):
         raise UserError(f"{where}: device must be cuda or cpu, got {d['device']!r}; {_FIX}")
+    _check_fields(d, {"hwm_reset": "bool"}, where, _FIX)
+    # the plan's prediction, as the plan's own loader checks it
+    _check_fields(d["predicted"], _PREDICTED_FIELDS, f"{where} predicted", _FIX)
+    _check_moved(d.get("predicted_moved", {}), f"{where} predicted_moved")
     steps = [StepRecord.from_dict(s, f"{where} step {n}") for n, s in enumerate(d["steps"])]
     return Report(plan_path=p.get("path"), policy=str(p.get("policy", "")), device=d["device"],
                   hardware=str(p.get("hardware", "")), batch=int(p.get("batch", 0)),

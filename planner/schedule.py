@@ -155,12 +155,17 @@ def greedy_shares(cm: CostModel, layers: list[LayerDecision]) -> dict:
 def _check_order(cm: CostModel, layers, shares: dict, tol: float = 1e-6) -> None:
     """Offloaded activations come back only after they left: by every stage t, the share
     arrived (up to and in t) is at most the share that left before t."""
+    # Group the shares once: scanning all of them per unit was O(U^2) (minutes at 10,000
+    # units, where --time-limit must still hold).
+    by = {}
+    for (k, ii, s), v in shares.items():
+        by.setdefault((k, ii), []).append((s, v))
     for i, d in enumerate(layers):
         for o, p in (("oc", "pc"), ("on", "pn")):
-            ins = sorted((s, v) for (k, ii, s), v in shares.items() if k == p and ii == i)
+            ins = sorted(by.get((p, i), ()))
             if not ins:
                 continue
-            outs = [(s, v) for (k, ii, s), v in shares.items() if k == o and ii == i]
+            outs = by.get((o, i), [])
             for t, _ in ins:
                 arrived = sum(v for s, v in ins if s <= t)
                 left = sum(v for s, v in outs if s < t)
@@ -236,19 +241,20 @@ def build_schedule(cm: CostModel, layers: list[LayerDecision], shares: dict | No
     nbytes = _split_bytes(shares, cm)
     hw, L, U = cm.hw, cm.L, cm.U
     names = [u.name for u in cm.units]
+    index = {n: k for k, n in enumerate(names)}   # not names.index: O(U^2) at 10,000 units
     evs: list[Event] = []
     seconds = {Op.FORWARD: cm.f, Op.BACKWARD: cm.b}
     for op, units, stage in compute_order(cm, layers):
         if op is Op.RECOMPUTE:
-            sec = sum(cm.f[names.index(n)] for n in units)
+            sec = sum(cm.f[index[n]] for n in units)
             evs.append(compute(op, units, stage, sec))
         elif op is Op.STEP:
-            j = names.index(units[0])
+            j = index[units[0]]
             dev, cpu = cm.step_seconds(j, layers[j].home)
             evs.append(compute(op, units, stage, dev or cpu,
                                Stream.HOST if layers[j].home.step is Tier.CPU else Stream.COMPUTE))
         else:
-            evs.append(compute(op, units, stage, seconds[op][names.index(units[0])]))
+            evs.append(compute(op, units, stage, seconds[op][index[units[0]]]))
 
     def xfer(stream, op, cls, i, s, n, passes=Passes.ALL):
         rate = {Stream.D2H: hw.d2h_bandwidth, Stream.H2D: hw.h2d_bandwidth,

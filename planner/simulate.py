@@ -315,12 +315,23 @@ def format_summary(plan: Plan, r: SimResult, source: str = "plan") -> str:
     return "\n".join(lines)
 
 
+def simulate_file(plan: Plan, source: str) -> SimResult:
+    """``simulate(plan)`` for a plan read from ``source``: a schedule that is not what the
+    plan's decisions imply is refused naming the file (exit 2), as every loader does."""
+    try:
+        return simulate(plan)
+    except PlanInconsistent as e:
+        msg = str(e)
+        msg = msg[len("plan: "):] if msg.startswith("plan: ") else msg
+        raise PlanInconsistent(f"plan '{source}': {msg}") from None
+
+
 def cli_simulate(args) -> int:
     """``plan simulate PLAN [--json]``. Exits 0 whether or not the plan fits (the replay itself
     succeeded); ``fits`` and the DOES NOT FIT line say which."""
     from .formats import load_plan
     plan = load_plan(args.plan)
-    r = simulate(plan)
+    r = simulate_file(plan, args.plan)
     if getattr(args, "json", False):
         print(json.dumps(r.summary(), sort_keys=True))
     else:

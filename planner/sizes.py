@@ -4,6 +4,7 @@
 a bare integer is bytes (the design brief fixes this).
 """
 import re
+from fractions import Fraction
 
 from .errors import UserError
 
@@ -15,25 +16,45 @@ _UNITS = {
     "G": 1024**3, "GIB": 1024**3, "GB": 1000**3,
     "T": 1024**4, "TIB": 1024**4, "TB": 1000**4,
 }
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$", re.ASCII)
+# The largest size accepted: 1 EiB (1048576T), far above any machine's memory or disk. Sums
+# of such sizes over 10^5 units stay far from a float's range (a 400-digit size overflowed it).
+MAX_BYTES = 2**60
+_MAX_TEXT = 40      # characters of a size as written: '1152921504606846976' is 19
 
 
 def parse_size(text, what: str = "size") -> int:
-    """Parse ``80G``, ``1.5TB``, ``512MiB`` or ``123`` into bytes; raise UserError otherwise."""
-    if isinstance(text, int) and not isinstance(text, bool):
+    """Parse ``80G``, ``1.5TB``, ``512MiB`` or ``123`` into bytes; raise UserError otherwise.
+
+    Exact (no float rounding: ``1.1G`` is 1181116006 bytes, the nearest integer), at most
+    ``MAX_BYTES``."""
+    if isinstance(text, bool):
+        raise UserError(f"{what}: {text!r} is not a size; give a number of bytes, e.g. 80G")
+    if isinstance(text, int):
         if text < 0:
             raise UserError(f"{what}: {text} is negative; give a size of 0 or more, e.g. 80G")
+        if text > MAX_BYTES:
+            raise UserError(f"{what}: {text} bytes is more than 1 EiB; give a size of at most "
+                            "1048576T, e.g. 80G")
         return text
     s = str(text)
+    shown = s if len(s) <= _MAX_TEXT else s[:_MAX_TEXT] + "..."
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in shown)
     if s.strip().startswith("-"):
-        raise UserError(f"{what}: '{s}' is negative; give a size of 0 or more, e.g. 80G")
+        raise UserError(f"{what}: '{shown}' is negative; give a size of 0 or more, e.g. 80G")
+    if len(s) > _MAX_TEXT:
+        raise UserError(f"{what}: '{shown}' is {len(s)} characters long, too long for a size; "
+                        "give a size of at most 1 EiB, e.g. 80G")
     m = _SIZE_RE.match(s)
     if not m or m.group(2).upper() not in _UNITS:
         raise UserError(
-            f"{what}: '{s}' is not a size; use a number with K, M, G, T (powers of 1024), "
+            f"{what}: '{shown}' is not a size; use a number with K, M, G, T (powers of 1024), "
             "KB, MB, GB, TB (powers of 1000) or KiB..TiB, e.g. 80G")
-    value = float(m.group(1)) * _UNITS[m.group(2).upper()]
-    return int(round(value))
+    value = Fraction(m.group(1)) * _UNITS[m.group(2).upper()]
+    n = round(value)
+    if n > MAX_BYTES:
+        raise UserError(f"{what}: '{shown}' is more than 1 EiB; give a smaller size, e.g. 80G")
+    return int(n)
 
 
 def fmt_bytes(n) -> str:

@@ -43,6 +43,10 @@ MARGIN_BYTES = 4096
 # A MILP of more stage rows than this is not built within a --time-limit that leaves it under
 # a second per thousand units (PuLP builds ~10k rows a second on this class of host).
 BUILD_ROWS_PER_S = 10_000
+# What one baseline (schedule and simulation) takes per unit, before the first one says: 0.4
+# ms measured at 1,000 units on the 2-core host; used only to skip what cannot finish.
+BASELINE_S_PER_UNIT = 5e-4
+WRITE_S_PER_UNIT = 1e-4
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,7 @@ class _Clock:
     def __init__(self, limit: float | None):
         self.t0 = time.perf_counter()
         self.limit = limit
+        self.skipped: list[str] = []     # what the time limit left out (said on stderr)
 
     def left(self) -> float | None:
         if self.limit is None:
@@ -123,14 +128,37 @@ def stream_all_layers(cm: CostModel, base: list[LayerDecision]) -> list[LayerDec
     return out
 
 
-def baselines(profile, path, hw, budgets, cm: CostModel, nvme_dir, K) -> list[Candidate]:
+def baselines(profile, path, hw, budgets, cm: CostModel, nvme_dir, K, clock=None,
+              skipped: list | None = None) -> list[Candidate]:
+    """Every baseline as a candidate. With ``clock``, one that would not finish in the time
+    left (judged by the one before it; the first by ``BASELINE_S_PER_UNIT``) is skipped and
+    named in ``skipped``: on 10,000 units each takes seconds."""
     from .baselines import BASELINES, baseline_layers
     out = []
+    est = [BASELINE_S_PER_UNIT * cm.U]
+
+    def room(name) -> bool:
+        left = clock.left() if clock is not None else None
+        if left is not None and left < est[0]:
+            if skipped is not None:
+                skipped.append(name)
+            return False
+        return True
+
+    def timed(fn):
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            est[0] = time.perf_counter() - t0
+
     for pol in BASELINES:
+        if not room(pol.value):
+            continue
         try:
             layers = baseline_layers(pol, profile.layers, hw)
-            plan, r = plan_and_sim(profile, path, hw, budgets, pol, layers, nvme_dir=nvme_dir,
-                                micro_batches=K, cm=cm)
+            plan, r = timed(lambda: plan_and_sim(profile, path, hw, budgets, pol, layers,
+                                                 nvme_dir=nvme_dir, micro_batches=K, cm=cm))
         except UserError:
             continue                      # not valid on this spec / these budgets
         out.append(Candidate(plan, r, f"baseline:{pol.value}"))
@@ -138,9 +166,12 @@ def baselines(profile, path, hw, budgets, cm: CostModel, nvme_dir, K) -> list[Ca
         layers = stream_all_layers(cm, baseline_layers(pol, profile.layers, hw))
         if layers is None:
             break
+        if not room(f"stream-all+{pol.value}"):
+            continue
         try:
-            plan, r = plan_and_sim(profile, path, hw, budgets, "stream-all", layers,
-                                nvme_dir=nvme_dir, micro_batches=K, cm=cm)
+            plan, r = timed(lambda: plan_and_sim(profile, path, hw, budgets, "stream-all",
+                                                 layers, nvme_dir=nvme_dir, micro_batches=K,
+                                                 cm=cm))
         except UserError:
             continue
         out.append(Candidate(plan, r, f"baseline:stream-all+{pol.value}"))
@@ -148,9 +179,15 @@ def baselines(profile, path, hw, budgets, cm: CostModel, nvme_dir, K) -> list[Ca
 
 
 def _milp_size(cm: CostModel) -> int:
-    """Rows the MILP will have, roughly (memory and time per stage, shares, segments)."""
+    """Rows the MILP will have, roughly (memory and time per stage, shares, segments), plus
+    its static terms in rows' worth: with homes to choose, each of the 2U stages' memory rows
+    sums every unit's home choices (O(U^2) terms: 4.4 M at 500 units). A row builds at ~11k/s,
+    a term at ~600k/s on this project's 2-core host (measured at 250-1000 units: the estimate
+    is within 25% of the real build time), so 55 terms count as a row."""
     per_unit = 8 + sum(len(cm.window(k, i)) for i in range(cm.U) for k in cm.kinds_of(i)) / max(cm.U, 1)
-    return int(cm.U * (20 + per_unit))
+    rows = int(cm.U * (20 + per_unit))
+    homes = sum(len(h) for h in cm.homes if len(h) > 1)
+    return rows + 2 * cm.U * homes // 55
 
 
 def milp(profile, path, hw, budgets, cm: CostModel, *, origin, solver, gap, clock, warm,
@@ -160,6 +197,8 @@ def milp(profile, path, hw, budgets, cm: CostModel, *, origin, solver, gap, cloc
     left = clock.left()
     if left is not None:
         if _milp_size(cm) / BUILD_ROWS_PER_S > left * 0.5:
+            clock.skipped.append("the activation-only MILP" if origin == "milp-act" else
+                                 "the joint MILP")
             return None               # it would not even be built in time: baselines only
         left = max(1.0, left * share)
     t0 = time.perf_counter()
@@ -202,6 +241,10 @@ def _pick(cands: list[Candidate]) -> Candidate | None:
 def _min_budget(profile, path, hw, budgets, cm, solver, clock, tier: str):
     """The smallest budget of ``tier`` for which a plan exists with the other two as given,
     from the joint MILP minimising it (gap 1e-4); None when none exists."""
+    left = clock.left()
+    if left is not None and _milp_size(cm) / BUILD_ROWS_PER_S > left * 0.5:
+        clock.skipped.append(f"the search for the smallest --{tier}-mem")
+        return "no time"          # it would not even be built in time (docs/reliability.md)
     m = Model(cm, Options(minimise=tier))
     left = clock.left()
     try:
@@ -223,7 +266,7 @@ def _min_budget(profile, path, hw, budgets, cm, solver, clock, tier: str):
 def _min_gpu_candidate(profile, path, hw, budgets, cm, solver, clock, nvme_dir, K):
     """The GPU-minimising joint MILP's plan as a candidate (None if it has none)."""
     got = _min_budget(profile, path, hw, budgets, cm, solver, clock, "gpu")
-    if got is None or got[0] > budgets.gpu_bytes:
+    if not isinstance(got, tuple) or got[0] > budgets.gpu_bytes:
         return None
     rec = SolverRecord(name=solver, status="smallest GPU peak (no faster plan was found in "
                        "time)", origin="min-gpu")
@@ -233,11 +276,18 @@ def _min_gpu_candidate(profile, path, hw, budgets, cm, solver, clock, nvme_dir, 
     return Candidate(plan, r, "min-gpu")
 
 
-def _no_fit(profile, path, hw, budgets, cm, solver, clock) -> NoFitError:
+def _no_fit(profile, path, hw, budgets, cm, solver, clock, n_tried: int = 1) -> NoFitError:
     """Name the short budget and the smallest that fits (found by the solver)."""
     tiers = (f"--cpu-mem {_size(budgets.cpu_bytes)} and --nvme-mem {_size(budgets.nvme_bytes)}")
     got = _min_budget(profile, path, hw, budgets, cm, solver, clock, "gpu")
     static = sum(u.static_bytes for u in profile.layers)
+    if got == "no time":
+        return NoFitError(f"no plan found within the --time-limit for --gpu-mem "
+                          f"{_size(budgets.gpu_bytes)} with {tiers}: "
+                          f"{'none of the plans tried fits, and ' if n_tried else ''}"
+                          f"{', '.join(clock.skipped)} did not fit in the time left "
+                          f"({cm.U} units); raise --time-limit, or the budgets (the model's "
+                          f"static state is {_size(static)})", budget="gpu")
     if got is not None:
         need = got[0]
         why = ""
@@ -252,6 +302,11 @@ def _no_fit(profile, path, hw, budgets, cm, solver, clock) -> NoFitError:
         big.budget = dict(cm.budget, cpu=10**15)
         big.has_cpu = True
         got = _min_budget(profile, path, hw, budgets, big, solver, clock, "cpu")
+        if got == "no time":
+            return NoFitError(f"no plan found within the --time-limit: none fits "
+                              f"--gpu-mem {_size(budgets.gpu_bytes)} with {tiers}, and "
+                              f"{', '.join(clock.skipped)} did not fit in the time left; raise "
+                              "--time-limit or --cpu-mem", budget="cpu")
         if got is not None:
             return NoFitError(f"no plan fits --gpu-mem {_size(budgets.gpu_bytes)} with {tiers}, "
                               f"whatever the GPU budget: host memory is short; the smallest "
@@ -296,13 +351,16 @@ def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: 
 
     homes_matter = any(len(h) > 1 for h in cm.homes) and policy == Policy.OPTIMAL.value
     if policy == Policy.OPTIMAL.value:
-        cands = baselines(profile, profile_path, hw, budgets, cm, nvme_dir, K)
+        cands = baselines(profile, profile_path, hw, budgets, cm, nvme_dir, K, clock,
+                          clock.skipped)
         if homes_matter:
             cands += [dataclasses.replace(c, origin=c.origin + "/depth1")
-                      for c in baselines(profile, profile_path, hw, budgets, cm1, nvme_dir, K)
+                      for c in baselines(profile, profile_path, hw, budgets, cm1, nvme_dir, K,
+                                         clock, clock.skipped)
                       if "stream-all" in c.origin]
     else:   # remat-only: the same strategies with nothing moved off the device
-        cands = [c for c in baselines(profile, profile_path, hw, budgets, act_cm, nvme_dir, K)
+        cands = [c for c in baselines(profile, profile_path, hw, budgets, act_cm, nvme_dir, K,
+                                      clock, clock.skipped)
                  if c.origin != "baseline:offload-all"]
     best = _pick(cands)
     act = milp(profile, profile_path, hw, budgets, act_cm, origin="milp-act", solver=solver,
@@ -331,7 +389,11 @@ def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: 
             best = _pick(cands)
     tried = {c.origin: (c.sim.step_s, c.sim.fits, c.sim.peak_gpu_bytes) for c in cands}
     if best is None:
-        raise _no_fit(profile, profile_path, hw, budgets, cm1, solver, clock)
+        raise _no_fit(profile, profile_path, hw, budgets, cm1, solver, clock, len(cands))
+    if clock.skipped:
+        _warn(f"the --time-limit left out {', '.join(clock.skipped)} on this "
+              f"{cm.U}-unit model; the plan is the best of the rest (raise --time-limit to try "
+              "them)")
     plan = best.plan
     if not best.origin.startswith("milp"):
         rec = dataclasses.replace(plan.solver, status=f"{plan.solver.status}: fastest candidate",
@@ -398,6 +460,7 @@ def default_solver() -> str:
 
 
 def cli_solve(args) -> int:
+    t_start = time.perf_counter()     # --time-limit bounds the whole command, loading included
     profile = load_profile(args.profile)
     if args.hardware:
         from .hardware import load_hardware
@@ -418,8 +481,13 @@ def cli_solve(args) -> int:
         raise UserError(f"--micro-batches {args.micro_batches}: give 1 to 4096 passes per "
                         "optimizer step")
     nvme_dir = args.nvme_dir or os.path.join(tempfile.gettempdir(), "tierplan-nvme")
+    time_limit = args.time_limit
+    if time_limit is not None:
+        # what loading took, and what writing the plan will (~1 s per 10,000 units, measured)
+        time_limit = max(0.5, time_limit - (time.perf_counter() - t_start)
+                         - WRITE_S_PER_UNIT * len(profile.layers))
     out = solve_profile(profile, args.profile, hw, budgets, args.policy,
-                        solver=args.solver or default_solver(), time_limit=args.time_limit,
+                        solver=args.solver or default_solver(), time_limit=time_limit,
                         gap=args.gap, nvme_dir=nvme_dir, progress=sys.stderr.isatty(),
                         micro_batches=args.micro_batches, stream=args.stream)
     path = Path(args.output) if args.output else (

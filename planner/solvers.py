@@ -8,10 +8,12 @@ The reported gap is relative to the step time: the model's objective has no cons
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -119,14 +121,29 @@ def make_solver(name: str, time_limit: float | None, gap: float, warm: bool, tmp
     raise UserError(f"--solver '{name}': unknown solver; use {' or '.join(SOLVERS)}")
 
 
+def _die_with_parent() -> None:
+    """In the solver's child, before exec: SIGKILL it when this process dies, however it dies
+    (SIGKILL included), so that no CBC runs on to its time limit after its parent is gone
+    (Linux prctl PR_SET_PDEATHSIG; elsewhere nothing)."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)      # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class _Children:
     """Records the processes PuLP starts during one solve (it keeps no handle we could reach
-    when the solve is interrupted), so that ``kill`` can end one left running."""
+    when the solve is interrupted), so that ``kill`` can end one left running; each is also
+    made to die with this process (``_die_with_parent``)."""
 
     def __init__(self):
         self.procs: list[subprocess.Popen] = []
 
     def Popen(self, *a, **k):          # noqa: N802 -- stands in for subprocess.Popen
+        if sys.platform.startswith("linux") and "preexec_fn" not in k:
+            k["preexec_fn"] = _die_with_parent
         p = subprocess.Popen(*a, **k)
         self.procs.append(p)
         return p
@@ -235,20 +252,71 @@ def _cbc_gap(log_path: str, objective: float, allowed: float) -> float | None:
 
 # ----------------------------------------------------------------------------- solving
 
+_SOLVE_DIR = re.compile(r"^tierplan-solve-(\d+)-")
+
+
+def _lock_dir(path: str) -> int | None:
+    """An exclusive flock on directory ``path`` without waiting: its fd, or None if held."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _solve_dir() -> tuple[str, int]:
+    """A temporary directory for one solve, locked (flock) while this process lives, and the
+    lock's fd. Made under another name and renamed once locked, so that ``_sweep_solve_dirs``
+    never sees it unlocked."""
+    staging = tempfile.mkdtemp(prefix=".tierplan-solve-new-")
+    fd = _lock_dir(staging)
+    final = os.path.join(os.path.dirname(staging),
+                         f"tierplan-solve-{os.getpid()}-{os.path.basename(staging)[-8:]}")
+    try:
+        os.rename(staging, final)
+    except OSError:
+        final = staging
+    return final, fd
+
+
+def _sweep_solve_dirs() -> None:
+    """Remove the solve directories of processes that died without cleaning up (SIGKILL):
+    those whose lock is free."""
+    base = tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for ent in os.scandir(base):
+            if not _SOLVE_DIR.match(ent.name) or not ent.is_dir(follow_symlinks=False):
+                continue
+            fd = _lock_dir(ent.path)
+            if fd is None:
+                continue                      # its solve is running
+            try:
+                shutil.rmtree(ent.path, ignore_errors=True)
+            finally:
+                os.close(fd)
+
+
 @contextlib.contextmanager
 def _solver_run(solver, time_limit, gap, warm, start, progress):
     """A solver and the run around it: its own temp directory, its children killed and the
-    directory removed on every path; yields (pulp solver, CBC log path, HiGHS callback)."""
-    tmp = tempfile.mkdtemp(prefix="tierplan-solve-")
+    directory removed on every path (also SIGTERM, which ``plan`` unwinds like Ctrl-C; after
+    a SIGKILL the next solve sweeps it); yields (pulp solver, CBC log path, HiGHS callback)."""
+    _sweep_solve_dirs()
+    tmp, lock_fd = _solve_dir()
     log_path = os.path.join(tmp, "cbc.log") if solver == "cbc" else None
     stop = threading.Event()
     th = None
     callback = _HighsCallback(progress) if solver == "highs" else None
-    if progress and solver == "cbc":
-        open(log_path, "w").close()
-        th = threading.Thread(target=_tail_progress, args=(log_path, stop), daemon=True)
-        th.start()
     try:
+        if progress and solver == "cbc":
+            open(log_path, "w").close()
+            th = threading.Thread(target=_tail_progress, args=(log_path, stop), daemon=True)
+            th.start()
         s = make_solver(solver, time_limit, gap, warm, tmp, log_path, callback, start)
         with _tracked_children():
             yield s, log_path, callback
@@ -257,6 +325,8 @@ def _solver_run(solver, time_limit, gap, warm, start, progress):
         if th:
             th.join(timeout=2)
         shutil.rmtree(tmp, ignore_errors=True)
+        if lock_fd is not None:
+            os.close(lock_fd)
 
 
 def _run(model: Model, solver, time_limit, gap, warm=False, start=None, progress=False):

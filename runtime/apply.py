@@ -963,6 +963,15 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
                                 "device, so the optimizer step goes through the plan: pass "
                                 "apply_plan(model, plan, optimizer=opt)")
     runner = _Runner(model, plan, plan_path, blocks, nvme, trim_heap, optimizer)
+    if nvme_needed:
+        # Up front (docs/reliability.md): the directory is made, writable and has room for the
+        # plan's NVMe peak, or one line says why; not a raw OSError at the first forward, nor
+        # a full disk found at the backward after the whole forward.
+        try:
+            runner.mover.nvme_store().prepare(int(plan.predicted.peak_nvme_bytes), src)
+        except BaseException:
+            runner.close()
+            raise
     for s in runner.statics.values():
         s.setup()
     runner.wrap()

@@ -26,7 +26,7 @@ from concurrent.futures import Future
 
 import torch
 
-from .files import NvmeStore, byte_view, pread_all, pwrite_all
+from .files import NvmeStore, Sums, byte_view, pread_all, pwrite_all
 
 
 class Counters:
@@ -108,7 +108,7 @@ class Slot:
     """One saved tensor of a group."""
 
     __slots__ = ("shape", "dtype", "nbytes", "offset", "src", "sent", "disk", "host", "out",
-                 "got", "ready", "refs")
+                 "got", "ready", "refs", "read")
 
     def __init__(self, t: torch.Tensor, offset: int):
         self.shape, self.dtype = t.shape, t.dtype
@@ -122,6 +122,7 @@ class Slot:
         self.got = 0              # bytes back
         self.ready = None         # CUDA event: the last copy into ``out`` has been issued
         self.refs = 0
+        self.read = 0             # bytes read back from the file (checksums: verified when all)
 
 
 class Group:
@@ -137,9 +138,11 @@ class Group:
         self.fd = None
         self.futures: list[Future] = []
         self.lock = threading.Lock()
+        self.sums = None
         if tier == "nvme":
             store = mover.nvme_store()
             self.fd, self.path = store.open(label)
+            self.sums = Sums(self.path, label)   # checksums of what is written, checked on read
             # the file goes if the group is dropped unread (an abandoned forward)
             self._fin = weakref.finalize(self, store.unlink_later, self.path)
 
@@ -209,7 +212,7 @@ class Group:
             src = s.src
             if src is None:
                 continue
-            pwrite_all(self.fd, byte_view(as_bytes(src)[lo:hi]), s.offset + lo)
+            pwrite_all(self.fd, byte_view(as_bytes(src)[lo:hi]), s.offset + lo, self.sums)
             c.moved_add("nvme_write", hi - lo)
             s.sent += hi - lo
             if s.sent >= s.nbytes:
@@ -220,7 +223,7 @@ class Group:
         ev.synchronize()
         c = self.m.counters
         for s, lo, hi in parts:
-            pwrite_all(self.fd, byte_view(s.host[lo:hi]), s.offset + lo)
+            pwrite_all(self.fd, byte_view(s.host[lo:hi]), s.offset + lo, self.sums)
             c.moved_add("nvme_write", hi - lo)
             s.disk += hi - lo
             if s.disk >= s.nbytes:
@@ -267,11 +270,16 @@ class Group:
                 if s.host is None:
                     s.host = torch.empty(s.nbytes, dtype=torch.uint8, pin_memory=True)
                     c.add("host", s.nbytes)
-                pread_all(self.fd, byte_view(s.host[lo:hi]), s.offset + lo, self.path)
+                pread_all(self.fd, byte_view(s.host[lo:hi]), s.offset + lo, self.sums)
             else:
                 self._alloc_out(s)
-                pread_all(self.fd, byte_view(s.out[lo:hi]), s.offset + lo, self.path)
+                pread_all(self.fd, byte_view(s.out[lo:hi]), s.offset + lo, self.sums)
                 s.got += hi - lo
+            s.read += hi - lo
+            if s.read >= s.nbytes and self.sums is not None:
+                # the whole tensor is back: its bytes must be those written (raises otherwise,
+                # before the tensor reaches autograd: get() waits for this job)
+                self.sums.verify(s.offset, byte_view(s.host if self.m.cuda else s.out), self.fd)
             c.moved_add("nvme_read", hi - lo)
             if self.tier == "nvme":
                 c.add("nvme", -(hi - lo))
@@ -319,14 +327,19 @@ class Group:
         if all(x.out is None and x.src is None and x.got >= x.nbytes for x in self.slots):
             self._done()
 
-    def _done(self):
+    def _done(self, now: bool = False):
         if self.tier == "nvme" and self._fin.alive:
             self._fin.detach()
             store = self.m.store
             if store is not None:
-                # off the I/O thread, everything queued for this file has run (callers waited):
-                # delete it now; on it, behind whatever is still queued
-                (store.unlink_later if store.on_io_thread() else store.unlink)(self.path)
+                # discard (an exception, an abandoned pass): deleted before it returns, so no
+                # file outlives the exception; after a normal read-back, off the I/O thread
+                # everything queued for this file has run (callers waited): delete it now; on
+                # it, behind whatever is still queued
+                if now:
+                    store.unlink_now(self.path)
+                else:
+                    (store.unlink_later if store.on_io_thread() else store.unlink)(self.path)
         for s in self.slots:
             if s.host is not None:
                 self.m.counters.add("host", -s.nbytes)
@@ -356,4 +369,4 @@ class Group:
         if self.tier == "nvme" and self._fin.alive:
             left = sum(max(0, s.sent - s.got) for s in self.slots)
             c.add("nvme", -left)
-        self._done()
+        self._done(now=True)

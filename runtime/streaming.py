@@ -29,7 +29,7 @@ import torch
 from planner.errors import UserError
 from planner.formats import Tier
 
-from .files import NvmeStore, byte_view, pread_all, pwrite_all
+from .files import NvmeStore, Sums, byte_view, pread_all, pwrite_all
 from .offload import Counters, as_bytes
 
 
@@ -86,6 +86,16 @@ class _Flat:
                 yield k, t, 0, n, off
 
 
+def _covers(ranges, n: int) -> bool:
+    """Whether the byte ranges ``[(lo, hi)]`` together cover ``[0, n)``."""
+    at = 0
+    for lo, hi in sorted(ranges):
+        if lo > at:
+            return False
+        at = max(at, hi)
+    return at >= n
+
+
 class UnitStatic:
     """One unit's parameters, gradients and optimizer state under a home off the device."""
 
@@ -104,6 +114,7 @@ class UnitStatic:
         self.futures: list = []
         self.w_path = self.g_path = self.s_path = None
         self.w_fd = self.g_fd = self.s_fd = None
+        self.w_sums = self.g_sums = self.s_sums = None   # checksums of each file (files.Sums)
         self.w_got = set()                   # params whose weights are on the device
         self.in_use = False
         self.acc_valid = False               # the gradient home holds an accumulation
@@ -127,13 +138,14 @@ class UnitStatic:
             return
         store = self.store_of()
         self.w_fd, self.w_path = store.open(f"w-{self.name}")
+        self.w_sums = Sums(self.w_path, f"w-{self.name}")
         store.submit(self._write_all_weights).result()
         self.c.add("nvme", self.flat.size)
         self._free_weights()
 
     def _write_all_weights(self):
         for t, off, n in self.flat.items:
-            pwrite_all(self.w_fd, byte_view(as_bytes(t.detach())), off)
+            pwrite_all(self.w_fd, byte_view(as_bytes(t.detach())), off, self.w_sums)
 
     def _free_weights(self):
         for _, p in self.params:
@@ -155,10 +167,14 @@ class UnitStatic:
     def _read_weights(self, parts):
         for k, t, lo, hi, off in parts:
             pread_all(self.w_fd, byte_view(as_bytes(t.detach())[lo:hi]), off + lo,
-                      self.w_path)
+                      self.w_sums)
             self.c.moved_add("nvme_read", hi - lo)
             with self.lock:
                 self.w_got.add((k, lo, hi))
+                whole = _covers([(a, b) for kk, a, b in self.w_got if kk == k],
+                                t.numel() * t.element_size())
+            if whole:   # the tensor is back whole: its bytes must be those written
+                self.w_sums.verify(off, byte_view(as_bytes(t.detach())), self.w_fd)
 
     def wait(self) -> None:
         """Block until this unit's I/O issued so far is done (raise its errors); then, on the
@@ -228,6 +244,7 @@ class UnitStatic:
         if self.g_fd is None:
             # the accumulator file lives until the handle closes: counted once, when made
             self.g_fd, self.g_path = self.store_of().open(f"g-{self.name}")
+            self.g_sums = Sums(self.g_path, f"g-{self.name}")
             self.c.add("nvme", size)
         a = int(round(fa * size))
         b = size if fb >= 1 - 1e-12 else int(round(fb * size))
@@ -242,10 +259,11 @@ class UnitStatic:
                 # add the accumulator into the new gradient in its dtype: new + acc, the same
                 # bits as PyTorch's acc + new
                 old = torch.empty(hi - lo, dtype=torch.uint8)
-                pread_all(self.g_fd, byte_view(old), off + lo, self.g_path)
+                pread_all(self.g_fd, byte_view(old), off + lo, self.g_sums)
+                self.g_sums.verify(off + lo, byte_view(old), self.g_fd)
                 self.c.moved_add("nvme_read", hi - lo)
                 part.view(g.dtype).add_(old.view(g.dtype))
-            pwrite_all(self.g_fd, byte_view(part), off + lo)
+            pwrite_all(self.g_fd, byte_view(part), off + lo, self.g_sums)
             self.c.moved_add("nvme_write", hi - lo)
             if hi == g.numel() * g.element_size() and g.numel():
                 # the tensor's accumulated gradient is complete: its norm, as clipping takes it
@@ -264,7 +282,8 @@ class UnitStatic:
         out = []
         for (_, p), (t, off, n) in zip(self.params, _Flat([p for _, p in self.params]).items):
             g = torch.empty(p.shape, dtype=p.dtype, device=self.device)
-            pread_all(self.g_fd, byte_view(as_bytes(g)), off, self.g_path)
+            pread_all(self.g_fd, byte_view(as_bytes(g)), off, self.g_sums)
+            self.g_sums.verify(off, byte_view(as_bytes(g)), self.g_fd)
             self.c.moved_add("nvme_read", n)
             if scale is not None:
                 g.mul_(scale)         # the same clamped float32 scale torch multiplies by
@@ -312,7 +331,8 @@ class UnitStatic:
         for k, key, v in tens:
             n = v.numel() * v.element_size()
             v.untyped_storage().resize_(n)
-            pread_all(self.s_fd, byte_view(as_bytes(v)), off, self.s_path)
+            pread_all(self.s_fd, byte_view(as_bytes(v)), off, self.s_sums)
+            self.s_sums.verify(off, byte_view(as_bytes(v)), self.s_fd)
             self.c.moved_add("nvme_read", n)
             off += n
 
@@ -326,6 +346,7 @@ class UnitStatic:
             tens = self.state_tensors(opt_state)
             if self.s_fd is None:
                 self.s_fd, self.s_path = store.open(f"s-{self.name}")
+                self.s_sums = Sums(self.s_path, f"s-{self.name}")
                 self.c.add("nvme", sum(v.numel() * v.element_size() for _, _, v in tens))
             self.state_layout = [(k, key) for k, key, _ in tens]
             jobs.append(store.submit(self._write_state, tens))
@@ -349,7 +370,7 @@ class UnitStatic:
         off = 0
         for k, key, v in tens:
             n = v.numel() * v.element_size()
-            pwrite_all(self.s_fd, byte_view(as_bytes(v)), off)
+            pwrite_all(self.s_fd, byte_view(as_bytes(v)), off, self.s_sums)
             self.c.moved_add("nvme_write", n)
             off += n
 

@@ -4,8 +4,10 @@ smallest budget that fits, and no traceback ever reaches the user."""
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -111,3 +113,227 @@ def test_output_goes_quietly_to_a_pipe(files):
         assert r.returncode == 0, r.stderr
         assert "\x1b[" not in r.stdout + r.stderr and "\r" not in r.stdout + r.stderr
         assert r.stderr == ""
+
+
+# ----------------------------------------------------------------------------- issue 11
+
+def _edit(src: Path, dst: Path, fn) -> Path:
+    d = json.loads(src.read_text())
+    fn(d)
+    dst.write_text(json.dumps(d))
+    return dst
+
+
+def _hw_yaml(dst: Path, **fields) -> Path:
+    import yaml
+    d = yaml.safe_load((ROOT / "profiles" / "hardware" / "h100-80g.yaml").read_text())
+    d.update(fields)
+    text = yaml.safe_dump(d)
+    for k, v in fields.items():                   # YAML's own spellings of non-numbers
+        if isinstance(v, float) and v != v:
+            text = text.replace(f"{k}: .nan", f"{k}: .nan")
+    dst.write_text(text)
+    return dst
+
+
+def _swap_ends(key):
+    def fn(d):
+        d[key][0], d[key][-1] = d[key][-1], d[key][0]
+    return fn
+
+
+@pytest.mark.parametrize("case", [
+    "invalid-utf8", "deep-nesting", "huge-size", "long-path", "long-name", "fifo", "dev-zero",
+    "event-unit-missing", "shared-from-later", "shared-from-self", "head-first-profile",
+    "head-first-plan", "duplicate-blocks", "blocks-only", "zero-and-huge-times",
+    "hw-nan", "hw-inf", "hw-negative", "hw-wrong-type", "hw-tiny-bandwidth", "hw-alias",
+    "diff-inconsistent", "nan-literal", "huge-int-field",
+])
+def test_issue_11_inputs_exit_2_with_one_line(files, case, tmp_path):
+    """Every input the adversarial pass found crashing, hanging or accepted: one line, exit 2,
+    naming the file (and the field where there is one)."""
+    d, prof, plan = files
+    t = tmp_path
+    argv, needle = {
+        "invalid-utf8": lambda: ((t / "u.json").write_bytes(b'{"schema": "\xff"}') and
+                                 (["simulate", str(t / "u.json")], "not UTF-8")),
+        "deep-nesting": lambda: ((t / "n.json").write_text("[" * 100_000 + "]" * 100_000) and
+                                 (["inspect", str(t / "n.json")], "deep")),
+        "huge-size": lambda: (["solve", str(prof), "--gpu-mem=1" + "0" * 400], "--gpu-mem"),
+        "long-path": lambda: (["simulate", "x/" * 3000], "more than 4096"),
+        "long-name": lambda: (["simulate", "x" * 300 + ".json"], "File name too long"),
+        "fifo": lambda: (os.mkfifo(t / "f") or (["simulate", str(t / "f")], "FIFO")),
+        "dev-zero": lambda: (["simulate", "/dev/zero"], "character device"),
+        "event-unit-missing": lambda: (["simulate", str(_edit(plan, t / "p.json", lambda x: x[
+            "schedule"]["compute"][0].update(units=["no.such"], id="F:no.such")))], "no.such"),
+        "shared-from-later": lambda: (["solve", str(_edit(prof, t / "p.json", lambda x: x[
+            "layers"][1].update(shared_from="head"))), "--gpu-mem=80G"], "not an earlier unit"),
+        "shared-from-self": lambda: (["solve", str(_edit(prof, t / "p.json", lambda x: x[
+            "layers"][2].update(shared_from=x["layers"][2]["name"]))), "--gpu-mem=80G"],
+            "not an earlier unit"),
+        "head-first-profile": lambda: (["solve", str(_edit(prof, t / "p.json",
+                                                           _swap_ends("layers"))),
+                                        "--gpu-mem=80G"], "embedding, then blocks"),
+        "head-first-plan": lambda: (["simulate", str(_edit(plan, t / "p.json", lambda x: (
+            _swap_ends("units")(x), _swap_ends("layers")(x))))], "embedding, then blocks"),
+        "duplicate-blocks": lambda: (["solve", str(_edit(prof, t / "p.json", lambda x: x[
+            "layers"][2].update(name=x["layers"][1]["name"]))), "--gpu-mem=80G"], "twice"),
+        "blocks-only": lambda: (["solve", str(_edit(prof, t / "p.json", lambda x: x.update(
+            layers=x["layers"][1:-1]))), "--gpu-mem=80G"], "embedding, then blocks"),
+        "zero-and-huge-times": lambda: (["solve", str(_edit(prof, t / "p.json", lambda x: (
+            x["layers"][1].update(fwd_s=0.0), x["layers"][2].update(bwd_s=1e308)))),
+            "--gpu-mem=80G"], "bwd_s"),
+        "hw-nan": lambda: (["solve", str(prof), "--gpu-mem=80G", "--hardware",
+                            str(_hw_yaml(t / "h.yaml", nvme_read_bandwidth=float("nan")))],
+                           "nvme_read_bandwidth"),
+        "hw-inf": lambda: (["solve", str(prof), "--gpu-mem=80G", "--hardware",
+                            str(_hw_yaml(t / "h.yaml", h2d_bandwidth=float("inf")))],
+                           "h2d_bandwidth"),
+        "hw-negative": lambda: (["solve", str(prof), "--gpu-mem=80G", "--hardware",
+                                 str(_hw_yaml(t / "h.yaml", memory_bytes=-5))], "memory_bytes"),
+        "hw-wrong-type": lambda: (["solve", str(prof), "--gpu-mem=80G", "--hardware",
+                                   str(_hw_yaml(t / "h.yaml", efficiency="high"))], "efficiency"),
+        "hw-tiny-bandwidth": lambda: (["solve", str(prof), "--gpu-mem=80G", "--hardware",
+                                       str(_hw_yaml(t / "h.yaml", d2h_bandwidth=1e-300))],
+                                      "d2h_bandwidth"),
+        "hw-alias": lambda: ((t / "h.yaml").write_text(
+            (ROOT / "profiles" / "hardware" / "h100-80g.yaml").read_text()
+            + "\nx: &a [1, 1]\ny: [*a, *a]\n") and (["solve", str(prof), "--gpu-mem=80G",
+                                                     "--hardware", str(t / "h.yaml")], "aliases")),
+        "diff-inconsistent": lambda: (["diff", str(plan), str(_edit(plan, t / "p.json", lambda x:
+            x["schedule"]["compute"].pop()))], "does not match its layers"),
+        "nan-literal": lambda: ((t / "p.json").write_text(plan.read_text().replace(
+            '"step_s": ', '"step_s": NaN, "x": ', 1)) and
+            (["simulate", str(t / "p.json")], "step_s is NaN")),
+        "huge-int-field": lambda: (["simulate", str(_edit(plan, t / "p.json", lambda x: x[
+            "units"][1].update(fwd_flops=10**400)))], "fwd_flops"),
+    }[case]()
+    err = _one_line_no_traceback(run(*argv, cwd=t), 2)
+    assert needle in err, err
+
+
+def _is_char_device(p) -> bool:
+    import stat
+    return stat.S_ISCHR(os.stat(p).st_mode)
+
+
+def test_outputs_never_clobber(files, tmp_path):
+    """-o refuses devices, folders, FIFOs and the command's own input for every verb that
+    writes, before any work; a missing folder is made one level deep only."""
+    _, prof, plan = files
+    t = tmp_path
+    if os.geteuid() == 0:                       # a /dev/null of our own: replacing it is safe
+        os.mknod(t / "null", 0o666 | __import__("stat").S_IFCHR, os.makedev(1, 3))
+    else:
+        os.symlink("/dev/null", t / "null")
+    (t / "dir").mkdir()
+    os.mkfifo(t / "fifo")
+    own = t / "prof.json"
+    own.write_bytes(prof.read_bytes())
+    before = own.read_bytes()
+    solve = ["solve", str(own), "--gpu-mem=80G", "--cpu-mem=512G", "--time-limit=5"]
+    for argv, needle in (
+            (solve + ["-o", str(t / "null")], "character device"),
+            (solve + ["-o", str(own)], "the command's input"),
+            (solve + ["-o", str(t / "dir")], "is a directory"),
+            (solve + ["-o", str(t / "fifo")], "FIFO"),
+            (solve + ["-o", str(t / "a" / "b" / "p.json")], "does not exist"),
+            (["hardware", "--size=8M", "-o", str(t / "dir")], "is a directory"),
+            (["hardware", "--size=8M", "-o", str(t / "null")], "character device"),
+            (["profile", "gpt-tiny", "--batch=1", "--seq=8", "-o", str(t / "fifo")], "FIFO"),
+            (["inspect", str(plan), "--plot", str(plan)], "the command's input"),
+    ):
+        err = _one_line_no_traceback(run(*argv, cwd=t), 2)
+        assert needle in err, (argv, err)
+    assert _is_char_device(t / "null") and own.read_bytes() == before
+    assert sorted(p.name for p in t.iterdir()) == ["dir", "fifo", "null", "prof.json"]
+    assert list((t / "dir").iterdir()) == []
+    r = run(*solve, "-o", str(t / "new" / "p.json"), cwd=t)   # one level: made
+    assert r.returncode == 0, r.stderr
+    assert (t / "new" / "p.json").is_file() and not list(t.glob("**/.*.tmp"))
+
+
+def _children_named(pid: int, word: str) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat_ = (d / "stat").read_text()
+            ppid = int(stat_.rsplit(")", 1)[1].split()[1])
+            cmd = (d / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and word.encode() in cmd:
+            out.append(int(d.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _solve_dirs(pid: int) -> list[Path]:
+    import tempfile
+    return list(Path(tempfile.gettempdir()).glob(f"tierplan-solve-{pid}-*"))
+
+
+@pytest.fixture(scope="module")
+def cbc_profile(tmp_path_factory):
+    """A profile whose CBC search runs for seconds (so a signal finds CBC running)."""
+    d = tmp_path_factory.mktemp("cbc")
+    return write_json_atomic(d / "p120.json", uniform_profile(
+        120, load_hardware("h100-80g"), jitter=0.05, param_bytes=20_000_000).to_dict())
+
+
+def _start_cbc_solve(cbc_profile, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([PLAN, "solve", str(cbc_profile), "--gpu-mem=40G", "--cpu-mem=512G",
+                             "--solver=cbc", "--time-limit=300", "-o", str(tmp_path / "o.json")],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240            # a loaded host builds the model slowly
+    while time.time() < deadline and proc.poll() is None:
+        kids = [k for k in _children_named(proc.pid, "cbc") if _alive(k)]
+        if kids:
+            return proc, kids
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail(f"no CBC process appeared (exit {proc.poll()}): {proc.communicate()[1][-800:]}")
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_interrupted_solve_ends_its_solver_and_removes_its_files(cbc_profile, tmp_path, sig,
+                                                                 code):
+    proc, kids = _start_cbc_solve(cbc_profile, tmp_path)
+    assert _solve_dirs(proc.pid), "the solve's temporary directory exists while CBC runs"
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    deadline = time.time() + 30
+    while time.time() < deadline and any(_alive(k) for k in kids):
+        time.sleep(0.05)
+    assert not any(_alive(k) for k in kids), "CBC still running after plan exited"
+    assert _solve_dirs(proc.pid) == [] and not (tmp_path / "o.json").exists()
+
+
+def test_sigkilled_solve_takes_its_solver_along_and_is_swept(cbc_profile, files, tmp_path):
+    proc, kids = _start_cbc_solve(cbc_profile, tmp_path)
+    stale = _solve_dirs(proc.pid)
+    assert stale
+    proc.kill()
+    proc.communicate(timeout=120)
+    deadline = time.time() + 30           # PR_SET_PDEATHSIG: CBC gets SIGKILL with its parent
+    while time.time() < deadline and any(_alive(k) for k in kids):
+        time.sleep(0.05)
+    assert not any(_alive(k) for k in kids), "CBC outlived a SIGKILLed plan"
+    assert all(p.exists() for p in stale), "SIGKILL cannot clean up; the next solve must"
+    _, prof, _ = files
+    r = run("solve", str(prof), "--gpu-mem=30G", "--cpu-mem=512G", "--solver=cbc",
+            "-o", str(tmp_path / "next.json"))
+    assert r.returncode == 0, r.stderr
+    assert not any(p.exists() for p in stale)

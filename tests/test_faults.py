@@ -1,0 +1,432 @@
+"""Faults injected into the runtime's files, directories and process: every fault ends in one
+clear line (naming the file and the unit) or in gradients equal to plain PyTorch's, never in
+silently wrong ones, and nothing is left on disk (docs/reliability.md, "Runtime faults").
+
+Signals and timing: every wait here is for an event (a line on a pipe, a process's exit)
+with a deadline far above what it takes on a loaded 2-core host, never a fixed sleep.
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import plan_for
+from planner.formats import Home, Tier
+from planner.models import build_model, load_config, make_inputs
+from runtime import apply_plan
+from runtime.files import MADE, NvmeDirError, OffloadCorrupted, OffloadError
+
+REPO = Path(__file__).resolve().parents[1]
+B, S, LAYERS = 2, 16, 4
+CFG = dict(load_config("gpt-tiny"), n_layers=LAYERS, dtype="fp32")
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return build_model(CFG, dtype="fp32")
+
+
+def _inputs(k=0):
+    return make_inputs(CFG, B, S, seed=k)
+
+
+def _plain_grads(steps=1):
+    m = _model()
+    torch.manual_seed(7)
+    m(**_inputs()).loss.backward()
+    return [p.grad.clone() for p in m.parameters()]
+
+
+def _maxdiff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def _bins(d: Path):
+    return sorted(p for p in d.rglob("*.bin") if p.is_file())
+
+
+def _drain(h):
+    """Wait until the runtime's I/O queue is empty (its thread runs jobs in order)."""
+    store = h._r.mover.store
+    if store is not None and store.pool is not None:
+        store.pool.submit(lambda: None).result()
+
+
+def _one_line(msg: str):
+    assert "\n" not in msg, msg
+    return msg
+
+
+# ----------------------------------------------------------------------------- corrupted files
+
+def _corrupt(path: Path, fault: str) -> None:
+    data = bytearray(path.read_bytes())
+    if fault == "garbage":
+        path.write_bytes(os.urandom(len(data)))
+    elif fault == "flip":                  # one bit of one byte in the middle
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+    elif fault == "zeros":
+        path.write_bytes(bytes(len(data)))
+    elif fault == "truncate":
+        os.truncate(path, len(data) // 3)
+    elif fault == "delete":                # the name goes; the runtime's open file stays
+        path.unlink()
+    elif fault == "append":                # bytes after what was written are never read
+        with open(path, "ab") as f:
+            f.write(b"\xff" * 4096)
+    else:
+        raise AssertionError(fault)
+
+
+@pytest.mark.parametrize("fault,caught", [("garbage", True), ("flip", True), ("zeros", True),
+                                          ("truncate", True), ("delete", False),
+                                          ("append", False)])
+def test_offload_file_changed_between_forward_and_backward(tmp_path, fault, caught):
+    """An activation file changed on disk after it was written: the backward stops with one
+    line naming the file and the unit, or (a change that loses nothing) matches PyTorch."""
+    g0 = _plain_grads()
+    nvme = tmp_path / "n"
+    m = _model()
+    h = apply_plan(m, plan_for(m, "offload-all", B, S, nvme_dir=nvme))
+    torch.manual_seed(7)
+    out = m(**_inputs())
+    _drain(h)
+    files = {p.name.rsplit("-", 1)[0]: p for p in _bins(nvme)}
+    assert set(files) == {f"blocks.{i}" for i in range(LAYERS)}
+    victim = files["blocks.1"]
+    _corrupt(victim, fault)
+    if caught:
+        with pytest.raises(OffloadCorrupted) as e:
+            out.loss.backward()
+        msg = _one_line(str(e.value))
+        assert str(victim) in msg and "'blocks.1'" in msg and "training stopped" in msg
+        if fault == "truncate":
+            assert "truncated" in msg
+        else:
+            assert "checksum" in msg
+        # the unit's gradients were never computed from the bad bytes: blocks.1 and every
+        # unit before it have none
+        assert all(p.grad is None for p in m.blocks[1].parameters())
+        assert all(p.grad is None for p in m.blocks[0].parameters())
+        del out
+    else:
+        out.loss.backward()
+        assert _maxdiff([p.grad for p in m.parameters()], g0) <= 1e-6
+    h.remove()
+    assert not nvme.exists(), list(nvme.rglob("*"))
+
+
+def test_checkpoint_file_corruption_is_caught(tmp_path):
+    """A recompute checkpoint kept on NVMe, changed on disk: caught when read back."""
+    m = _model()
+    layers = [("recompute", "nvme"), ("recompute", "none"), ("keep", None), ("keep", None)]
+    h = apply_plan(m, plan_for(m, layers, B, S, nvme_dir=tmp_path / "n"))
+    out = m(**_inputs())
+    _drain(h)
+    (ck,) = _bins(tmp_path / "n")
+    assert ck.name.startswith("ck-blocks.0")
+    _corrupt(ck, "flip")
+    with pytest.raises(OffloadCorrupted, match="recompute checkpoint of unit 'blocks.0'") as e:
+        out.loss.backward()
+    _one_line(str(e.value))
+    del out
+    h.remove()
+    assert not (tmp_path / "n").exists()
+
+
+def _remove_after_fault(h, what):
+    """remove() cannot put a corrupted home copy back either, and says so the same way; the
+    files go with the store (closed here by hand; at exit by its exit handler)."""
+    with pytest.raises(OffloadCorrupted, match=what):
+        h.remove()
+    h._r.close()
+
+
+def _streamed(tmp_path, home: Home, micro_batches=1):
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    plan = plan_for(m, "keep-all", B, S, nvme_dir=tmp_path / "n", homes={"blocks": home},
+                    micro_batches=micro_batches)
+    return m, opt, apply_plan(m, plan, optimizer=opt)
+
+
+def test_streamed_weights_file_corruption_is_caught(tmp_path):
+    """Weights at home on NVMe, changed on disk between two steps: the next forward stops."""
+    m, opt, h = _streamed(tmp_path, Home(Tier.NVME, Tier.GPU, Tier.GPU, Tier.GPU))
+    m(**_inputs()).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    _drain(h)
+    w = [p for p in _bins(tmp_path / "n") if p.name.startswith("w-blocks.2")]
+    assert len(w) == 1
+    _corrupt(w[0], "garbage")
+    with pytest.raises(OffloadCorrupted, match="weights of unit 'blocks.2'") as e:
+        m(**_inputs(1)).loss.backward()
+    _one_line(str(e.value))
+    _remove_after_fault(h, "weights of unit 'blocks.2'")
+    assert not (tmp_path / "n").exists()
+
+
+def test_streamed_gradient_accumulator_corruption_is_caught(tmp_path):
+    """Gradients accumulated on NVMe over two micro-batches, the accumulator changed between
+    them: the second pass stops instead of adding to garbage."""
+    m, opt, h = _streamed(tmp_path, Home(Tier.GPU, Tier.NVME, Tier.GPU, Tier.GPU), 2)
+    (m(**_inputs()).loss / 2).backward()
+    for s in h._r.statics.values():
+        s.wait()
+    _drain(h)
+    g = [p for p in _bins(tmp_path / "n") if p.name.startswith("g-blocks.1")]
+    assert len(g) == 1
+    _corrupt(g[0], "zeros")
+    with pytest.raises(OffloadCorrupted, match="gradients of unit 'blocks.1'") as e:
+        (m(**_inputs(1)).loss / 2).backward()
+        for s in h._r.statics.values():
+            s.wait()
+    _one_line(str(e.value))
+    _remove_after_fault(h, "gradients of unit 'blocks.1'")
+    assert not (tmp_path / "n").exists()
+
+
+def test_streamed_optimizer_state_corruption_is_caught(tmp_path):
+    m, opt, h = _streamed(tmp_path, Home(Tier.GPU, Tier.GPU, Tier.NVME, Tier.GPU))
+    m(**_inputs()).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    _drain(h)
+    st = [p for p in _bins(tmp_path / "n") if p.name.startswith("s-blocks.3")]
+    assert len(st) == 1
+    _corrupt(st[0], "flip")
+    m(**_inputs(1)).loss.backward()
+    with pytest.raises(OffloadCorrupted, match="optimizer state of unit 'blocks.3'") as e:
+        opt.step()
+    _one_line(str(e.value))
+    _remove_after_fault(h, "optimizer state of unit 'blocks.3'")
+    assert not (tmp_path / "n").exists()
+
+
+def test_streaming_without_faults_still_matches_pytorch(tmp_path):
+    """The checksums change nothing when nothing is wrong: weights, gradients and state all
+    at home on NVMe, two steps, the same weights as plain PyTorch."""
+    ref = _model()
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for k in range(2):
+        ref(**_inputs(k)).loss.backward()
+        ropt.step()
+        ropt.zero_grad()
+    m, opt, h = _streamed(tmp_path, Home(Tier.NVME, Tier.NVME, Tier.NVME, Tier.GPU))
+    for k in range(2):
+        m(**_inputs(k)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    h.remove()
+    assert _maxdiff(list(m.parameters()), list(ref.parameters())) <= 1e-6
+    assert not (tmp_path / "n").exists()
+
+
+# ----------------------------------------------------------------------------- directories
+
+def test_nvme_dir_that_is_a_file_is_refused_up_front(tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("mine")
+    m = _model()
+    for nvme in (f, f / "sub"):
+        with pytest.raises(NvmeDirError, match="is not a directory") as e:
+            apply_plan(m, plan_for(m, "offload-all", B, S, nvme_dir=nvme))
+        assert str(f) in _one_line(str(e.value))
+    assert f.read_text() == "mine" and sorted(os.listdir(tmp_path)) == ["afile"]
+    apply_plan(m, plan_for(m, "keep-all", B, S)).remove()   # nothing was left applied
+
+
+def _unwritable_dir(tmp_path) -> Path | None:
+    """A directory this process cannot create anything in."""
+    if os.geteuid() != 0:
+        d = tmp_path / "ro"
+        d.mkdir()
+        d.chmod(0o555)
+        return d
+    for cand in ("/sys/kernel", "/sys/fs", "/proc/self"):   # root: a file system that refuses
+        try:
+            os.mkdir(os.path.join(cand, "tierplan-probe"))
+        except OSError:
+            return Path(cand)
+        os.rmdir(os.path.join(cand, "tierplan-probe"))
+    return None
+
+
+def test_unwritable_nvme_dir_is_refused_up_front(tmp_path):
+    ro = _unwritable_dir(tmp_path)
+    if ro is None:
+        pytest.skip("no directory here refuses this user's writes")
+    m = _model()
+    for nvme in (ro, ro / "missing"):
+        with pytest.raises(NvmeDirError) as e:
+            apply_plan(m, plan_for(m, "offload-all", B, S, nvme_dir=nvme))
+        msg = _one_line(str(e.value))
+        assert str(ro) in msg and ("not writable" in msg or "cannot create" in msg)
+
+
+def test_too_little_room_is_refused_up_front(tmp_path):
+    """A disk without room for the plan's NVMe peak: refused by apply_plan, before a forward
+    that would fill the disk and fail only at the backward."""
+    m = _model()
+    plan = plan_for(m, "offload-all", B, S, nvme_dir=tmp_path / "n")
+    st = os.statvfs(tmp_path)
+    free = st.f_bavail * st.f_frsize
+    big = dataclasses.replace(plan, predicted=dataclasses.replace(
+        plan.predicted, peak_nvme_bytes=free + 2**40))
+    with pytest.raises(NvmeDirError, match="bytes free but") as e:
+        apply_plan(m, big)
+    _one_line(str(e.value))
+    assert os.listdir(tmp_path) == []           # the folder it made is gone again
+    h = apply_plan(m, plan)                     # and the model is free for the next try
+    h.remove()
+
+
+def test_disk_full_during_forward_stops_with_one_line(tmp_path, monkeypatch):
+    """The disk fills after the up-front check: the write fails at the next stage of the
+    forward, one line naming the file, and nothing is left."""
+    m = _model()
+    h = apply_plan(m, plan_for(m, "offload-all", B, S, nvme_dir=tmp_path / "n"))
+    real = os.pwrite
+    written = [0]
+
+    def pwrite(fd, data, offset):
+        written[0] += 1
+        if written[0] > 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data, offset)
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    with pytest.raises(OffloadError, match="disk is full") as e:
+        m(**_inputs()).loss.backward()
+    msg = _one_line(str(e.value))
+    assert "cannot write offload file" in msg and "activations of unit 'blocks." in msg
+    monkeypatch.setattr(os, "pwrite", real)
+    h.remove()
+    assert not (tmp_path / "n").exists()
+
+
+# ----------------------------------------------------------------------------- processes
+
+CHILD = textwrap.dedent("""
+    import os, sys, time, torch
+    sys.path.insert(0, {tests!r})
+    from conftest import plan_for
+    from planner.models import build_model, load_config, make_inputs
+    from runtime import apply_plan
+    cfg = dict(load_config("gpt-tiny"), dtype="fp32", n_layers=4)
+    torch.manual_seed(0)
+    model = build_model(cfg, dtype="fp32")
+    h = apply_plan(model, plan_for(model, "offload-all", 2, 16, nvme_dir={nvme!r}))
+    mode = {mode!r}
+    if mode == "train":
+        for k in range(3):
+            model(**make_inputs(cfg, 2, 16, seed=k)).loss.backward()
+        h.remove()
+        print("DONE", flush=True)
+        sys.exit(0)
+    out = model(**make_inputs(cfg, 2, 16))
+    def slow(g):
+        print("IN_BACKWARD", h._r.mover.store.dir, flush=True)
+        time.sleep(600)
+    out.logits.register_hook(slow)
+    out.loss.backward()
+""")
+
+
+def _spawn(nvme, mode):
+    code = CHILD.format(tests=str(REPO / "tests"), nvme=str(nvme), mode=mode)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+
+
+def _read_line(proc, timeout=300.0) -> str:
+    """The child's next stdout line, waiting at most ``timeout`` (a loaded host is slow to
+    import torch; a hung child must not hang the suite)."""
+    r, _, _ = select.select([proc.stdout], [], [], timeout)
+    if not r:
+        proc.kill()
+        raise AssertionError(f"no line within {timeout} s; stderr: {proc.stderr.read()[-2000:]}")
+    return proc.stdout.readline()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_no_file_left_after_a_signal_during_backward(tmp_path, sig):
+    """SIGTERM is handled like SIGINT: the training loop unwinds and every file and every
+    folder the runtime made is gone."""
+    nvme = tmp_path / "deep" / "nvme"
+    proc = _spawn(nvme, "hang")
+    line = _read_line(proc)
+    assert line.startswith("IN_BACKWARD"), (line, proc.stderr.read())
+    assert _bins(nvme), "the offload files exist while the backward runs"
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert ("Terminated" if sig == signal.SIGTERM else "KeyboardInterrupt") in err
+    assert not (tmp_path / "deep").exists(), list(tmp_path.rglob("*"))
+
+
+def test_sigkilled_run_is_swept_by_the_next(tmp_path):
+    """SIGKILL leaves the directory and its files; the next run under the same nvme_dir
+    removes them (its owner's lock is free), and leaves what is not the runtime's."""
+    nvme = tmp_path / "n"
+    nvme.mkdir()
+    (nvme / "mine.txt").write_text("not the runtime's")
+    proc = _spawn(nvme, "hang")
+    line = _read_line(proc)
+    assert line.startswith("IN_BACKWARD"), (line, proc.stderr.read())
+    stale = Path(line.split()[1])
+    assert stale.is_dir() and list(stale.glob("*.bin"))
+    proc.kill()
+    proc.wait(timeout=300)
+    assert stale.is_dir(), "SIGKILL cannot clean up; the next run must"
+    # a live process's directory is never swept: start one and keep it running meanwhile
+    live = _spawn(nvme, "hang")
+    live_dir = Path(_read_line(live).split()[1])
+    m = _model()
+    h = apply_plan(m, plan_for(m, "offload-all", B, S, nvme_dir=nvme))
+    assert not stale.exists()
+    assert live_dir.is_dir() and list(live_dir.glob("*.bin"))
+    m(**_inputs()).loss.backward()
+    h.remove()
+    live.kill()
+    live.wait(timeout=300)
+    assert (nvme / "mine.txt").read_text() == "not the runtime's"
+
+
+def test_processes_sharing_a_missing_nvme_dir_do_not_collide(tmp_path):
+    """Four processes train at once under one nvme_dir that does not exist: each gets its own
+    directory, none fails, and the folders they made are gone when the last one leaves."""
+    nvme = tmp_path / "shared" / "nvme"
+    procs = [_spawn(nvme, "train") for _ in range(4)]
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0 and "DONE" in out, err[-2000:]
+    assert not (tmp_path / "shared").exists(), list(tmp_path.rglob("*"))
+
+
+def test_existing_folder_marked_by_nobody_is_kept(tmp_path):
+    """A folder that existed is never removed, empty or not; a folder the runtime made is,
+    and only while it holds nothing but its mark."""
+    m = _model()
+    keep = tmp_path / "exists"
+    keep.mkdir()
+    h = apply_plan(m, plan_for(m, "offload-all", B, S, nvme_dir=keep / "made"))
+    assert (keep / "made" / MADE).is_dir()
+    m(**_inputs()).loss.backward()
+    (keep / "made" / "user-file.txt").write_text("x")      # someone else's file appears
+    h.remove()
+    assert keep.is_dir() and (keep / "made" / "user-file.txt").exists()
