@@ -1,8 +1,9 @@
 """``python -m planner.budget PROFILE --fraction F``: a GPU budget for experiments.
 
 Prints, in bytes, the static state + the embedding's and head's saved bytes + the largest
-workspace + the shared tensors + the fraction F of the blocks' saved bytes: the budget the benchmarks and the demo
-use to ask "what if only F of the blocks' activations fit?".
+workspace + the shared tensors + the fraction F of the blocks' saved bytes + the reserve of the
+profile's hardware spec (``reserved_bytes``, which every budget keeps free): the budget the
+benchmarks and the demo use to ask "what if only F of the blocks' activations fit?".
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def fraction_budget(profile: Profile, fraction: float) -> int:
                + sum(u.saved_bytes for u in others)
                + max(u.workspace_bytes for u in profile.layers)
                + shared
-               + fraction * sum(u.activation_bytes for u in blocks))
+               + fraction * sum(u.activation_bytes for u in blocks)
+               + int((profile.hardware or {}).get("reserved_bytes") or 0))
 
 
 def main(argv=None) -> int:

@@ -108,8 +108,8 @@ MAX_BYTES = 2**60            # 1 EiB
 MAX_COUNT = 2**53            # the largest integer a float holds exactly
 MAX_SECONDS = 1e6            # 11.6 days for one unit's forward, or one step
 MAX_FLOPS = 1e30             # a unit's FLOPs; 1e30 is ~10^6 x GPT-3's training compute
-MIN_RATE, MAX_RATE = 1e3, 1e15        # bytes/s of a link or a drive: 1 kB/s .. 1 PB/s
-MIN_FLOP_RATE, MAX_FLOP_RATE = 1e6, 1e21   # FLOP/s: 1 MFLOP/s .. 1 ZFLOP/s
+MIN_RATE, MAX_RATE = 1.0, 1e15        # bytes/s of a link or a drive: 1 B/s .. 1 PB/s
+MIN_FLOP_RATE, MAX_FLOP_RATE = 1.0, 1e21   # FLOP/s: 1 .. 1 ZFLOP/s
 MAX_NAME = 1000              # characters of a name (qualified module names are < 200)
 
 
@@ -146,6 +146,12 @@ _KINDS = {
     "dict?": (lambda v: v is None or isinstance(v, dict), "null or a mapping"),
     "str": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
     "str?": (lambda v: v is None or isinstance(v, str), "null or a string"),
+    # free text printed in one-line messages and tables: no control characters
+    "text": (lambda v: isinstance(v, str) and v != "" and len(v) <= 10_000 and v.isprintable(),
+             "a non-empty printable string (no line breaks or control characters)"),
+    "text?": (lambda v: v is None or (isinstance(v, str) and len(v) <= 10_000
+                                      and v.isprintable()),
+              "null or a printable string (no line breaks or control characters)"),
     "name": (_name_ok, f"a non-empty printable string of at most {MAX_NAME} characters"),
     "name?": (lambda v: v is None or _name_ok(v),
               f"null or a non-empty printable string of at most {MAX_NAME} characters"),
@@ -240,6 +246,9 @@ class HardwareSpec:
     def flops_per_s(self, dtype: str) -> float:
         """Achievable FLOP/s for ``dtype``."""
         peak = self.peak_flops.get(dtype) or self.peak_flops.get("fp32")
+        if peak is None:
+            raise UserError(f"hardware spec {self.name!r} gives no peak_flops for {dtype} (nor "
+                            "fp32, which other dtypes fall back to); add it")
         return float(peak) * self.efficiency
 
     @property
@@ -277,11 +286,11 @@ class HardwareSpec:
         if not spec.unified_memory and (spec.h2d_bandwidth <= 0 or spec.d2h_bandwidth <= 0):
             raise UserError(f"{where}: a spec with a separate host tier needs positive "
                             "h2d_bandwidth and d2h_bandwidth")
-        if "fp32" not in spec.peak_flops or not all(
+        if not spec.peak_flops or not all(
                 isinstance(k, str) and k.isprintable() and 0 < len(k) <= 16 and _num(v)
                 and MIN_FLOP_RATE <= v <= MAX_FLOP_RATE for k, v in spec.peak_flops.items()):
-            raise UserError(f"{where}: peak_flops must map dtypes (fp32 at least: every other "
-                            f"falls back to it) to FLOP/s from {MIN_FLOP_RATE:g} to "
+            raise UserError(f"{where}: peak_flops must map dtypes (a dtype not listed falls "
+                            f"back to fp32) to FLOP/s from {MIN_FLOP_RATE:g} to "
                             f"{MAX_FLOP_RATE:g}; {fix}")
         if not 0 < spec.efficiency <= 1:
             raise UserError(f"{where}: efficiency must be in (0, 1], got {spec.efficiency!r}; {fix}")
@@ -614,7 +623,7 @@ class Prediction:
 
 
 _BUDGET_FIELDS = {"gpu_bytes": "bytes", "cpu_bytes": "bytes", "nvme_bytes": "bytes"}
-_SOLVER_FIELDS = {"name": "str", "status": "str", "origin": "str?", "objective": "number?",
+_SOLVER_FIELDS = {"name": "text", "status": "text", "origin": "text?", "objective": "number?",
                   "gap": "number?", "solve_s": "number", "variables": "count",
                   "constraints": "count"}
 _PREDICTED_FIELDS = {"step_s": "number", "compute_s": "number", "pass_s": "number",
@@ -715,7 +724,7 @@ class Plan:
 
 
 _PLAN_FIELDS = {"profile": "dict", "model": "dict", "hardware": "dict", "budgets": "dict",
-                "policy": "str", "solver": "dict", "predicted": "dict", "units": "list",
+                "policy": "name", "solver": "dict", "predicted": "dict", "units": "list",
                 "layers": "list", "schedule": "dict", "nvme_dir": "path?", "optimizer_s": "seconds",
                 "optimizer_workspace_bytes": "bytes", "micro_batches": "count",
                 "optimizer_depth": "count",

@@ -147,7 +147,8 @@ def _swap_ends(key):
     "event-unit-missing", "shared-from-later", "shared-from-self", "head-first-profile",
     "head-first-plan", "duplicate-blocks", "blocks-only", "zero-and-huge-times",
     "hw-nan", "hw-inf", "hw-negative", "hw-wrong-type", "hw-tiny-bandwidth", "hw-alias",
-    "diff-inconsistent", "nan-literal", "huge-int-field",
+    "diff-inconsistent", "nan-literal", "huge-int-field", "policy-newline",
+    "solver-name-newline",
 ])
 def test_issue_11_inputs_exit_2_with_one_line(files, case, tmp_path):
     """Every input the adversarial pass found crashing, hanging or accepted: one line, exit 2,
@@ -205,6 +206,10 @@ def test_issue_11_inputs_exit_2_with_one_line(files, case, tmp_path):
         "nan-literal": lambda: ((t / "p.json").write_text(plan.read_text().replace(
             '"step_s": ', '"step_s": NaN, "x": ', 1)) and
             (["simulate", str(t / "p.json")], "step_s is NaN")),
+        "policy-newline": lambda: (["inspect", str(_edit(plan, t / "p.json", lambda x: x.update(
+            policy="a\nb")))], "policy must be"),
+        "solver-name-newline": lambda: (["simulate", str(_edit(plan, t / "p.json", lambda x: x[
+            "solver"].update(name="a\nb")))], "name must be"),
         "huge-int-field": lambda: (["simulate", str(_edit(plan, t / "p.json", lambda x: x[
             "units"][1].update(fwd_flops=10**400)))], "fwd_flops"),
     }[case]()

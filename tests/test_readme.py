@@ -80,7 +80,7 @@ def test_runtime_snippet_runs(tmp_path, monkeypatch):
 
     from planner.models import build_model, load_config, make_inputs
     snippet = re.findall(r"```python\n(.*?)```", README, flags=re.S)[0]
-    plan_path = re.search(r'apply_plan\(model, "([^"]+)"\)', snippet).group(1)
+    plan_path = re.search(r'apply_plan\(model, "([^"]+)"', snippet).group(1)
     monkeypatch.chdir(tmp_path)
     env = _env()
     for argv in (["plan", "profile", "gpt-tiny", "--batch", "4", "--seq", "128", "--dtype",

@@ -112,6 +112,7 @@ def make_plans(prof, nvme_dir):
     acts = sum(u.activation_bytes for u in prof.layers if u.kind == "block")
     gpu = max(plans["keep-all"].predicted.peak_gpu_bytes - acts // 2,
               plans["recompute-all"].predicted.peak_gpu_bytes)
+    gpu += hw.reserved_bytes          # a budget holds the spec's reserve beside the plan's peak
     tight = Budgets(gpu_bytes=int(gpu), cpu_bytes=0, nvme_bytes=1 << 30)
     plans["optimal"] = solve_profile(prof, None, hw, tight, "optimal", time_limit=20,
                                      nvme_dir=str(nvme_dir)).plan
