@@ -186,6 +186,10 @@ class HardwareSpec:
     # NVMe traffic through pinned staging (CUDA): this many buffers, each at most this size.
     staging_buffers: int = 2
     staging_buffer_bytes: int = 256 * 1024**2
+    # Bus bandwidth of one rank in a ring collective (bytes/s; nccl-tests' busbw): between the
+    # ranks of one node (NVLink), and across nodes (the rank's NIC). 0: not given (one rank).
+    intra_node_bandwidth: float = 0.0
+    inter_node_bandwidth: float = 0.0
     sources: dict = field(default_factory=dict)  # field -> where the number comes from
     schema: str = HARDWARE_SCHEMA
 
@@ -247,7 +251,8 @@ _HARDWARE_FIELDS = {
     "staging_buffers": "count", "peak_flops": "dict", "sources": "dict?",
     **{k: "rate" for k in ("efficiency", "memory_bandwidth", "h2d_bandwidth", "d2h_bandwidth",
                            "nvme_read_bandwidth", "nvme_write_bandwidth", "duplex_bandwidth",
-                           "host_memory_bandwidth", "cpu_adam_params_per_s")},
+                           "host_memory_bandwidth", "cpu_adam_params_per_s",
+                           "intra_node_bandwidth", "inter_node_bandwidth")},
 }
 
 
@@ -629,6 +634,11 @@ class Plan:
         for k in ("micro_batches", "world_size", "ranks_per_node"):
             if getattr(plan, k) < 1:
                 raise UserError(f"{where}: {k} must be at least 1; {fix}")
+        if plan.world_size > 1 and plan.engine == "none":
+            raise UserError(f"{where}: world_size {plan.world_size} needs engine fsdp2 or ddp; {fix}")
+        if plan.ranks_per_node > plan.world_size:
+            raise UserError(f"{where}: ranks_per_node {plan.ranks_per_node} exceeds world_size "
+                            f"{plan.world_size}; {fix}")
         if plan.optimizer_depth not in (1, 3):
             raise UserError(f"{where}: optimizer_depth must be 1 or 3; {fix}")
         schedule = _schedule_from_dict(plan.schedule, {u.name for u in units}, where, fix)

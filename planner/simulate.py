@@ -140,7 +140,8 @@ def cost_model_of(plan: Plan) -> CostModel:
                      cpu_bytes=plan.budgets.cpu_bytes, nvme_bytes=plan.budgets.nvme_bytes,
                      micro_batches=plan.micro_batches, optimizer_s=plan.optimizer_s,
                      optimizer_workspace_bytes=plan.optimizer_workspace_bytes,
-                     optimizer_depth=plan.optimizer_depth)
+                     optimizer_depth=plan.optimizer_depth, world_size=plan.world_size,
+                     ranks_per_node=plan.ranks_per_node, engine=plan.engine)
 
 
 def _check_schedule(plan: Plan, cm: CostModel, shares: dict) -> None:
@@ -219,8 +220,8 @@ def simulate(plan: Plan) -> SimResult:
         else:
             opt_s += dur
             stall += dur - max(loads["compute"], loads["host"])
-        for r in RESOURCES:
-            busy[r] += loads.get(r, 0.0) * (K if in_pass else 1)
+        for r, x in loads.items():          # RESOURCES, and net under a sharded engine
+            busy[r] = busy.get(r, 0.0) + x * (K if in_pass else 1)
         i = L.unit_of(s)
         # the resource that sets the duration; compute unless another exceeds it (beyond
         # rounding: the MILP sets link loads exactly equal to compute where it can)

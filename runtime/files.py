@@ -2,16 +2,20 @@
 
 Every file the runtime writes lives in ``<nvme_dir>/tierplan-<pid>-<random>/`` and is deleted
 as soon as it is not needed (an offload file once read back, a home file when the handle is
-removed), at exit, and when the process that made the directory is gone (``sweep``, at the
-next start). Directories the store created are removed again; nothing it did not create is
-ever deleted. Reads and writes go through one FIFO worker thread: they share one drive, and a
-single worker guarantees that a file's writes finish before its reads or its deletion run.
+removed), at exit, on SIGTERM (what torchrun sends the other ranks when one fails), and when
+the process that made the directory is gone (``sweep``, at the next start). Directories the
+store created are removed again; nothing it did not create is ever deleted. Several processes
+(the ranks of one node) may share ``nvme_dir``: a directory a store creates holds a marker
+file, and whichever process leaves it empty last removes it. Reads and writes go through one
+FIFO worker thread: they share one drive, and a single worker guarantees that a file's writes
+finish before its reads or its deletion run.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
 import os
+import signal
 import threading
 import uuid
 import weakref
@@ -19,6 +23,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 IO_THREAD_PREFIX = "tierplan-io"
+# In a directory a store created: removed with it by whichever process leaves it empty last.
+MARKER = ".tierplan-created"
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()     # stores with a directory
+_PREV_TERM = None                                 # SIGTERM's handler before ours
 
 
 def byte_view(t) -> memoryview:
@@ -63,6 +71,19 @@ class NvmeStore:
     def _ensure(self) -> None:
         if self.dir is not None:
             return
+        for attempt in range(3):
+            try:
+                self._make_dirs()
+                break
+            except FileNotFoundError:
+                # another rank removed a shared parent it left empty just now: make it again
+                if attempt == 2:
+                    raise
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix=IO_THREAD_PREFIX)
+        _LIVE.add(self)
+        _catch_sigterm()
+
+    def _make_dirs(self) -> None:
         missing = []
         p = self.base.resolve()
         while not p.exists():
@@ -71,12 +92,12 @@ class NvmeStore:
         for d in reversed(missing):
             with contextlib.suppress(FileExistsError):   # another process made it meanwhile
                 d.mkdir()
-                self.created.append(d)
+                (d / MARKER).touch()
+        sweep(self.base.resolve())
         d = self.base.resolve() / f"tierplan-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         d.mkdir()
         self.created.append(d)
         self.dir = d
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix=IO_THREAD_PREFIX)
 
     def open(self, label: str) -> tuple[int, str]:
         """A new empty file for ``label`` (fd, path)."""
@@ -129,8 +150,77 @@ class NvmeStore:
         for d in reversed(self.created):
             with contextlib.suppress(OSError):   # not empty: never delete what we did not make
                 d.rmdir()
+        if self.created:
+            _remove_marked(self.created[0].parent)
         self.created = []
         self.dir = None
+        _LIVE.discard(self)
+
+
+def _remove_marked(d: Path) -> None:
+    """Remove ``d`` and its parents while each was made by a store (it holds the marker) and
+    holds nothing else: the last process out of a shared directory removes it."""
+    while (d / MARKER).exists():
+        try:
+            if set(os.listdir(d)) != {MARKER}:
+                return
+            (d / MARKER).unlink()
+            d.rmdir()
+        except OSError:     # another process got there first, or put something in meanwhile
+            return
+        d = d.parent
+
+
+def sweep(base: Path) -> None:
+    """Delete the directories of stores whose process is gone (killed before it could clean
+    up): ``tierplan-<pid>-<random>`` under ``base`` with no live process ``pid``. Only the
+    runtime's ``*.bin`` files are deleted, then the directory if that empties it.
+    NB: a directory on storage shared between hosts may name a pid of another host; give each
+    host its own --nvme-dir there."""
+    with contextlib.suppress(OSError):
+        for d in base.iterdir():
+            parts = d.name.split("-")
+            if len(parts) != 3 or parts[0] != "tierplan" or not parts[1].isdigit():
+                continue
+            pid = int(parts[1])
+            if pid == os.getpid() or _alive(pid):
+                continue
+            for f in d.glob("*.bin"):
+                with contextlib.suppress(OSError):
+                    f.unlink()
+            with contextlib.suppress(OSError):
+                d.rmdir()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _catch_sigterm() -> None:
+    """On SIGTERM, close every store (its files deleted), then let the signal do what it did
+    before. Installed only where nothing else handles SIGTERM (the default action kills the
+    process without running atexit), and only from the main thread (Python's rule)."""
+    global _PREV_TERM
+    if threading.current_thread() is not threading.main_thread():
+        return
+    with contextlib.suppress(ValueError, OSError):
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            _PREV_TERM = signal.SIG_DFL
+            signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum, frame) -> None:
+    for store in list(_LIVE):
+        with contextlib.suppress(Exception):
+            store.close()
+    signal.signal(signal.SIGTERM, _PREV_TERM or signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _close_weak(ref):
