@@ -45,9 +45,7 @@ __all__ = ["apply_plan", "Handle", "PlanMismatchError", "InputTooLargeError",
            "UnsupportedModelError"]
 
 
-class UnsupportedModelError(UserError, ValueError):
-    """A combination the runtime does not support yet (torch.compile, FSDP1, DataParallel, own
-    checkpointing), or a sharded engine wrapped in an order or a way the plan does not assume."""
+from .engines import UnsupportedModelError  # noqa: E402 (defined beside the engines' checks)
 
 
 _ACTIVE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # model -> Handle

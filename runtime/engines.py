@@ -26,7 +26,12 @@ ORDER = ("wrap first, then apply the plan: fully_shard each block, then the root
          "model in DistributedDataParallel), then apply_plan (docs/distributed.md)")
 
 
-class EngineError(UserError, ValueError):
+class UnsupportedModelError(UserError, ValueError):
+    """A combination the runtime does not support yet (torch.compile, FSDP1, DataParallel, own
+    checkpointing), or a sharded engine wrapped in an order or a way the plan does not assume."""
+
+
+class EngineError(UnsupportedModelError):
     """The model is not wrapped the way the plan assumes (one line: what, and the fix)."""
 
 

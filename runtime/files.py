@@ -5,8 +5,8 @@ as soon as it is not needed (an offload file once read back, a home file when th
 removed), at exit, on SIGTERM (what torchrun sends the other ranks when one fails), and when
 the process that made the directory is gone (``sweep``, at the next start). Directories the
 store created are removed again; nothing it did not create is ever deleted. Several processes
-(the ranks of one node) may share ``nvme_dir``: a directory a store creates holds a marker
-file, and whichever process leaves it empty last removes it. Reads and writes go through one
+(the ranks of one node) may share ``nvme_dir``: a directory a store creates holds an empty
+marker directory, and whichever process leaves it empty last removes it. Reads and writes go through one
 FIFO worker thread: they share one drive, and a single worker guarantees that a file's writes
 finish before its reads or its deletion run.
 """
@@ -24,6 +24,7 @@ from pathlib import Path
 
 IO_THREAD_PREFIX = "tierplan-io"
 # In a directory a store created: removed with it by whichever process leaves it empty last.
+# An empty directory, not a file: the directory holds no file of ours but the offload files.
 MARKER = ".tierplan-created"
 _LIVE: "weakref.WeakSet" = weakref.WeakSet()     # stores with a directory
 _PREV_TERM = None                                 # SIGTERM's handler before ours
@@ -92,7 +93,7 @@ class NvmeStore:
         for d in reversed(missing):
             with contextlib.suppress(FileExistsError):   # another process made it meanwhile
                 d.mkdir()
-                (d / MARKER).touch()
+                (d / MARKER).mkdir()
         sweep(self.base.resolve())
         d = self.base.resolve() / f"tierplan-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         d.mkdir()
@@ -164,7 +165,7 @@ def _remove_marked(d: Path) -> None:
         try:
             if set(os.listdir(d)) != {MARKER}:
                 return
-            (d / MARKER).unlink()
+            (d / MARKER).rmdir()
             d.rmdir()
         except OSError:     # another process got there first, or put something in meanwhile
             return

@@ -20,12 +20,23 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 B, S, LAYERS = 2, 32, 3
+CONFIG = None        # the model "config": a built-in GPT config of a bench's own size
+DEVICE = "cpu"       # cuda:<rank> in the CUDA tests (NCCL)
 
 
 # ----------------------------------------------------------------------------- models
 
 def build(name: str, rank: int = 0):
-    """``(model, batches)``: the same weights on every rank, each rank its own two batches."""
+    """``(model, batches)``: the same weights on every rank, each rank its own two batches,
+    on ``DEVICE``."""
+    model, batches = _build_cpu(name, rank)
+    if DEVICE != "cpu":
+        model = model.to(DEVICE)
+        batches = [{k: v.to(DEVICE) for k, v in b.items()} for b in batches]
+    return model, batches
+
+
+def _build_cpu(name: str, rank: int):
     if name == "hf-llama":
         sys.path.insert(0, str(REPO))
         from examples import hf_models
@@ -38,7 +49,8 @@ def build(name: str, rank: int = 0):
             batches.append({"input_ids": ids, "labels": ids.clone()})
         return model, batches
     from planner.models import build_model, load_config, make_inputs
-    cfg = dict(load_config(name), n_layers=LAYERS, dtype="fp32")
+    cfg = dict(CONFIG) if name == "config" else dict(load_config(name), n_layers=LAYERS,
+                                                      dtype="fp32")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = build_model(cfg, dtype="fp32")
@@ -70,12 +82,12 @@ def wrap(model, engine: str):
     return model
 
 
-def profile(name: str):
-    """The model's profile on ``cpu-host`` (bytes measured on CPU, times estimated)."""
+def profile(name: str, hardware: str = "cpu-host"):
+    """The model's profile for ``hardware`` (bytes measured on CPU, times estimated)."""
     from planner.hardware import load_hardware
     from planner.profiler import profile_module
-    model, batches = build(name)
-    return profile_module(model, batches[0], name=name, hardware=load_hardware("cpu-host"),
+    model, batches = _build_cpu(name, 0)
+    return profile_module(model, batches[0], name=name, hardware=load_hardware(hardware),
                           timing="estimate", batch=B, seq=S)
 
 
@@ -153,24 +165,33 @@ def _maxdiff(a, b) -> float:
 
 
 def worker(rank: int, world: int, port: int, engine: str, cases: list, out_dir: str,
-           fail_at: str | None = None):
-    """One rank: for each model, the engine alone, then every plan of ``cases``."""
+           steps: int = 2, compare: bool = True, settings: dict | None = None):
+    """One rank: for each model, the engine alone (unless not ``compare``), then every plan of
+    ``cases``; ``settings`` sets this module's B, S and CONFIG in the child."""
+    global B, S, CONFIG, DEVICE
+    if settings:
+        B, S, CONFIG = settings["B"], settings["S"], settings["CONFIG"]
+        DEVICE = settings.get("DEVICE", "cpu")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import torch.distributed as dist
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if DEVICE.startswith("cuda"):
+        DEVICE = f"cuda:{rank}"
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if DEVICE.startswith("cuda") else "gloo", rank=rank,
+                            world_size=world)
     out = {}
     try:
         base = {}
         for name, label, plan_path, nvme in cases:
-            if name not in base:
-                base[name] = train(name, engine, None, None, rank)
-            g0, w0, _ = base[name]
-            g, w, rep = train(name, engine, plan_path, nvme, rank)
+            if compare and name not in base:
+                base[name] = train(name, engine, None, None, rank, steps)
+            g0, w0, _ = base.get(name, ([], [], None))
+            g, w, rep = train(name, engine, plan_path, nvme, rank, steps)
             dist.barrier()       # every rank has removed its handle: nothing may be left
             left = sorted(str(p) for p in Path(nvme).rglob("*")) if Path(nvme).exists() else []
             out[f"{name}/{label}"] = {
-                "grad_diff": max(_maxdiff(g[k], g0[k]) for k in range(len(g0))),
+                "grad_diff": max((_maxdiff(g[k], g0[k]) for k in range(len(g0))), default=0.0),
                 "weight_diff": _maxdiff(w, w0), "left": left, "report": rep,
                 "nonzero_grads": sum(int(x.abs().sum() > 0) for x in g[-1])}
     except BaseException:
@@ -186,13 +207,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(engine: str, cases: list, out_dir, world: int = 2) -> list[dict]:
+def run(engine: str, cases: list, out_dir, world: int = 2, steps: int = 2,
+        compare: bool = True) -> list[dict]:
     """Every rank's results (rank order); raises with a rank's traceback if one failed."""
     import torch.multiprocessing as mp
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    mp.spawn(worker, args=(world, free_port(), engine, cases, str(out_dir)), nprocs=world,
-             join=True)
+    settings = {"B": B, "S": S, "CONFIG": CONFIG, "DEVICE": DEVICE}
+    mp.spawn(worker, args=(world, free_port(), engine, cases, str(out_dir), steps, compare,
+                           settings), nprocs=world, join=True)
     res = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
     for r, x in enumerate(res):
         if "error" in x:

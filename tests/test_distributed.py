@@ -379,3 +379,35 @@ def test_no_offload_file_left_when_one_rank_fails(fault, plan_dir, tmp_path):
     seen = json.loads((tmp_path / "seen.json").read_text())
     assert seen["files"] > 0, "no offload file existed when the fault came"
     assert not nvme.exists(), list(nvme.rglob("*"))
+
+
+# ----------------------------------------------------------------------------- CUDA, NCCL
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_cuda_nccl_ranks_equal_plain_fsdp2_and_ddp(world, tmp_path, monkeypatch):
+    """On CUDA with NCCL: one rank (FSDP2 with one rank) or two, recompute and host offload
+    (the CUDA-only tier, pinned memory and side streams) against the engine alone."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA device(s); this machine has "
+                    f"{torch.cuda.device_count()}")
+    from planner.plans import save_plan
+    hw = load_hardware("h100-80g")
+    for engine in ("fsdp2", "ddp"):
+        prof = H.profile("gpt-tiny", "h100-80g")
+        b = Budgets(hw.memory_bytes, 64 * GIB, 0)
+        cm = cost_model(prof, hw, b, world_size=world, ranks_per_node=world, engine=engine)
+        cases = []
+        for pol in ("recompute-all", "offload-all"):
+            plan = make_plan(prof, None, hw, b, pol, baseline_layers(pol, prof.layers, hw),
+                             cm=cm, nvme_dir=str(tmp_path / "nvme"))
+            path = tmp_path / f"{engine}-{pol}-{world}.json"
+            save_plan(plan, path)
+            cases.append(("gpt-tiny", pol, str(path), str(tmp_path / "nvme")))
+        monkeypatch.setattr(H, "DEVICE", "cuda")
+        res = H.run(engine, cases, tmp_path / f"out-{engine}", world=world)
+        for rank, per in enumerate(res):
+            for key, x in per.items():
+                assert x["grad_diff"] <= 1e-6 and x["weight_diff"] <= 1e-6, (rank, key, x)
+                if key.endswith("offload-all"):
+                    moved = x["report"]["steps"][-1]["moved"]
+                    assert moved["d2h"] == moved["h2d"] > 0
