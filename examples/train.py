@@ -157,7 +157,7 @@ def main(argv=None) -> int:
                 print(r)
             handle.remove()
     except UserError as e:
-        print(f"error{f' (rank {rank})' if engine else ''}: {e}", file=sys.stderr)
+        print(f"error{f' (rank {rank})' if world > 1 else ''}: {e}", file=sys.stderr)
         return e.exit_code
     finally:
         if engine:

@@ -134,8 +134,33 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+class _GatherCount:
+    """Counts FSDP2's all-gathers (its ``foreach_all_gather``, a private name: tests only)."""
+
+    def __init__(self):
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
+        self.pg, self.real, self.n = pg, pg.foreach_all_gather, 0
+
+    def __enter__(self):
+        def counting(*a, **k):
+            self.n += 1
+            return self.real(*a, **k)
+        self.pg.foreach_all_gather = counting
+        return self
+
+    def __exit__(self, *exc):
+        self.pg.foreach_all_gather = self.real
+
+
 def train(name: str, engine: str, plan, nvme_dir, rank: int, steps: int = 2):
-    """Gradients (per step) and final weights of this rank's shard / replica."""
+    """Gradients (per step) and final weights of this rank's shard / replica, the report and
+    the number of FSDP2 all-gathers."""
+    with _GatherCount() as count:
+        out = _train(name, engine, plan, nvme_dir, rank, steps)
+    return (*out, count.n)
+
+
+def _train(name: str, engine: str, plan, nvme_dir, rank: int, steps: int):
     from runtime import apply_plan
     model, batches = build(name, rank)
     wrapped = wrap(model, engine)
@@ -186,14 +211,15 @@ def worker(rank: int, world: int, port: int, engine: str, cases: list, out_dir: 
         for name, label, plan_path, nvme in cases:
             if compare and name not in base:
                 base[name] = train(name, engine, None, None, rank, steps)
-            g0, w0, _ = base.get(name, ([], [], None))
-            g, w, rep = train(name, engine, plan_path, nvme, rank, steps)
+            g0, w0, _, n0 = base.get(name, ([], [], None, 0))
+            g, w, rep, n = train(name, engine, plan_path, nvme, rank, steps)
             dist.barrier()       # every rank has removed its handle: nothing may be left
             left = sorted(str(p) for p in Path(nvme).rglob("*")) if Path(nvme).exists() else []
             out[f"{name}/{label}"] = {
                 "grad_diff": max((_maxdiff(g[k], g0[k]) for k in range(len(g0))), default=0.0),
                 "weight_diff": _maxdiff(w, w0), "left": left, "report": rep,
-                "nonzero_grads": sum(int(x.abs().sum() > 0) for x in g[-1])}
+                "nonzero_grads": sum(int(x.abs().sum() > 0) for x in g[-1]),
+                "gathers": n, "gathers_plain": n0}
     except BaseException:
         out["error"] = traceback.format_exc()
     finally:

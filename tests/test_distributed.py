@@ -163,6 +163,27 @@ def test_milp_objective_is_the_simulated_step(engine, tmp_path):
     assert again.peak_gpu_bytes == out.plan.predicted.peak_gpu_bytes
 
 
+def test_edited_distributed_plans_are_refused(tmp_path):
+    from planner.plans import save_plan
+    from planner.simulate import PlanInconsistent, simulate
+    p = _prof()
+    b = Budgets(80 * GIB, 0, 0)
+    cm = cost_model(p, H100, b, world_size=4, ranks_per_node=4, engine="fsdp2")
+    plan = make_plan(p, None, H100, b, "keep-all", baseline_layers("keep-all", p.layers, H100),
+                     cm=cm)
+    d = plan.to_dict()
+    d["schedule"].pop("net")                   # the collectives dropped by hand
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(PlanInconsistent, match="missing"):
+        simulate(load_plan(path))
+    d = plan.to_dict()
+    d["engine"] = "none"                       # four ranks without an engine
+    path.write_text(json.dumps(d))
+    with pytest.raises(UserError, match="world_size 4 needs engine fsdp2 or ddp"):
+        load_plan(path)
+
+
 def test_fsdp2_refuses_segment_recompute_and_homes_off_the_device():
     p = _prof()
     b = Budgets(80 * GIB, 512 * GIB, 0)
@@ -261,6 +282,10 @@ def test_every_rank_equals_the_engine_alone_under_every_plan(engine, plan_dir):
             assert x["report"]["world_size"] == 2 and x["report"]["engine"] == engine
             if key.endswith("offload-all"):
                 assert steps[-1]["moved"]["nvme_write"] == steps[-1]["moved"]["nvme_read"] > 0
+            if engine == "fsdp2":
+                # a recompute runs in its unit's backward, when FSDP2 has gathered the weights
+                # anyway: no plan adds an all-gather
+                assert x["gathers"] == x["gathers_plain"] > 0, (rank, key)
             if rank == 0:
                 assert x["report"]["gathered_ranks"] == [0, 1]
     for c in cases:
@@ -294,8 +319,8 @@ def _plan(name, engine, tmp_path, policy="recompute-all", world=1):
 def test_one_rank_fsdp2_plan_matches_plain_fsdp2(one_rank_group, tmp_path):
     for policy in ("recompute-all", "offload-all"):
         path = _plan("gpt-tiny", "fsdp2", tmp_path, policy)
-        g0, w0, _ = H.train("gpt-tiny", "fsdp2", None, None, 0)
-        g, w, rep = H.train("gpt-tiny", "fsdp2", str(path), str(tmp_path / "nvme"), 0)
+        g0, w0, _, _ = H.train("gpt-tiny", "fsdp2", None, None, 0)
+        g, w, rep, _ = H.train("gpt-tiny", "fsdp2", str(path), str(tmp_path / "nvme"), 0)
         for k in range(2):
             assert H._maxdiff(g[k], g0[k]) <= 1e-6
         assert H._maxdiff(w, w0) <= 1e-6
