@@ -508,6 +508,7 @@ class CostModel:
             span = [idx[t] for t in x.tied_to if t in idx] + [j]
             for s in range(self.L.bwd(max(span)), self.L.bwd(min(span)) + 1):
                 out[s] += int(x.tied_grad_bytes)
+        return out
 
     # -- ranks: FSDP2 and DDP ----------------------------------------------------------------
     # Only a sharded engine (``engine`` fsdp2 or ddp) reaches this section; world_size 1 with
