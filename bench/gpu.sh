@@ -25,3 +25,14 @@ echo "== train 6 steps under the plan, and plainly"
 $PY examples/train.py --model gpt2-small --batch 8 --seq 1024 --steps 6 --device cuda \
     --plan "$OUT/plan.json" --report-out "$OUT/report.json"
 $PLAN inspect "$OUT/plan.json" --report "$OUT/report.json" | tail -20
+echo "== FSDP2 under torchrun: two ranks where there are two GPUs, else one-rank FSDP2 (NCCL)"
+NGPU=$(nvidia-smi -L | wc -l)
+RANKS=$(( NGPU >= 2 ? 2 : 1 ))
+$PY -m pytest -q -rs tests/test_distributed.py -k "cuda" 2>&1 | tee "$OUT/tests-distributed.log"
+# the shipped spec: plan hardware does not measure the interconnect (intra/inter-node bandwidth)
+$PLAN profile gpt2-small --batch 4 --seq 1024 --device meta --hardware h200 -o "$OUT/prof-rank.json"
+$PLAN solve "$OUT/prof-rank.json" --gpu-mem 6G --cpu-mem 64G --world-size $RANKS \
+    --engine fsdp2 -o "$OUT/plan-fsdp2.json"
+$PY -m torch.distributed.run --nproc-per-node $RANKS examples/train.py --fsdp --model gpt2-small \
+    --batch 4 --seq 1024 --steps 4 --device cuda --plan "$OUT/plan-fsdp2.json" \
+    --report-out "$OUT/report-fsdp2.json" 2>&1 | tail -40

@@ -1,6 +1,12 @@
 """Train a model for a few steps, under a tierplan plan or plainly.
 
     python examples/train.py --model gpt-tiny --batch 4 --seq 128 --steps 3 --plan PLAN
+    torchrun --nproc-per-node 2 examples/train.py --fsdp --model gpt-tiny --plan PLAN
+
+With ``--fsdp`` or ``--ddp`` (under ``torchrun``) every rank builds the same model, wraps it the
+usual way (``fully_shard`` on each block, then the root; or ``DistributedDataParallel``), then
+applies the same plan (one rank's, from ``plan solve --world-size N``) and trains on its own
+batches (``--batch`` is per rank). The process group uses NCCL on CUDA and gloo on a CPU.
 
 MODEL is a built-in name (``planner.models``), a model YAML, or ``package.module:function``
 returning ``(module, inputs)``. Tokens are synthetic (seeded), or the bytes of ``--text FILE``
@@ -10,6 +16,7 @@ the measured report at the end (``--report-out FILE`` saves it as JSON).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -20,9 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a chec
 from planner.errors import UserError  # noqa: E402
 
 
-def _batches(vocab: int, batch: int, seq: int, text: str | None, device):
-    """Yield ``(input_ids, labels)`` forever: next-token targets from synthetic ids or a file."""
-    g = torch.Generator().manual_seed(0)
+def _batches(vocab: int, batch: int, seq: int, text: str | None, device, rank: int = 0):
+    """Yield ``(input_ids, labels)`` forever: next-token targets from synthetic ids or a file
+    (each rank its own stream)."""
+    g = torch.Generator().manual_seed(rank)
     if text:
         data = torch.tensor(list(Path(text).read_bytes()), dtype=torch.long)
         if vocab < 256:
@@ -51,6 +59,35 @@ def _build(spec: str, batch: int, seq: int, dtype: str | None, device: str):
     return model, int(cfg["vocab_size"]), True
 
 
+def _start_ranks(engine: str, device: str):
+    """Join torchrun's process group; the device this rank computes on."""
+    import torch.distributed as dist
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise UserError(f"--{engine} runs one process per rank: start it with torchrun, e.g. "
+                        f"torchrun --nproc-per-node 2 examples/train.py --{engine} ...")
+    if device.startswith("cuda"):
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return device
+
+
+def _wrap(model, engine: str):
+    """The usual way: ``fully_shard`` each block, then the root; or DDP around the model."""
+    if engine == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        from planner.blocks import find_blocks
+        _, blocks = find_blocks(model, None)
+        for _, block in blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+    return DistributedDataParallel(model)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt-tiny")
@@ -65,44 +102,68 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--report-out", help="save the measured report (JSON) here")
+    ap.add_argument("--report-out", help="save the measured report (JSON) here (one file per "
+                    "rank, FILE.rankN.json, with --fsdp/--ddp)")
+    eng = ap.add_mutually_exclusive_group()
+    eng.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (under torchrun)")
+    eng.add_argument("--ddp", action="store_true", help="replicate with DDP (under torchrun)")
     args = ap.parse_args(argv)
+    engine = "fsdp" if args.fsdp else "ddp" if args.ddp else None
+    rank, world = 0, 1
     try:
-        torch.manual_seed(0)
+        if engine:
+            args.device = _start_ranks(engine, args.device)
+            import torch.distributed as dist
+            rank, world = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(0)          # the same initial weights on every rank
         model, vocab, shifted = _build(args.model, args.batch, args.seq, args.dtype, args.device)
         model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        wrapped = _wrap(model, engine) if engine else model   # wrap first, then the plan
+        opt = torch.optim.AdamW(wrapped.parameters(), lr=args.lr)
         handle = None
         if args.plan:
             from runtime import apply_plan
-            handle = apply_plan(model, args.plan, optimizer=opt, nvme_dir=args.nvme_dir)
+            handle = apply_plan(wrapped, args.plan, optimizer=opt, nvme_dir=args.nvme_dir)
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, args.steps))
-        data = _batches(vocab, args.batch, args.seq, args.text, args.device)
+        torch.manual_seed(rank)       # each rank its own dropout
+        data = _batches(vocab, args.batch, args.seq, args.text, args.device, rank)
         K = max(1, args.micro_batches)
         for step in range(args.steps):
             total = 0.0
             for _ in range(K):
                 ids, labels = next(data)
-                out = model(input_ids=ids, labels=labels if shifted else ids)
+                out = wrapped(input_ids=ids, labels=labels if shifted else ids)
                 (out.loss / K).backward()
                 total += out.loss.item() / K
             if args.clip is not None:
                 # through the handle: a plan may keep some gradients on disk
                 (handle.clip_grad_norm_ if handle else
-                 lambda m: torch.nn.utils.clip_grad_norm_(model.parameters(), m))(args.clip)
+                 lambda m: torch.nn.utils.clip_grad_norm_(wrapped.parameters(), m))(args.clip)
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
-            print(f"step {step + 1}/{args.steps}  loss {total:.4f}", flush=True)
+            tag = f"rank {rank}/{world}  " if engine else ""
+            print(f"{tag}step {step + 1}/{args.steps}  loss {total:.4f}", flush=True)
         if handle is not None:
             rep = handle.report()
-            print(rep)
             if args.report_out:
-                print(f"report written to {rep.save(args.report_out)}")
+                out = args.report_out
+                if engine:
+                    p = Path(out)
+                    out = str(p.with_name(f"{p.stem}.rank{rank}{p.suffix or '.json'}"))
+                print(f"report written to {rep.save(out)}")
+            reports = handle.gather_reports() if engine else [rep]
+            for r in reports or ():       # every rank's report, printed by rank 0
+                print(r)
             handle.remove()
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error{f' (rank {rank})' if world > 1 else ''}: {e}", file=sys.stderr)
         return e.exit_code
+    finally:
+        if engine:
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
     return 0
 
 

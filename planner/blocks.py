@@ -586,9 +586,20 @@ def structure_hash(blocks) -> str:
     desc = []
     for name, m in blocks:
         params = sorted((n, list(p.shape)) for n, p in m.named_parameters())
-        desc.append([name, type(m).__name__, params])
+        desc.append([name, _class_name(m), params])
     blob = json.dumps(desc, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _class_name(m) -> str:
+    """The block's class name; FSDP2's ``fully_shard`` subclasses a block's class on the fly
+    (``FSDP<Name>``, then ``FSDPModule``, then the class): the block's own name is kept, so a
+    sharded model binds to the plan of the unsharded one (its parameters keep their global
+    shapes)."""
+    names = [c.__name__ for c in type(m).__mro__]
+    if "FSDPModule" in names[1:]:
+        return names[names.index("FSDPModule") + 1]
+    return names[0]
 
 
 def dtype_name(dt) -> str:

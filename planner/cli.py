@@ -88,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="relative optimality gap at which a solve stops (default 0.005)")
     q.add_argument("--micro-batches", type=int, default=1, metavar="K",
                    help="forward/backward passes per optimizer step (default 1)")
+    q.add_argument("--world-size", type=int, default=1, metavar="N",
+                   help="ranks training together (torchrun's world size); the profile and the "
+                   "plan are one rank's, --gpu-mem is per rank (default 1)")
+    q.add_argument("--ranks-per-node", type=int, default=None, metavar="R",
+                   help="ranks on each node, sharing its --cpu-mem and --nvme-mem "
+                   "(default: min(N, 8))")
+    q.add_argument("--engine", choices=["fsdp2", "ddp", "none"], default=None,
+                   help="how the ranks share the model: fsdp2 (fully_shard on each block, then "
+                   "the root) or ddp (default: fsdp2 for N > 1, none for one rank)")
     q.add_argument("--stream", choices=["auto", "on", "off"], default="auto",
                    help="homes off the device for weights, gradients and optimizer state: "
                    "auto (when they can pay), on (always search them), off (activations only)")

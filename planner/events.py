@@ -25,6 +25,7 @@ class Stream(str, enum.Enum):
     H2D = "h2d"           # pinned host memory -> device
     NVME = "nvme"         # reads and writes share one drive
     HOST = "host"         # host CPU work: gradient accumulation, the CPU optimizer step
+    NET = "net"           # the interconnect: a sharded engine's collectives (FSDP2, DDP)
 
 
 class Op(str, enum.Enum):
@@ -38,6 +39,10 @@ class Op(str, enum.Enum):
     WRITE = "write"             # to a file on NVMe
     READ = "read"               # from a file on NVMe
     ACCUMULATE = "accumulate"   # add a gradient into its home copy on the host
+    # collectives of a sharded engine (net stream): issued by the engine, timed by the plan
+    ALL_GATHER = "all-gather"           # FSDP2: a unit's weights gathered from every rank
+    REDUCE_SCATTER = "reduce-scatter"   # FSDP2: a unit's gradients summed and re-sharded
+    ALL_REDUCE = "all-reduce"           # DDP: a unit's gradients summed on every rank
 
 
 COMPUTE_OPS = (Op.FORWARD, Op.RECOMPUTE, Op.BACKWARD, Op.STEP)

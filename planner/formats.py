@@ -240,6 +240,10 @@ class HardwareSpec:
     # Device memory a plan leaves unused for what no profile counts: autograd's bookkeeping,
     # small allocations and the allocator's rounding (on a CPU host, the process heap).
     reserved_bytes: int = 0
+    # Bus bandwidth of one rank in a ring collective (bytes/s; nccl-tests' busbw): between the
+    # ranks of one node (NVLink), and across nodes (the rank's NIC). 0: not given (one rank).
+    intra_node_bandwidth: float = 0.0
+    inter_node_bandwidth: float = 0.0
     sources: dict = field(default_factory=dict)  # field -> where the number comes from
     schema: str = HARDWARE_SCHEMA
 
@@ -315,7 +319,8 @@ _HARDWARE_FIELDS = {
     "efficiency": "fraction", "schema": "str",
     **{k: "rate" for k in ("memory_bandwidth", "h2d_bandwidth", "d2h_bandwidth",
                            "nvme_read_bandwidth", "nvme_write_bandwidth", "duplex_bandwidth",
-                           "host_memory_bandwidth", "cpu_adam_params_per_s")},
+                           "host_memory_bandwidth", "cpu_adam_params_per_s",
+                           "intra_node_bandwidth", "inter_node_bandwidth")},
 }
 
 
@@ -711,8 +716,11 @@ class Plan:
         for k, most in (("micro_batches", 4096), ("world_size", 2**20), ("ranks_per_node", 2**10)):
             if not 1 <= getattr(plan, k) <= most:
                 raise UserError(f"{where}: {k} must be 1 to {most}; {fix}")
+        if plan.world_size > 1 and plan.engine == "none":
+            raise UserError(f"{where}: world_size {plan.world_size} needs engine fsdp2 or ddp; {fix}")
         if plan.ranks_per_node > plan.world_size:
-            raise UserError(f"{where}: ranks_per_node exceeds world_size; {fix}")
+            raise UserError(f"{where}: ranks_per_node {plan.ranks_per_node} exceeds world_size "
+                            f"{plan.world_size}; {fix}")
         if plan.optimizer_depth not in (1, 3):
             raise UserError(f"{where}: optimizer_depth must be 1 or 3; {fix}")
         schedule = _schedule_from_dict(plan.schedule, {u.name for u in units}, where, fix)

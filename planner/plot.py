@@ -19,19 +19,21 @@ from .formats import Plan
 from .sizes import fmt_bytes, fmt_seconds
 
 GIB = 1024 ** 3
-ROWS = [Stream.COMPUTE, Stream.D2H, Stream.H2D, Stream.NVME, Stream.HOST]
+ROWS = [Stream.COMPUTE, Stream.D2H, Stream.H2D, Stream.NVME, Stream.HOST, Stream.NET]
 ROW_LABEL = {Stream.COMPUTE: "compute", Stream.D2H: "D2H", Stream.H2D: "H2D", Stream.NVME: "NVMe",
-             Stream.HOST: "host CPU"}
+             Stream.HOST: "host CPU", Stream.NET: "interconnect"}
 # One colour per kind of work; colour-blind-safe Okabe–Ito palette.
 OP_COLOUR = {
     "forward": "#0072B2", "backward": "#E69F00", "recompute": "#D55E00", "step": "#999999",
     "offload": "#009E73", "write": "#009E73", "prefetch": "#CC79A7", "read": "#CC79A7",
-    "upload": "#CC79A7", "accumulate": "#56B4E9",
+    "upload": "#CC79A7", "accumulate": "#56B4E9", "all-gather": "#F0E442",
+    "reduce-scatter": "#000000", "all-reduce": "#000000",
 }
 OP_LABEL = {"forward": "forward", "backward": "backward", "recompute": "recompute",
             "step": "optimizer step", "offload": "to host / disk", "write": "to host / disk",
             "prefetch": "to the device", "read": "to the device", "upload": "to the device",
-            "accumulate": "gradient accumulation"}
+            "accumulate": "gradient accumulation", "all-gather": "all-gather (weights)",
+            "reduce-scatter": "reduce (gradients)", "all-reduce": "reduce (gradients)"}
 TIER_COLOUR = {"gpu": "#0072B2", "cpu": "#009E73", "nvme": "#D55E00"}
 TIER_LABEL = {"gpu": "GPU", "cpu": "host", "nvme": "NVMe"}
 

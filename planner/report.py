@@ -109,6 +109,9 @@ class Report:
     predicted_static_bytes: int = 0   # device-resident static state the plan counts
     steps: list = field(default_factory=list)   # list[StepRecord]
     hwm_reset: bool = True            # whether /proc/self/clear_refs could reset VmHWM
+    rank: int = 0                     # this process's rank (a sharded engine's; 0 alone)
+    world_size: int = 1               # ranks replaying the same plan
+    engine: str = "none"              # none | fsdp2 | ddp
 
     @property
     def measured(self) -> Measured | None:
@@ -140,7 +143,8 @@ class Report:
                 "predicted_gpu_rise_bytes": self.predicted_gpu_rise_bytes,
                 "measured": dataclasses.asdict(med) if med else None,
                 "steps": [s.to_dict() for s in self.steps], "hwm_reset": self.hwm_reset,
-                "gpu_measure": self.gpu_measure}
+                "gpu_measure": self.gpu_measure, "rank": self.rank,
+                "world_size": self.world_size, "engine": self.engine}
 
     def save(self, path) -> Path:
         return write_json_atomic(path, self.to_dict())
@@ -149,6 +153,8 @@ class Report:
         med = self.measured
         head = (f"tierplan report: plan {self.plan_path or '(in memory)'} ({self.policy}, "
                 f"{self.hardware}), {len(self.steps)} step(s) measured on {self.device}")
+        if self.engine != "none":
+            head += f", rank {self.rank} of {self.world_size} ({self.engine}; figures per rank)"
         if med is None:
             return head + "\n  no complete step yet (a step ends at the optimizer step)"
         p = self.predicted
@@ -187,7 +193,8 @@ def load_report_dict(d: dict, source: str = "report") -> Report:
     _check_schema(d, REPORT_SCHEMA, "report", source)
     _require(d, ("plan", "device", "predicted", "steps"), where, _FIX)
     _check_fields(d, {"plan": "dict", "device": "str", "predicted": "dict", "steps": "list",
-                      "predicted_moved": "dict", "predicted_static_bytes": "bytes"}, where, _FIX)
+                      "predicted_moved": "dict", "predicted_static_bytes": "bytes",
+                      "rank": "count", "world_size": "count", "engine": "str"}, where, _FIX)
     p = d["plan"]
     _check_fields(p, {"path": "str?", "policy": "str", "hardware": "str", "batch": "count",
                       "seq": "count", "micro_batches": "count"}, f"{where} plan", _FIX)
@@ -203,7 +210,9 @@ def load_report_dict(d: dict, source: str = "report") -> Report:
                   seq=int(p.get("seq", 0)), micro_batches=int(p.get("micro_batches", 1)),
                   predicted=dict(d["predicted"]), predicted_moved=dict(d.get("predicted_moved", {})),
                   predicted_static_bytes=int(d.get("predicted_static_bytes", 0)),
-                  steps=steps, hwm_reset=bool(d.get("hwm_reset", True)))
+                  steps=steps, hwm_reset=bool(d.get("hwm_reset", True)),
+                  rank=int(d.get("rank", 0)), world_size=int(d.get("world_size", 1)),
+                  engine=str(d.get("engine", "none")))
 
 
 def load_report(path) -> Report:

@@ -30,6 +30,15 @@ def validate_layers(cm: CostModel, layers: list[LayerDecision]) -> None:
                         "give one decision per unit, in execution order")
     prev = None
     for i, (u, d) in enumerate(zip(units, layers)):
+        if cm.distributed and not d.home.resident:
+            raise UserError(f"layer {d.name!r}: homes off the device ({d.home.label()}) are not "
+                            f"supported with {cm.engine} across ranks yet; keep every tensor "
+                            "class on the device (plan solve --world-size does so)")
+        if cm.engine == "fsdp2" and d.activation is Activation.RECOMPUTE and \
+                _ckpt(d) is Tier.NONE:
+            raise UserError(f"layer {d.name!r}: checkpoint 'none' would recompute it away from "
+                            "its own backward, where FSDP2 must gather its weights a second "
+                            "time; give it a checkpoint tier (gpu, cpu, nvme)")
         if u.kind != UnitKind.BLOCK.value and d.activation is not Activation.KEEP:
             raise UserError(f"layer {d.name!r} ({u.kind}) must be 'keep' in this version, "
                             f"got {d.activation.value!r}")
@@ -323,6 +332,10 @@ def build_schedule(cm: CostModel, layers: list[LayerDecision], shares: dict | No
                 xfer(Stream.NVME, Op.WRITE, cls, j, L.opt_stage, n)
         if w["h2d"]:
             xfer(Stream.H2D, Op.UPLOAD, TensorClass.WEIGHT, j, L.opt_stage, w["h2d"])
+    # a sharded engine's collectives: fixed by the engine, whatever the decisions
+    for op, cls, i, s, n in cm.collectives():
+        evs.append(transfer(Stream.NET, Op(op), _CLS[cls], names[i], s, n,
+                            cm.ring_seconds(op, n)))
     schedule: dict[str, list[Event]] = {}
     order = {s: k for k, s in enumerate(Stream)}
     for e in sorted(evs, key=lambda e: e.stage):   # stable: compute order kept within a stage

@@ -141,7 +141,9 @@ def cost_model_of(plan: Plan) -> CostModel:
                      micro_batches=plan.micro_batches, optimizer_s=plan.optimizer_s,
                      optimizer_workspace_bytes=plan.optimizer_workspace_bytes,
                      optimizer_depth=plan.optimizer_depth,
-                     cache_bytes=int(plan.model.get("state_bytes") or 0))
+                     cache_bytes=int(plan.model.get("state_bytes") or 0),
+                     world_size=plan.world_size, ranks_per_node=plan.ranks_per_node,
+                     engine=plan.engine)
 
 
 def _check_schedule(plan: Plan, cm: CostModel, shares: dict) -> None:
@@ -220,8 +222,8 @@ def simulate(plan: Plan) -> SimResult:
         else:
             opt_s += dur
             stall += dur - max(loads["compute"], loads["host"])
-        for r in RESOURCES:
-            busy[r] += loads.get(r, 0.0) * (K if in_pass else 1)
+        for r, x in loads.items():          # RESOURCES, and net under a sharded engine
+            busy[r] = busy.get(r, 0.0) + x * (K if in_pass else 1)
         i = L.unit_of(s)
         # the resource that sets the duration; compute unless another exceeds it (beyond
         # rounding: the MILP sets link loads exactly equal to compute where it can)

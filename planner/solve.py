@@ -280,7 +280,8 @@ def _no_fit(profile, path, hw, budgets, cm, solver, clock, n_tried: int = 1) -> 
     """Name the short budget and the smallest that fits (found by the solver)."""
     tiers = (f"--cpu-mem {_size(budgets.cpu_bytes)} and --nvme-mem {_size(budgets.nvme_bytes)}")
     got = _min_budget(profile, path, hw, budgets, cm, solver, clock, "gpu")
-    static = sum(u.static_bytes for u in profile.layers)
+    # one rank's static state (sharded under FSDP2; DDP's buckets included)
+    static = sum(cm.P[i] + cm.G[i] + cm.O[i] for i in range(cm.U)) + cm.engine_static
     if got == "no time":
         return NoFitError(f"no plan found within the --time-limit for --gpu-mem "
                           f"{_size(budgets.gpu_bytes)} with {tiers}: "
@@ -322,21 +323,29 @@ def _no_fit(profile, path, hw, budgets, cm, solver, clock, n_tried: int = 1) -> 
 def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: str = "optimal",
                   *, solver: str = "highs", time_limit: float | None = 60.0, gap: float = 0.005,
                   nvme_dir: str | None = None, progress: bool = False, micro_batches: int = 1,
-                  stream: str = "auto") -> SolveOutcome:
-    """The plan ``plan solve`` writes: fits in the simulator, or ``NoFitError``."""
+                  stream: str = "auto", world_size: int = 1, ranks_per_node: int | None = None,
+                  engine: str | None = None) -> SolveOutcome:
+    """The plan ``plan solve`` writes: fits in the simulator, or ``NoFitError``. With
+    ``world_size`` N > 1 (or ``engine`` fsdp2/ddp) the plan is one rank's, every rank replaying
+    it (``ranks``: defaults, checks)."""
     policy = getattr(policy, "value", policy)
     if stream not in STREAM_MODES:
         raise UserError(f"--stream {stream!r}: use {', '.join(STREAM_MODES)}")
+    ranks = rank_options(world_size, ranks_per_node, engine)
+    if ranks["engine"] != "none" and stream == "on":
+        raise UserError(f"--stream on: homes off the device are not supported with "
+                        f"--engine {ranks['engine']} yet; use --stream auto or off")
     clock = _Clock(time_limit)
     K = int(micro_batches)
     offload = policy != Policy.REMAT_ONLY.value
     # the optimizer phase pipelined (3 units in flight: faster) and one unit at a time (1: the
     # least memory); the second is tried where homes off the device can matter
     cm = cost_model(profile, hw, budgets, K, allow_streaming=stream != "off",
-                    allow_offload=offload, optimizer_depth=3)
+                    allow_offload=offload, optimizer_depth=3, **ranks)
     cm1 = cost_model(profile, hw, budgets, K, allow_streaming=stream != "off",
-                     allow_offload=offload, optimizer_depth=1)
-    act_cm = cost_model(profile, hw, budgets, K, allow_streaming=False, allow_offload=offload)
+                     allow_offload=offload, optimizer_depth=1, **ranks)
+    act_cm = cost_model(profile, hw, budgets, K, allow_streaming=False, allow_offload=offload,
+                        **ranks)
 
     if policy not in (Policy.OPTIMAL.value, Policy.REMAT_ONLY.value):
         from .baselines import baseline_layers
@@ -404,6 +413,28 @@ def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: 
     return SolveOutcome(plan, best.sim, tried, milp_obj)
 
 
+def rank_options(world_size: int = 1, ranks_per_node: int | None = None,
+                 engine: str | None = None) -> dict:
+    """``world_size``, ``ranks_per_node``, ``engine`` checked, with their defaults: engine
+    fsdp2 for N > 1 ranks (none for one), min(N, 8) ranks per node (an HGX/DGX node's
+    eight GPUs). One UserError line (exit 2) per bad combination."""
+    N = world_size
+    if not isinstance(N, int) or not 1 <= N <= 65536:
+        raise UserError(f"--world-size {N}: give the number of ranks, 1 to 65536")
+    if engine is None:
+        engine = "fsdp2" if N > 1 else "none"
+    if engine not in ("none", "fsdp2", "ddp"):
+        raise UserError(f"--engine {engine!r}: use fsdp2, ddp or none")
+    if engine == "none" and N > 1:
+        raise UserError(f"--world-size {N} with --engine none: several ranks need an engine "
+                        "that shares the work; use --engine fsdp2 or ddp")
+    R = min(N, 8) if ranks_per_node is None else ranks_per_node
+    if not isinstance(R, int) or not 1 <= R <= N or N % R:
+        raise UserError(f"--ranks-per-node {R}: give a divisor of --world-size {N} "
+                        "(ranks on each node)")
+    return {"world_size": N, "ranks_per_node": R, "engine": engine}
+
+
 def _streaming_may_pay(cm: CostModel, best: Candidate, gap: float) -> bool:
     """Whether a plan with homes off the device can beat ``best`` by more than the gap: no
     plan is faster than the passes' compute alone (K x forward and backward)."""
@@ -445,6 +476,9 @@ def summary_line(plan: Plan) -> str:
     ratio = p.step_s / p.compute_s if p.compute_s else float("nan")
     streamed = sum(1 for d in plan.layers if not d.home.resident)
     tail = f"; {streamed} unit(s) with tensors off the device" if streamed else ""
+    if plan.engine != "none":
+        tail += (f"; per rank of {plan.world_size} ({plan.engine}, {plan.ranks_per_node} per "
+                 "node; host and NVMe budgets per node)")
     return (f"{plan.policy} ({plan.solver.origin}): step {fmt_seconds(p.step_s)} = {ratio:.3f}x "
             f"compute-only ({fmt_seconds(p.compute_s)}), {p.tflops:.1f} TFLOP/s; peaks GPU "
             f"{fmt_bytes(p.peak_gpu_bytes)} / {fmt_bytes(b.gpu_bytes)}, host "
@@ -489,7 +523,9 @@ def cli_solve(args) -> int:
     out = solve_profile(profile, args.profile, hw, budgets, args.policy,
                         solver=args.solver or default_solver(), time_limit=time_limit,
                         gap=args.gap, nvme_dir=nvme_dir, progress=sys.stderr.isatty(),
-                        micro_batches=args.micro_batches, stream=args.stream)
+                        micro_batches=args.micro_batches, stream=args.stream,
+                        world_size=args.world_size, ranks_per_node=args.ranks_per_node,
+                        engine=args.engine)
     path = Path(args.output) if args.output else (
         Path("plans") / f"{Path(args.profile).stem}-{str(args.gpu_mem).strip()}.json")
     write_json_atomic(path, out.plan.to_dict())

@@ -29,8 +29,8 @@ def unit_table(plan: Plan, sim=None) -> pd.DataFrame:
     cm = cost_model_of(plan)
     moved = {}
     for e in plan.all_events():
-        if not e.is_transfer or e.stream is Stream.HOST:
-            continue
+        if not e.is_transfer or e.stream in (Stream.HOST, Stream.NET):
+            continue         # host work, and the engine's collectives: not tiers' traffic
         # each byte once, on the link next to the device: d2h/h2d, or the drive on unified
         # memory (and the drive for optimizer state, which never touches the device on CUDA)
         if cm.unified or e.cls is TensorClass.STATE:

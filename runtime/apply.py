@@ -31,7 +31,7 @@ from planner.events import Op, Stream
 from planner.formats import Activation, Plan, Tier, UnitKind, load_plan
 from planner.report import LINKS, Report, StepRecord
 
-from . import calls
+from . import calls, engines
 from .binding import InputGuard, InputTooLargeError, PlanMismatchError, bind
 from .calls import find_hidden as _find_hidden, hidden_of as _hidden_of
 from .offload import Counters, Group, Mover
@@ -45,8 +45,7 @@ __all__ = ["apply_plan", "Handle", "PlanMismatchError", "InputTooLargeError",
            "UnsupportedModelError"]
 
 
-class UnsupportedModelError(UserError, ValueError):
-    """A combination the runtime does not support yet (torch.compile, DDP/FSDP, own checkpointing)."""
+from .engines import UnsupportedModelError  # noqa: E402 (defined beside the engines' checks)
 
 
 _ACTIVE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # model -> Handle
@@ -93,11 +92,7 @@ def _refuse_unsupported(model) -> None:
     for name, m in model.named_modules():
         cls = {c.__name__ for c in type(m).__mro__}
         where = f" ({name})" if name else ""
-        if cls & {"DistributedDataParallel", "DataParallel", "FullyShardedDataParallel",
-                  "FSDPModule"}:
-            raise UnsupportedModelError(
-                f"the model{where} is wrapped in {type(m).__name__}; tierplan does not support "
-                "DDP/FSDP yet: apply the plan to the unwrapped module")
+        # FSDP2 and DDP are checked by runtime.engines (what the plan says, the order)
         if "CheckpointWrapper" in cls:
             raise UnsupportedModelError(
                 f"module{where} is wrapped for activation checkpointing; remove the wrapper: the "
@@ -286,6 +281,10 @@ class _Runner:
         self._recomputing = False
         self.closed = False
         self.hooked = any(d.activation is not Activation.KEEP for d in self.decisions)
+        # a sharded engine (FSDP2, DDP) around the model; the model's class at apply time, to
+        # catch one wrapped after the plan (the wrong order)
+        self.engine = plan.engine
+        self.model_cls = type(model)
         # units whose tensors live off the device between uses
         self.statics: dict[str, UnitStatic] = {}
         self.unit_params = _unit_params(model, plan, dict(blocks))
@@ -322,13 +321,14 @@ class _Runner:
         # belong to the step's rise, as the plan counts them)
         static_pred = sum(cm.resident(i, d.home)["gpu"] - (cm.G[i] if d.home.grads.value == "gpu"
                                                            else 0)
-                          for i, d in enumerate(plan.layers))
+                          for i, d in enumerate(plan.layers)) + cm.engine_static
         self.report = Report(
             plan_path=plan_path, policy=str(plan.policy), device=self.device.type,
             hardware=str(plan.hardware.get("name")), batch=int(plan.model.get("batch", 0)),
             seq=int(plan.model.get("seq", 0)), micro_batches=plan.micro_batches,
             predicted=plan.predicted.to_dict(), predicted_moved=self.predicted_moved,
-            predicted_static_bytes=int(static_pred))
+            predicted_static_bytes=int(static_pred), rank=engines.rank(),
+            world_size=plan.world_size, engine=plan.engine)
         self.wrapped: list[tuple] = []
 
     # -- helpers the segments use
@@ -452,13 +452,18 @@ class _Runner:
                 for s in self._nongrad_units():
                     st.enter_context(s.weights_present())
                 return orig(*args, **kwargs)
+        if self.engine == "none":
+            why = engines.wrapped_after(self.model, self.model_cls)
+            if why:
+                raise UnsupportedModelError(f"{why}; {engines.ORDER}")
         self._check_input(args, kwargs)
         if not self.step_open:
             self._begin_step()
         self.step_passes += 1
         p = _Pass(self.n_passes)
         self.n_passes += 1
-        ptrs = {_storage_ptr(t) for t in self.model.parameters()}
+        # FSDP2: the root's gathered weights are the parameters now; blocks' are shards
+        ptrs = {_storage_ptr(engines.local(t)) for t in self.model.parameters()}
         ptrs.update(_storage_ptr(t) for t in self.model.buffers())
         ptrs.discard(0)
         self.static_ptrs = ptrs
@@ -545,10 +550,17 @@ class _Runner:
             h = _Offload(self, g, p)
             p.seg = None
         version = hidden._version
+        gathered = set()
+        if self.engine == "fsdp2":
+            # FSDP2 gathered this block's weights before its forward (they are its parameters
+            # until it reshards): the engine's, never activations to offload or recompute
+            gathered = {_storage_ptr(q) for q in self.blocks[i].parameters()} - self.static_ptrs
+            self.static_ptrs |= gathered
         try:
             with saved_tensors_hooks(h.pack, h.unpack):
                 out = orig(*args, **kwargs)
         finally:
+            self.static_ptrs -= gathered
             if type(h) is _Offload:
                 h.keys = None    # drop the forward's references (see _Offload.pack)
         if (act is Activation.RECOMPUTE and d.checkpoint is not Tier.NONE
@@ -588,14 +600,14 @@ class _Runner:
                 seen.add(st.data_ptr())
                 n += st.nbytes()
         for prm in self.model.parameters():
-            add(prm)
+            add(engines.local(prm))
             if prm.grad is not None:
-                add(prm.grad)
+                add(engines.local(prm.grad))
         for opt in list(self.optimizers):
             for state in opt.state.values():
                 for v in state.values():
                     if isinstance(v, torch.Tensor) and v.device == self.device:
-                        add(v)
+                        add(engines.local(v))
         return n
 
     def _begin_step(self):
@@ -721,6 +733,11 @@ class Handle:
     def report(self) -> Report:
         """Measured steps so far beside the plan's prediction."""
         return self._r.report
+
+    def gather_reports(self) -> list | None:
+        """Every rank's report, on rank 0 (a list in rank order; None on the other ranks); a
+        collective: every rank must call it. Without a process group, ``[report()]``."""
+        return engines.gather_objects(self._r.report)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False, foreach=None,
@@ -915,9 +932,17 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
     weights, gradients or optimizer state off the device: its ``step``, ``zero_grad`` and state
     dicts then go through the plan. Raises ``PlanMismatchError`` (a ``ValueError``) when the
     plan's blocks differ from the model's, ``UnsupportedModelError`` for torch.compile'd,
-    DDP/FSDP-wrapped or self-checkpointing models. On a CPU device, ``trim_heap=True`` gives
-    freed heap pages back to the kernel before each step (costly; see docs/runtime.md).
+    FSDP1- or DataParallel-wrapped or self-checkpointing models. On a CPU device,
+    ``trim_heap=True`` gives freed heap pages back to the kernel before each step (costly; see
+    docs/runtime.md).
+
+    Under FSDP2 or DDP (a plan from ``plan solve --world-size N``) every rank applies the same
+    plan to its model after wrapping it: ``fully_shard`` on each block and then the root, or
+    ``DistributedDataParallel(model)`` (give this the wrapper); ``runtime.engines`` checks the
+    wrapping and the order, and ``handle.gather_reports()`` brings every rank's report to
+    rank 0 (docs/distributed.md).
     """
+    engine, model = engines.detect(model)     # DDP: the plan binds to the module inside it
     if model in _ACTIVE:
         raise PlanMismatchError("a plan is already applied to this model; call handle.remove() "
                                 "first")
@@ -928,6 +953,7 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
         plan = load_plan(plan)
     src = plan_path or "the plan"
     blocks = bind(model, plan, src)      # runtime/binding.py: exact names, shapes, identity
+    engines.check(plan, engine, model, blocks, src)
     for u, d in zip(plan.units, plan.layers):
         if u.kind != UnitKind.BLOCK.value and d.activation is not Activation.KEEP:
             raise PlanMismatchError(f"{src}: unit {u.name} ({u.kind}) must be 'keep' in this "
@@ -958,6 +984,10 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
     if nvme_needed and not nvme:
         raise PlanMismatchError(f"{src} uses nvme but names no directory; pass "
                                 "apply_plan(..., nvme_dir=DIR) or solve with --nvme-dir DIR")
+    if streams and plan.engine != "none":
+        raise PlanMismatchError(f"{src} keeps tensors off the device under {plan.engine}, which "
+                                "is not supported yet; solve it again with --world-size (homes "
+                                "stay on the device)")
     if streams and optimizer is None:
         raise PlanMismatchError(f"{src} keeps weights, gradients or optimizer state off the "
                                 "device, so the optimizer step goes through the plan: pass "
