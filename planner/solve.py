@@ -4,10 +4,14 @@ Plans come from strategies, each returning ``Candidate(plan, simulation, origin)
 
 - the baselines (keep-all, recompute-all, sqrt, offload-all, and stream-all where the spec and
   budgets allow homes off the device), their transfers placed greedily;
-- the activation-only MILP (every tensor class at home on the device), when the static state
-  fits on the device;
-- the joint MILP (activations and the home of every tensor class), warm-started from the best
-  candidate so far, when the activation-only plan cannot be proven within the gap of it.
+- the activation-only MILP (every tensor class at home on the device), always (it finds no
+  plan when the static state does not fit);
+- the joint MILP (activations and the home of every tensor class), with the optimizer phase
+  pipelined (depth 3) and then one unit at a time (depth 1), each warm-started from the best
+  candidate so far, when homes off the device are possible and no candidate fits, or
+  ``--stream on``, or the best is slower than the compute floor (K forward and backward
+  passes) by more than the gap;
+- when no strategy found a fitting plan in time, the GPU-minimising joint MILP's plan if it fits.
 
 ``_pick`` is the one place that chooses: the fastest candidate that fits; the plan records
 which strategy won (``solver.origin``). The MILP and the simulator evaluate the same cost
@@ -276,8 +280,11 @@ def _min_gpu_candidate(profile, path, hw, budgets, cm, solver, clock, nvme_dir, 
     return Candidate(plan, r, "min-gpu")
 
 
-def _no_fit(profile, path, hw, budgets, cm, solver, clock, n_tried: int = 1) -> NoFitError:
-    """Name the short budget and the smallest that fits (found by the solver)."""
+def _no_fit(profile, path, hw, budgets, cm, solver, clock, n_tried: int = 1, *,
+            rebuild=None, stream_off: bool = False) -> NoFitError:
+    """Name the short budget and the smallest that fits (found by the solver). ``rebuild(b)``
+    makes the same cost model under budgets ``b`` (the host search needs host choices that a
+    ``--cpu-mem 0`` model does not have)."""
     tiers = (f"--cpu-mem {_size(budgets.cpu_bytes)} and --nvme-mem {_size(budgets.nvme_bytes)}")
     got = _min_budget(profile, path, hw, budgets, cm, solver, clock, "gpu")
     # one rank's static state (sharded under FSDP2; DDP's buckets included)
@@ -293,15 +300,21 @@ def _no_fit(profile, path, hw, budgets, cm, solver, clock, n_tried: int = 1) -> 
         need = got[0]
         why = ""
         if static > budgets.gpu_bytes and len({h for hs in cm.homes for h in hs}) == 1:
-            why = (f" (the static state alone, {_size(static)}, exceeds it, and with these "
-                   "budgets nothing can live off the device: give --cpu-mem or --nvme-mem)")
+            why = (f" (the static state alone, {_size(static)}, exceeds it, and "
+                   + ("--stream off keeps it on the device: drop --stream off and give "
+                      "--cpu-mem or --nvme-mem)" if stream_off else
+                      "with these budgets nothing can live off the device: give --cpu-mem or "
+                      "--nvme-mem)"))
         return NoFitError(f"no plan fits --gpu-mem {_size(budgets.gpu_bytes)} with {tiers}{why}: "
                           f"the smallest --gpu-mem with a plan is {_size(need)}; raise --gpu-mem "
                           "to that", budget="gpu", needed_bytes=need)
     if not cm.unified:
-        big = _with_budget(cm, budgets)
+        if cm.has_cpu or rebuild is None:
+            big = _with_budget(cm, budgets)
+        else:
+            # with --cpu-mem 0 the model has no host choices: build it with a host tier
+            big = rebuild(dataclasses.replace(budgets, cpu_bytes=10**15))
         big.budget = dict(cm.budget, cpu=10**15)
-        big.has_cpu = True
         got = _min_budget(profile, path, hw, budgets, big, solver, clock, "cpu")
         if got == "no time":
             return NoFitError(f"no plan found within the --time-limit: none fits "
@@ -309,10 +322,12 @@ def _no_fit(profile, path, hw, budgets, cm, solver, clock, n_tried: int = 1) -> 
                               f"{', '.join(clock.skipped)} did not fit in the time left; raise "
                               "--time-limit or --cpu-mem", budget="cpu")
         if got is not None:
+            # the model's host budget is one rank's; --cpu-mem is the node's
+            need = got[0] * int(getattr(cm, "rpn", 1))
             return NoFitError(f"no plan fits --gpu-mem {_size(budgets.gpu_bytes)} with {tiers}, "
                               f"whatever the GPU budget: host memory is short; the smallest "
-                              f"--cpu-mem with a plan at this --gpu-mem is {_size(got[0])}",
-                              budget="cpu", needed_bytes=got[0])
+                              f"--cpu-mem with a plan at this --gpu-mem is {_size(need)}",
+                              budget="cpu", needed_bytes=need)
     return NoFitError(f"no plan fits --gpu-mem {_size(budgets.gpu_bytes)} with {tiers}, whatever "
                       "the GPU budget: raise --cpu-mem and/or --nvme-mem (the model's static "
                       f"state is {_size(static)})", budget="cpu")
@@ -340,6 +355,11 @@ def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: 
     offload = policy != Policy.REMAT_ONLY.value
     # the optimizer phase pipelined (3 units in flight: faster) and one unit at a time (1: the
     # least memory); the second is tried where homes off the device can matter
+    if (not hw.unified_memory and hw.pinned_limit and budgets.cpu_bytes > hw.pinned_limit):
+        _warn(f"--cpu-mem {_size(budgets.cpu_bytes)} is more than the {hw.name} spec lets the "
+              f"runtime pin ({_size(hw.pinned_limit)}: pinned_memory_bytes, else "
+              "host_memory_bytes); every host byte it holds is pinned, so the plan uses at most "
+              "that (edit the spec to raise it)")
     cm = cost_model(profile, hw, budgets, K, allow_streaming=stream != "off",
                     allow_offload=offload, optimizer_depth=3, **ranks)
     cm1 = cost_model(profile, hw, budgets, K, allow_streaming=stream != "off",
@@ -398,7 +418,12 @@ def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: 
             best = _pick(cands)
     tried = {c.origin: (c.sim.step_s, c.sim.fits, c.sim.peak_gpu_bytes) for c in cands}
     if best is None:
-        raise _no_fit(profile, profile_path, hw, budgets, cm1, solver, clock, len(cands))
+        raise _no_fit(profile, profile_path, hw, budgets, cm1, solver, clock, len(cands),
+                      rebuild=lambda b: cost_model(profile, hw, b, K,
+                                                   allow_streaming=stream != "off",
+                                                   allow_offload=offload, optimizer_depth=1,
+                                                   **ranks),
+                      stream_off=stream == "off")
     if clock.skipped:
         _warn(f"the --time-limit left out {', '.join(clock.skipped)} on this "
               f"{cm.U}-unit model; the plan is the best of the rest (raise --time-limit to try "
