@@ -282,9 +282,16 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _solve_dirs(pid: int) -> list[Path]:
-    import tempfile
-    return list(Path(tempfile.gettempdir()).glob(f"tierplan-solve-{pid}-*"))
+def _tmp(tmp_path) -> Path:
+    """A temp directory of this test's own: any other ``plan solve`` on the host sweeps dead
+    processes' solve directories from the shared one (a race with what these tests watch)."""
+    d = tmp_path / "tmpdir"
+    d.mkdir(exist_ok=True)
+    return d
+
+
+def _solve_dirs(pid: int, tmp_path) -> list[Path]:
+    return list(_tmp(tmp_path).glob(f"tierplan-solve-{pid}-*"))
 
 
 @pytest.fixture(scope="module")
@@ -296,7 +303,7 @@ def cbc_profile(tmp_path_factory):
 
 
 def _start_cbc_solve(cbc_profile, tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(_tmp(tmp_path)))
     proc = subprocess.Popen([PLAN, "solve", str(cbc_profile), "--gpu-mem=40G", "--cpu-mem=512G",
                              "--solver=cbc", "--time-limit=300", "-o", str(tmp_path / "o.json")],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -314,7 +321,7 @@ def _start_cbc_solve(cbc_profile, tmp_path):
 def test_interrupted_solve_ends_its_solver_and_removes_its_files(cbc_profile, tmp_path, sig,
                                                                  code):
     proc, kids = _start_cbc_solve(cbc_profile, tmp_path)
-    assert _solve_dirs(proc.pid), "the solve's temporary directory exists while CBC runs"
+    assert _solve_dirs(proc.pid, tmp_path), "the solve's temporary directory exists while CBC runs"
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == code, err
@@ -323,12 +330,12 @@ def test_interrupted_solve_ends_its_solver_and_removes_its_files(cbc_profile, tm
     while time.time() < deadline and any(_alive(k) for k in kids):
         time.sleep(0.05)
     assert not any(_alive(k) for k in kids), "CBC still running after plan exited"
-    assert _solve_dirs(proc.pid) == [] and not (tmp_path / "o.json").exists()
+    assert _solve_dirs(proc.pid, tmp_path) == [] and not (tmp_path / "o.json").exists()
 
 
 def test_sigkilled_solve_takes_its_solver_along_and_is_swept(cbc_profile, files, tmp_path):
     proc, kids = _start_cbc_solve(cbc_profile, tmp_path)
-    stale = _solve_dirs(proc.pid)
+    stale = _solve_dirs(proc.pid, tmp_path)
     assert stale
     proc.kill()
     proc.communicate(timeout=120)
@@ -338,7 +345,9 @@ def test_sigkilled_solve_takes_its_solver_along_and_is_swept(cbc_profile, files,
     assert not any(_alive(k) for k in kids), "CBC outlived a SIGKILLed plan"
     assert all(p.exists() for p in stale), "SIGKILL cannot clean up; the next solve must"
     _, prof, _ = files
-    r = run("solve", str(prof), "--gpu-mem=30G", "--cpu-mem=512G", "--solver=cbc",
-            "-o", str(tmp_path / "next.json"))
+    r = subprocess.run([PLAN, "solve", str(prof), "--gpu-mem=30G", "--cpu-mem=512G",
+                        "--solver=cbc", "-o", str(tmp_path / "next.json")], capture_output=True,
+                       text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(_tmp(tmp_path))))
     assert r.returncode == 0, r.stderr
     assert not any(p.exists() for p in stale)
