@@ -214,6 +214,11 @@ def milp(profile, path, hw, budgets, cm: CostModel, *, origin, solver, gap, cloc
         out = solvers.solve(m, solver, left, gap, warm=warm, progress=progress)
     except (solvers.Infeasible, solvers.NoIncumbent):
         return None
+    except solvers.SolverFailed as e:
+        # one strategy lost: the others' candidates still stand (seen once from CBC at 96
+        # blocks, not reproduced)
+        _warn(f"{e}; the {origin} strategy is left out")
+        return None
     rec = SolverRecord(name=solver, status=out.status, origin=origin,
                        objective=out.solution.objective, gap=out.gap,
                        solve_s=round(time.perf_counter() - t0, 4), variables=out.variables,
@@ -379,6 +384,14 @@ def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: 
         return SolveOutcome(plan, r, {f"baseline:{policy}": (r.step_s, True, r.peak_gpu_bytes)})
 
     homes_matter = any(len(h) > 1 for h in cm.homes) and policy == Policy.OPTIMAL.value
+    rebuild = lambda b: cost_model(profile, hw, b, K,  # noqa: E731
+                                   allow_streaming=stream != "off", allow_offload=offload,
+                                   optimizer_depth=1, **ranks)
+    if _static_floor(cm1) > cm1.budget["gpu"]:
+        # what the device holds for the whole step under the leanest homes already exceeds the
+        # budget: no strategy can fit, so the whole time limit goes to naming what would
+        raise _no_fit(profile, profile_path, hw, budgets, cm1, solver, clock, 0,
+                      rebuild=rebuild, stream_off=stream == "off")
     if policy == Policy.OPTIMAL.value:
         cands = baselines(profile, profile_path, hw, budgets, cm, nvme_dir, K, clock,
                           clock.skipped)
@@ -419,11 +432,7 @@ def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: 
     tried = {c.origin: (c.sim.step_s, c.sim.fits, c.sim.peak_gpu_bytes) for c in cands}
     if best is None:
         raise _no_fit(profile, profile_path, hw, budgets, cm1, solver, clock, len(cands),
-                      rebuild=lambda b: cost_model(profile, hw, b, K,
-                                                   allow_streaming=stream != "off",
-                                                   allow_offload=offload, optimizer_depth=1,
-                                                   **ranks),
-                      stream_off=stream == "off")
+                      rebuild=rebuild, stream_off=stream == "off")
     if clock.skipped:
         _warn(f"the --time-limit left out {', '.join(clock.skipped)} on this "
               f"{cm.U}-unit model; the plan is the best of the rest (raise --time-limit to try "
@@ -458,6 +467,14 @@ def rank_options(world_size: int = 1, ranks_per_node: int | None = None,
         raise UserError(f"--ranks-per-node {R}: give a divisor of --world-size {N} "
                         "(ranks on each node)")
     return {"world_size": N, "ranks_per_node": R, "engine": engine}
+
+
+def _static_floor(cm: CostModel) -> int:
+    """Device bytes held for the whole step whatever the decisions: each unit's leanest home
+    on the device, a key/value cache, an engine's own buffers (a lower bound of every plan's
+    peak; the budget it is compared with is already less the spec's reserve)."""
+    return (sum(min(cm.resident(i, h)["gpu"] for h in cm.homes[i]) for i in range(cm.U))
+            + cm.cache + int(getattr(cm, "engine_static", 0)))
 
 
 def _streaming_may_pay(cm: CostModel, best: Candidate, gap: float) -> bool:

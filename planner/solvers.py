@@ -34,6 +34,11 @@ class Infeasible(Exception):
     """The model has no solution under its budgets (``plan solve`` turns it into exit 3)."""
 
 
+class SolverFailed(UserError):
+    """The solver program itself failed (crashed, or wrote no readable solution): one strategy
+    of ``plan solve`` is lost, not the solve; alone it is exit 2."""
+
+
 class NoIncumbent(Exception):
     """The solver stopped (time limit) before it found any solution."""
 
@@ -339,8 +344,8 @@ def _run(model: Model, solver, time_limit, gap, warm=False, start=None, progress
                 cb.stop = True
             raise
         except pulp.PulpSolverError as e:
-            raise UserError(f"the {solver} solver failed ({str(e).splitlines()[0][:120]}); "
-                            "try --solver highs or a larger --time-limit") from None
+            raise SolverFailed(f"the {solver} solver failed ({str(e).splitlines()[0][:120]}); "
+                               "try --solver highs or a larger --time-limit") from None
         status = model.prob.sol_status
         if status == pulp.LpSolutionNoSolutionFound:
             return status, None, None

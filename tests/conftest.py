@@ -98,3 +98,18 @@ def plan_for(model, layers, batch, seq, *, hardware="cpu-host", nvme_dir=None,
 @pytest.fixture
 def make_plan_for():
     return plan_for
+
+
+# The fast subset (``pytest -m "not slow"``) is the planner's own tests: formats, schedule,
+# simulator, MILP, solve, inspect, diff. Whole modules that train models, profile real ones,
+# start processes or drive the CLI under faults are slow as a kind; single slow tests elsewhere
+# carry ``@pytest.mark.slow`` themselves.
+SLOW_MODULES = {"test_zoo", "test_fuzz", "test_faults", "test_distributed", "test_streaming",
+                "test_readme", "test_runtime", "test_binding", "test_profiler", "test_cli_errors",
+                "test_timing", "test_models", "test_blocks", "test_measure"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

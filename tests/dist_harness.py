@@ -117,7 +117,9 @@ def plans(name: str, engine: str, folder, world: int = 2) -> list[tuple]:
         nvme = str(folder / f"nvme-{name}-{pol}")
         if pol == "optimal":
             low = min(peaks.values())
-            tight = Budgets(int(low + 0.4 * (peaks["keep-all"] - low)), 0, 1 << 30)
+            # a budget holds the spec's reserve beside the plan's peak
+            tight = Budgets(int(low + 0.4 * (peaks["keep-all"] - low)) + hw.reserved_bytes, 0,
+                            1 << 30)
             plan = solve_profile(prof, None, hw, tight, "optimal", time_limit=60,
                                  nvme_dir=nvme, **ranks).plan
         else:

@@ -169,6 +169,7 @@ def test_saved_plan_diffs_empty_against_itself(tmp_path, capsys):
     assert "0 of 16 units changed" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_gpt2_xl_80G_against_36G(tmp_path, capsys):
     """The issue's check, end to end through the CLI: GPT-2 XL (b=8, s=1024, a100-80g) solved
     at 80G and at 36G. At 80G everything fits (static 23.2 GiB + 22.7 GiB of activations), so

@@ -48,6 +48,7 @@ def test_objective_is_the_simulated_step_and_beats_every_baseline(seed, tmp_path
     assert out.sim.step_s >= out.sim.compute_s * (1 - 1e-9)
 
 
+@pytest.mark.slow
 def test_more_budget_never_gives_a_slower_plan(tmp_path):
     hw = load_hardware("h100-80g")
     prof = random_profile(3, hw, n_blocks=6)

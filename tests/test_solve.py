@@ -174,3 +174,23 @@ def test_highs_progress_line(capsys):
     assert capsys.readouterr().err.splitlines() == [
         "  solve:    1.5 s  incumbent 0.60000  gap 1.00%",
         "  solve:    2.6 s  incumbent 0.60000  gap 0.50%"]
+
+
+def test_a_failing_solver_loses_its_strategy_not_the_solve(prof, tmp_path, capsys,
+                                                          monkeypatch):
+    """The solver program crashing in one MILP strategy (PuLP's PulpSolverError): plan solve
+    still writes the best other candidate, with one warning line naming the failure."""
+    import pulp
+
+    def crash(self, solver=None, **kw):
+        raise pulp.PulpSolverError("Pulp: Error while executing cbc")
+    monkeypatch.setattr(pulp.LpProblem, "solve", crash)
+    path, _, gpu = prof
+    out = tmp_path / "plan.json"
+    assert main(["solve", str(path), "--gpu-mem", str(gpu), "--cpu-mem", "512G",
+                 "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "solver failed" in err and "strategy is left out" in err, err
+    plan = load_plan(out)
+    assert plan.solver.origin.startswith("baseline"), plan.solver.origin
+    assert simulate(plan).fits
