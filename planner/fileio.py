@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import math
@@ -402,3 +403,20 @@ def write_json_atomic(path: str | os.PathLike, obj: Any, *, inputs: Iterable = (
         json.dump(obj, f, sort_keys=True, indent=1, allow_nan=False)
         f.write("\n")
     return write_atomic(path, write, inputs=inputs, make_parents=make_parents, what=what)
+
+
+def lock_dir(path: str | os.PathLike) -> int | None:
+    """An exclusive ``flock`` on directory ``path`` without waiting: its fd (the lock lives as
+    long as it is open), or None if another process holds it or the directory is gone. Solve
+    directories and the runtime's NVMe directories are locked by their process this way, so a
+    sweep can tell a dead owner's directory from a live one's."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd

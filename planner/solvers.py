@@ -8,7 +8,6 @@ The reported gap is relative to the step time: the model's objective has no cons
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import math
 import os
 import re
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 import pulp
 
 from .errors import UserError
+from .fileio import lock_dir
 from .milp import Model, Solution
 
 SOLVERS = ("cbc", "highs")
@@ -260,26 +260,12 @@ def _cbc_gap(log_path: str, objective: float, allowed: float) -> float | None:
 _SOLVE_DIR = re.compile(r"^tierplan-solve-(\d+)-")
 
 
-def _lock_dir(path: str) -> int | None:
-    """An exclusive flock on directory ``path`` without waiting: its fd, or None if held."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
-
-
 def _solve_dir() -> tuple[str, int]:
     """A temporary directory for one solve, locked (flock) while this process lives, and the
     lock's fd. Made under another name and renamed once locked, so that ``_sweep_solve_dirs``
     never sees it unlocked."""
     staging = tempfile.mkdtemp(prefix=".tierplan-solve-new-")
-    fd = _lock_dir(staging)
+    fd = lock_dir(staging)
     final = os.path.join(os.path.dirname(staging),
                          f"tierplan-solve-{os.getpid()}-{os.path.basename(staging)[-8:]}")
     try:
@@ -297,7 +283,7 @@ def _sweep_solve_dirs() -> None:
         for ent in os.scandir(base):
             if not _SOLVE_DIR.match(ent.name) or not ent.is_dir(follow_symlinks=False):
                 continue
-            fd = _lock_dir(ent.path)
+            fd = lock_dir(ent.path)
             if fd is None:
                 continue                      # its solve is running
             try:
@@ -532,6 +518,7 @@ def solve(model: Model, solver: str = "highs", time_limit: float | None = 60.0,
             v.varValue = start.get(v.name, v.varValue)
         status, g = "optimal", rel_gap(obj, bound)
     else:
+        dived = start is not None           # the dive's rounded plan: complete, shares and all
         if start is None and warm:
             use = model.warm_start(warm)
             start = {v.name: v.varValue for v in model.prob.variables()} if use else None
@@ -544,11 +531,14 @@ def solve(model: Model, solver: str = "highs", time_limit: float | None = 60.0,
         st, obj2, g = _run(model, solver, left(), gap, warm=start is not None,
                            start=start if solver == "highs" else None, progress=progress)
         if obj2 is None:
-            if start is None:
+            if not dived:
+                # nothing but the warm start (a baseline's decisions, whose transfer shares the
+                # model does not set): that baseline is already a candidate of plan solve
                 raise NoIncumbent(f"{solver} found no solution within {time_limit} s")
             for v in model.prob.variables():
                 v.varValue = start.get(v.name, v.varValue)
-            status, g = "feasible", rel_gap(obj, bound) if bound is not None else None
+            status = "feasible"
+            g = rel_gap(obj, bound) if bound is not None else None
         else:
             status = "optimal" if st == pulp.LpSolutionOptimal else "feasible"
             if bound is not None and g is not None:

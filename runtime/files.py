@@ -40,6 +40,7 @@ from pathlib import Path
 import xxhash
 
 from planner.errors import UserError
+from planner.fileio import lock_dir
 
 IO_THREAD_PREFIX = "tierplan-io"
 # Checksums on every offload (set False only to measure what they cost: bench/runtime.py).
@@ -197,20 +198,6 @@ def pread_all(fd: int, mv: memoryview, offset: int, label: Sums | str = "") -> N
 
 # ----------------------------------------------------------------------------- directories
 
-def _lock_dir(path: Path) -> int | None:
-    """An exclusive flock on directory ``path`` without waiting: the fd, or None if held."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
-
-
 def sweep(base: str | os.PathLike) -> list[str]:
     """Remove the directories of processes that are gone (their lock is free) under ``base``:
     only the runtime's own files in them, then the directory if that left it empty. Returns
@@ -231,7 +218,7 @@ def sweep(base: str | os.PathLike) -> list[str]:
             with contextlib.suppress(OSError):
                 if now - ent.stat(follow_symlinks=False).st_mtime < STAGING_STALE_S:
                     continue
-        fd = _lock_dir(Path(ent.path))
+        fd = lock_dir(Path(ent.path))
         if fd is None:
             continue                      # its process is alive
         try:
@@ -385,7 +372,7 @@ class NvmeStore:
                 raise NvmeDirError(f"{self._where()} is not writable ({e.strerror}); give a "
                                    "writable directory") from None
             # Locked before it gets the name sweep looks for: a sweeper never sees it unlocked.
-            fd = _lock_dir(staging)
+            fd = lock_dir(staging)
             if fd is None:
                 with contextlib.suppress(OSError):
                     staging.rmdir()

@@ -117,3 +117,19 @@ def test_segment_recompute_pays_each_forward_once_more():
     assert sq.recompute_s == pytest.approx(sum(u.fwd_s for u in blocks))
     assert sq.step_s == pytest.approx(keep.step_s + sq.recompute_s)
     assert set(REC) == {"rg", "rc", "rn", "rz"}
+
+
+def test_a_search_that_finds_nothing_but_its_warm_start_has_no_incumbent(monkeypatch):
+    """The solver stopped by its time limit with only the warm start (a baseline's decisions,
+    whose transfer shares the model leaves unset): no solution, not that start read back as
+    one (it crashed as a TypeError, then as 'its gdc transfer has no share': seeds 1018 and
+    1068 of bench/promises.py part 1 at a 10 s limit)."""
+    from planner import solvers
+    hw = load_hardware("a100-80g")
+    prof = uniform_profile(4, hw, jitter=0.02)
+    b = Budgets(10**15, 10**15, 0)
+    m = Model(cost_model(prof, hw, b))
+    monkeypatch.setattr(solvers, "_dive", lambda *a, **k: (1.0, None, None))
+    monkeypatch.setattr(solvers, "_run", lambda *a, **k: (0, None, None))
+    with pytest.raises(solvers.NoIncumbent):
+        solvers.solve(m, "highs", 5.0, 0.005, warm=baseline_layers("keep-all", prof.layers, hw))
