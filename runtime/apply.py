@@ -27,7 +27,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from planner.errors import UserError
-from planner.events import Op, Stream
+from planner.events import Op, Stream, TensorClass
 from planner.formats import Activation, Plan, Tier, UnitKind, load_plan
 from planner.report import LINKS, Report, StepRecord
 
@@ -368,21 +368,21 @@ class _Runner:
         return ctx() if ctx is not None else None
 
     def _run_action(self, ctx, a) -> None:
-        if a.what in ("weight_fwd", "weight_bwd"):
+        if a.cls is TensorClass.WEIGHT:
             self.statics[a.unit].fetch_weights(a.fa, a.fb)
             return
-        if a.what == "grad_out":
+        if a.cls is TensorClass.GRAD:
             self.statics[a.unit].send_grads(a.fa, a.fb)
             return
         p = self._ctx_pass(ctx)
         if p is None:
             return
-        kind = "act" if a.what.startswith("act") else "ck"
+        kind = "act" if a.cls is TensorClass.ACT else "ck"
         g = p.groups.get((kind, a.unit))
         if g is None:
             return
         lo, hi = g.span(a.fa, a.fb)
-        if a.what.endswith("_out"):
+        if a.out:
             g.send(lo, hi)
         else:
             g.fetch(lo, hi)

@@ -19,13 +19,15 @@ from planner.events import Op, Stream, TensorClass
 class Action:
     """One share of one unit's bytes moving in one stage."""
 
-    __slots__ = ("what", "unit", "fa", "fb")
+    __slots__ = ("cls", "out", "unit", "fa", "fb")
 
-    def __init__(self, what: str, unit: str, fa: float, fb: float):
-        self.what, self.unit, self.fa, self.fb = what, unit, fa, fb
+    def __init__(self, cls: TensorClass, out: bool, unit: str, fa: float, fb: float):
+        # out: leaving the device (offload, gradient home); else arriving (prefetch, weights)
+        self.cls, self.out, self.unit, self.fa, self.fb = cls, out, unit, fa, fb
 
     def __repr__(self):
-        return f"Action({self.what} {self.unit} {self.fa:.3f}..{self.fb:.3f})"
+        return (f"Action({self.cls.value} {'out' if self.out else 'in'} {self.unit} "
+                f"{self.fa:.3f}..{self.fb:.3f})")
 
 
 def plan_actions(plan, unified: bool) -> dict[int, list[Action]]:
@@ -41,26 +43,27 @@ def plan_actions(plan, unified: bool) -> dict[int, list[Action]]:
             (e.stream is Stream.NVME)
         if not near_device:
             continue
-        out = e.op in (Op.OFFLOAD, Op.WRITE)
+        leaving = e.op in (Op.OFFLOAD, Op.WRITE)
         if e.cls in (TensorClass.ACT, TensorClass.CKPT):
-            what = f"{e.cls.value}_{'out' if out else 'in'}"
+            key = (e.cls, leaving, False, e.unit)
         elif e.cls is TensorClass.WEIGHT:
-            what = "weight_fwd" if e.stage < fwd[e.unit] else "weight_bwd"
+            # fetched twice a pass: for the forward, and again for the backward
+            key = (e.cls, False, e.stage >= fwd[e.unit], e.unit)
         elif e.cls is TensorClass.GRAD:
-            what = "grad_out"
+            key = (e.cls, True, False, e.unit)
         else:
             continue
-        primary.append((e, what))
+        primary.append((e, key))
     totals, done = {}, {}
-    for e, what in primary:
-        totals[(what, e.unit)] = totals.get((what, e.unit), 0) + e.bytes
+    for e, key in primary:
+        totals[key] = totals.get(key, 0) + e.bytes
     out: dict[int, list[Action]] = {}
-    for e, what in sorted(primary, key=lambda p: p[0].stage):
-        key = (what, e.unit)
+    for e, key in sorted(primary, key=lambda p: p[0].stage):
         total = totals[key] or 1
         a = done.get(key, 0)
         done[key] = a + e.bytes
-        out.setdefault(e.stage, []).append(Action(what, e.unit, a / total, (a + e.bytes) / total))
+        out.setdefault(e.stage, []).append(
+            Action(key[0], key[1], e.unit, a / total, (a + e.bytes) / total))
     return out
 
 
