@@ -38,10 +38,13 @@ fresh_only = pytest.mark.skipif(os.environ.get(INNER) != "1",
 
 
 @pytest.mark.skipif(os.environ.get(INNER) == "1", reason="already fresh")
-def test_in_a_fresh_interpreter():
-    """Every test below, in a new interpreter (no thread has run before the first fork)."""
+def test_in_a_fresh_interpreter(tmp_path):
+    """Every test below, in a new interpreter (no thread has run before the first fork). Its
+    temporary files go under this test's own (a session of its own in the shared root would
+    prune the oldest sessions' folders, this one's among them when others run)."""
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        "--no-header", "-rf", __file__], cwd=ROOT,
+                        "--no-header", "-rf", "--basetemp", str(tmp_path / "inner"), __file__],
+                       cwd=ROOT,
                        env=dict(os.environ, **{INNER: "1"}), capture_output=True, text=True,
                        timeout=1800, stdin=subprocess.DEVNULL)
     tail = r.stdout[-6000:] + r.stderr[-2000:]
