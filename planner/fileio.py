@@ -290,16 +290,7 @@ def check_output(path: str | os.PathLike, *, inputs: Iterable = (), what: str = 
     _check_path_text(path, what)
     p = Path(path)
     shown = _shown(path)
-    try:
-        st = os.stat(p)
-    except FileNotFoundError:
-        st = None
-    except OSError as e:
-        if e.errno == errno.ENOTDIR:
-            raise UserError(f"{what} '{shown}': cannot create it (a folder on its path is a "
-                            "file); give a path in an existing folder") from None
-        raise UserError(f"{what} '{shown}': cannot use it ({_os_reason(e)}); give another "
-                        "path") from None
+    st = _stat_or_none(p, what, shown, "it")
     if st is not None:
         if stat.S_ISDIR(st.st_mode):
             raise UserError(f"{what} '{shown}' is a directory; give a file name")
@@ -315,16 +306,7 @@ def check_output(path: str | os.PathLike, *, inputs: Iterable = (), what: str = 
                                     "refusing to overwrite it: give another file name")
         return p
     parent = p.parent
-    try:
-        pst = os.stat(parent)
-    except FileNotFoundError:
-        pst = None
-    except OSError as e:
-        if e.errno == errno.ENOTDIR:
-            raise UserError(f"{what} '{shown}': cannot create it (a folder on its path is a "
-                            "file); give a path in an existing folder") from None
-        raise UserError(f"{what} '{shown}': cannot use its folder ({_os_reason(e)}); give "
-                        "another path") from None
+    pst = _stat_or_none(parent, what, shown, "its folder")
     if pst is None:
         grand = parent.parent
         if make_parents and _is_dir(grand):
@@ -420,3 +402,18 @@ def lock_dir(path: str | os.PathLike) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+def _stat_or_none(path, what: str, shown: str, of: str):
+    """``os.stat(path)`` for an output named ``shown``, or None where nothing is there yet;
+    any other failure is one line (``of``: what of the output was looked at)."""
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ENOTDIR:
+            raise UserError(f"{what} '{shown}': cannot create it (a folder on its path is a "
+                            "file); give a path in an existing folder") from None
+        raise UserError(f"{what} '{shown}': cannot use {of} ({_os_reason(e)}); give another "
+                        "path") from None
