@@ -194,3 +194,24 @@ def test_a_failing_solver_loses_its_strategy_not_the_solve(prof, tmp_path, capsy
     plan = load_plan(out)
     assert plan.solver.origin.startswith("baseline"), plan.solver.origin
     assert simulate(plan).fits
+
+
+def test_exit_3_names_the_smallest_budget_when_a_mip_start_misleads_the_solver(tmp_path):
+    """Bloom as ``BloomConfig()`` gives it (a tied 250,880-token embedding), profiled on the
+    CPU host at batch 2, seq 32: HiGHS took the GPU-minimising model's first plan as optimal
+    (0.450 GB) though its bound said 0.385, so exit 3 named 430 MiB while 368 MiB fits."""
+    from pathlib import Path
+
+    from planner.errors import NoFitError
+    from planner.formats import Budgets, load_profile
+    from planner.solve import solve_profile
+    prof = load_profile(Path(__file__).parent / "data" / "profile-bloom-default-b2-s32.json")
+    hw = prof.hardware_spec
+    with pytest.raises(NoFitError) as e:
+        solve_profile(prof, None, hw, Budgets(40 * 2**20, 0, 2 * 2**30), time_limit=30,
+                      nvme_dir=str(tmp_path))
+    need = e.value.needed_bytes
+    assert need < 380 * 2**20, need
+    out = solve_profile(prof, None, hw, Budgets(need, 0, 2 * 2**30), time_limit=30,
+                        nvme_dir=str(tmp_path))
+    assert out.plan.predicted.peak_gpu_bytes + hw.reserved_bytes <= need
