@@ -85,7 +85,8 @@ def diff_plans(a: Plan, b: Plan, path_a: str = "A", path_b: str = "B") -> dict:
                 for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
     # the per-unit tables of both plans, joined on the unit's name
     ta, tb = unit_table(a), unit_table(b)
-    joined = ta[["decision", "home"]].join(tb[["decision", "home"]], lsuffix="_a", rsuffix="_b")
+    # suffixes added before the join: join's lsuffix/rsuffix are deprecated from pandas 3
+    joined = ta[["decision", "home"]].add_suffix("_a").join(tb[["decision", "home"]].add_suffix("_b"))
     changed = []
     for i, (name, r) in enumerate(joined.iterrows()):
         la = r["decision_a"] + ("" if r["home_a"] == "gpu" else f" [{r['home_a']}]")
