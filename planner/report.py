@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .errors import UserError
 from .fileio import read_json, write_json_atomic
-from .formats import _PREDICTED_FIELDS, REPORT_SCHEMA, _check_fields, _check_schema, _require
+from .formats import REPORT_SCHEMA, Prediction, _check_fields, _check_schema, _require
 from .sizes import fmt_bytes, fmt_seconds
 
 LINKS = ("d2h", "h2d", "nvme_write", "nvme_read")
@@ -201,8 +201,8 @@ def load_report_dict(d: dict, source: str = "report") -> Report:
     if d["device"] not in ("cuda", "cpu"):
         raise UserError(f"{where}: device must be cuda or cpu, got {d['device']!r}; {_FIX}")
     _check_fields(d, {"hwm_reset": "bool"}, where, _FIX)
-    # the plan's prediction, as the plan's own loader checks it
-    _check_fields(d["predicted"], _PREDICTED_FIELDS, f"{where} predicted", _FIX)
+    # the plan's prediction, as the plan's own loader checks it (required fields included)
+    Prediction.from_dict(d["predicted"], where, _FIX)
     _check_moved(d.get("predicted_moved", {}), f"{where} predicted_moved")
     steps = [StepRecord.from_dict(s, f"{where} step {n}") for n, s in enumerate(d["steps"])]
     return Report(plan_path=p.get("path"), policy=str(p.get("policy", "")), device=d["device"],

@@ -173,6 +173,14 @@ def test_report_beside_prediction(plan_file, tmp_path, capsys):
     rp.write_text(json.dumps(rep))
     assert main(["inspect", path, "--report", str(rp)]) == 2
     assert "step_s must be" in capsys.readouterr().err
+    # the prediction a report carries needs what a plan's does (found by bench/fuzz.py: a
+    # report without predicted.peak_cpu_bytes was shown with exit 0)
+    rep["steps"][0]["step_s"] = 0.5
+    del rep["predicted"]["peak_cpu_bytes"]
+    rp.write_text(json.dumps(rep))
+    assert main(["inspect", path, "--report", str(rp)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "peak_cpu_bytes" in err and "r.json" in err
 
 
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys):
