@@ -971,6 +971,23 @@ class CostModel:
                 break
         return max(dev, host)
 
+    def held_longer(self, v: View) -> Lin:
+        """Device bytes held for longer than their transfer window requires, times the stages
+        (as a fraction of the pass): a send that leaves after its window's first stage, or a
+        fetch that arrives before its window's last. What the second phase of a solve minimises
+        (``solvers._settle``): among schedules of equal step, the least device memory held, which
+        is also how a runtime behaves (it frees a tensor as soon as its bytes have left, and
+        has no reason to fetch early what is hidden anyway)."""
+        out = []
+        n = float(len(self.L.pass_stages))
+        for s in self.L.pass_stages:
+            for kind, i in v.at(s):
+                K, w = KINDS[kind], self.window(kind, i)
+                late = s - w.start if K.src == "gpu" else (w.stop - 1 - s if K.dst == "gpu" else 0)
+                if late > 0:
+                    out.append((v.share(kind, i, s), float(self.size(kind, i)) * late / n))
+        return out
+
     def moved_bytes(self, v: View) -> Lin:
         """Bytes moved per pass (the tie-break's measure)."""
         out = []

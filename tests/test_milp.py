@@ -133,3 +133,29 @@ def test_a_search_that_finds_nothing_but_its_warm_start_has_no_incumbent(monkeyp
     monkeypatch.setattr(solvers, "_run", lambda *a, **k: (0, None, None))
     with pytest.raises(solvers.NoIncumbent):
         solvers.solve(m, "highs", 5.0, 0.005, warm=baseline_layers("keep-all", prof.layers, hw))
+
+
+def test_hidden_transfers_leave_early_and_arrive_late(tmp_path):
+    """Among plans of equal step the solve holds the least device memory: an offload that
+    hides in one stage leaves in the first stage after its forward and comes back in the last
+    stage before its backward (the solve's second phase, ``solvers._settle``)."""
+    from planner.events import Op, TensorClass
+
+    hw = load_hardware("cpu-host")
+    prof = uniform_profile(6, hw, fwd_s=1.0, saved_bytes=100_000_000, input_bytes=1_000_000,
+                           param_bytes=1_000_000, workspace_bytes=1_000_000,
+                           head_saved_bytes=1_000_000)
+    big = Budgets(10**12, 0, 10**12)
+    keep = plan_and_sim(prof, None, hw, big, "keep-all",
+                        baseline_layers("keep-all", prof.layers, hw))[1].peak_gpu_bytes
+    out = solve_profile(prof, None, hw, Budgets(keep - 250_000_000, 0, 10**12), time_limit=60,
+                        nvme_dir=str(tmp_path))
+    assert out.plan.solver.origin.startswith("milp")
+    index = {u.name: i for i, u in enumerate(out.plan.units)}
+    U = len(out.plan.units)
+    acts = [e for e in out.plan.schedule.get("nvme", []) if e.cls is TensorClass.ACT]
+    assert {e.op for e in acts} == {Op.WRITE, Op.READ}
+    for e in acts:
+        i = index[e.unit]
+        fwd, bwd = 1 + i, 2 * U - i
+        assert e.stage == (fwd + 1 if e.op is Op.WRITE else bwd - 1), e.id
