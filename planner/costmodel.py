@@ -293,13 +293,13 @@ class CostModel:
         if not self.has_cpu or self.hw.cpu_adam_params_per_s <= 0:
             return out
         for w in (G_, C_, N_):
-            for g in (G_, C_):
+            for g in (G_, C_, N_):
                 for o in (C_, N_):
-                    if N_ in (w, o) and not self.has_nvme:
+                    if N_ in (w, g, o) and not self.has_nvme:
                         continue
                     if tied and (w, g) != (G_, G_):
                         continue
-                    if g is C_ and not grads_ok:
+                    if g is not G_ and not grads_ok:
                         continue
                     out.append(Home(w, g, o, C_))
         return out
@@ -683,6 +683,7 @@ class CostModel:
                     out.append([(v.x(i, c), float(nb * min(n, cap)))])
             for k, h in enumerate(self.homes[i]):
                 n = max([self.P[i] if h.weights is Tier.NVME else 0,
+                         self.G[i] if h.grads is Tier.NVME else 0,
                          self.opt_copy(i, h) if h.optimizer is Tier.NVME else 0])
                 if n:
                     out.append([(v.h(i, k), float(nb * min(n, cap)))])
@@ -693,7 +694,9 @@ class CostModel:
         L, U = self.L, self.U
         g, c, n = [], [], []
         out = {"gpu": g, "cpu": c, "nvme": n}
-        dev = g  # on unified memory the host's role is played by the device
+        # a gradient accumulator read back from NVMe (passes after the first) is summed where
+        # the host's role is played: the device on unified memory, host memory on CUDA
+        dev = g if self.unified else c
         if 1 <= s <= U:                      # F:i
             i = s - 1
             g.append((1, float(self.A[i])))
@@ -768,7 +771,7 @@ class CostModel:
             elif K.cls == "act":
                 (c if K.src == "cpu" else n).append((sh, nb))
             if rest and kind == "gdn":
-                g.append((sh, nb))
+                (g if self.unified else c).append((sh, nb))
         for k, e, ch in v.ck_returns(s):     # a checkpoint's copy was read back
             (c if ch == "rc" else n).append((v.y(ch, k, e), float(self.X[k])))
         # streamed weights: the forward copy goes when the forward ends (the last unit's stays

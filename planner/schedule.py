@@ -277,6 +277,8 @@ def build_schedule(cm: CostModel, layers: list[LayerDecision], shares: dict | No
         K = KINDS[kind]
         cls = _CLS[K.cls]
         if kind == "gdn":
+            if not uni:      # through host memory: the link first
+                xfer(Stream.D2H, Op.OFFLOAD, cls, i, s, n)
             xfer(Stream.NVME, Op.READ, cls, i, s, n, Passes.REST)
             xfer(Stream.HOST, Op.ACCUMULATE, cls, i, s, n, Passes.REST)
             xfer(Stream.NVME, Op.WRITE, cls, i, s, n)
@@ -368,7 +370,8 @@ def shares_of(cm: CostModel, layers: list[LayerDecision], events) -> dict:
             tag = "c" if d.home.weights is Tier.CPU else "n"
             kind = ("wf" if e.stage < cm.L.fwd(i) else "wb") + tag
         elif e.cls is TensorClass.GRAD and (e.stream is Stream.D2H or
-                                            (e.op is Op.WRITE and d.home.grads is Tier.NVME)):
+                                            (cm.unified and e.op is Op.WRITE and
+                                             d.home.grads is Tier.NVME)):
             kind = "gdc" if d.home.grads is Tier.CPU else "gdn"
         if kind is None:
             continue

@@ -34,7 +34,7 @@ from . import solvers
 from .costmodel import CostModel, evaluate
 from .errors import NoFitError, UserError
 from .formats import (Activation, Budgets, Home, LayerDecision, Plan, Policy, Profile,
-                      SolverRecord, Tier, UnitKind, load_profile, write_json_atomic)
+                      SolverRecord, Tier, load_profile, write_json_atomic)
 from .milp import GB, Model, Options
 from .plans import cost_model, plan_and_sim
 from .sizes import fmt_bytes, fmt_seconds, parse_size
@@ -93,13 +93,13 @@ def _size(n: int) -> str:
 # ----------------------------------------------------------------------------- strategies
 
 def stream_all_layers(cm: CostModel, base: list[LayerDecision]) -> list[LayerDecision] | None:
-    """``base``'s activation decisions with every block's tensors off the device: first each
-    block gets, of the homes that leave nothing on the device, the one that needs the least
-    host memory (NVMe takes the rest); then, block by block while host memory lasts, the one
-    that leaves the least on NVMe (host transfers are the faster). None when no such home
-    exists here."""
-    blocks = [i for i, u in enumerate(cm.units)
-              if u.kind == UnitKind.BLOCK.value and len(cm.homes[i]) > 1]
+    """``base``'s activation decisions with every unit's tensors as far off the device as its
+    homes allow (a tied embedding keeps its weights and gradients there, but not its optimizer
+    state): first each unit gets, of the homes that leave the least on the device, the one
+    that needs the least host memory (NVMe takes the rest); then, unit by unit while host
+    memory lasts, the one that leaves the least on NVMe (host transfers are the faster). None
+    when no such home exists here."""
+    blocks = [i for i in range(cm.U) if len(cm.homes[i]) > 1]
     if not blocks:
         return None
     # host room for homes: the budget less the optimizer phase's pipeline (three units' state
@@ -302,7 +302,7 @@ def _no_fit(profile, path, hw, budgets, cm, solver, clock, n_tried: int = 1, *,
         return NoFitError(f"no plan found within the --time-limit for --gpu-mem "
                           f"{_size(budgets.gpu_bytes)} with {tiers}: "
                           f"{'none of the plans tried fits, and ' if n_tried else ''}"
-                          f"{', '.join(clock.skipped)} did not fit in the time left "
+                          f"{', '.join(dict.fromkeys(clock.skipped))} did not fit in the time left "
                           f"({cm.U} units); raise --time-limit, or the budgets (the model's "
                           f"static state is {_size(static)})", budget="gpu")
     if got is not None:
@@ -328,7 +328,7 @@ def _no_fit(profile, path, hw, budgets, cm, solver, clock, n_tried: int = 1, *,
         if got == "no time":
             return NoFitError(f"no plan found within the --time-limit: none fits "
                               f"--gpu-mem {_size(budgets.gpu_bytes)} with {tiers}, and "
-                              f"{', '.join(clock.skipped)} did not fit in the time left; raise "
+                              f"{', '.join(dict.fromkeys(clock.skipped))} did not fit in the time left; raise "
                               "--time-limit or --cpu-mem", budget="cpu")
         if got is not None:
             # the model's host budget is one rank's; --cpu-mem is the node's

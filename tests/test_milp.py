@@ -135,6 +135,32 @@ def test_a_search_that_finds_nothing_but_its_warm_start_has_no_incumbent(monkeyp
         solvers.solve(m, "highs", 5.0, 0.005, warm=baseline_layers("keep-all", prof.layers, hw))
 
 
+def test_gradients_homed_on_nvme_fit_a_host_too_small_for_their_accumulators(tmp_path,
+                                                                              monkeypatch):
+    """A discrete GPU whose host memory cannot hold every streamed unit's gradient accumulator
+    (LoHan's case: GPT-3 175B's 2 B/param of gradients against 256 GB of DRAM): with NVMe
+    gradient homes the solve writes a plan; with them taken away the same budgets exit 3."""
+    from planner.costmodel import CostModel
+    from planner.formats import Tier
+
+    GB = 10**9
+    hw = load_hardware("a100-80g")
+    prof = uniform_profile(4, hw, fwd_s=0.05, saved_bytes=200_000_000, input_bytes=10_000_000,
+                           param_bytes=GB, workspace_bytes=50_000_000,
+                           head_saved_bytes=200_000_000)
+    b = Budgets(8 * GB, 10 * GB, 10**13)
+    out = solve_profile(prof, None, hw, b, time_limit=60, nvme_dir=str(tmp_path))
+    assert out.sim.fits and out.sim.peak_cpu_bytes <= b.cpu_bytes
+    assert any(d.home.grads is Tier.NVME for d in out.plan.layers)
+    if out.milp_objective is not None:
+        assert out.milp_objective == pytest.approx(out.sim.step_s, rel=1e-6)
+    orig = CostModel._homes
+    monkeypatch.setattr(CostModel, "_homes", lambda self, i, allow: [
+        h for h in orig(self, i, allow) if h.grads is not Tier.NVME])
+    with pytest.raises(NoFitError):
+        solve_profile(prof, None, hw, b, time_limit=60, nvme_dir=str(tmp_path))
+
+
 def test_hidden_transfers_leave_early_and_arrive_late(tmp_path):
     """Among plans of equal step the solve holds the least device memory: an offload that
     hides in one stage leaves in the first stage after its forward and comes back in the last
@@ -159,3 +185,28 @@ def test_hidden_transfers_leave_early_and_arrive_late(tmp_path):
         i = index[e.unit]
         fwd, bwd = 1 + i, 2 * U - i
         assert e.stage == (fwd + 1 if e.op is Op.WRITE else bwd - 1), e.id
+
+
+def test_stream_all_takes_a_tied_embeddings_optimizer_state_off_the_device():
+    """A tied embedding keeps its weights and gradients on the device, but its optimizer
+    state (12 of its 16 bytes per parameter) may live on the host: the stream-all baseline
+    gives it the leanest home it has, as it does every block (GPT-3 175B on a 24 GB card
+    needed those 7 GiB)."""
+    import dataclasses
+
+    from planner.costmodel import CostModel
+    from planner.formats import Tier
+    from planner.solve import stream_all_layers
+
+    hw = load_hardware("rtx4090")
+    units = uniform_profile(3, hw, param_bytes=10**9).layers
+    units[0] = dataclasses.replace(units[0], tied_to=("head",))
+    units[-1] = dataclasses.replace(units[-1], tied_to=("embedding",))
+    cm = CostModel(units, hw, gpu_bytes=10**10, cpu_bytes=10**11, nvme_bytes=10**13)
+    layers = stream_all_layers(cm, baseline_layers("keep-all", units, hw))
+    for i, d in enumerate(layers):
+        lean = min(cm.resident(i, h)["gpu"] for h in cm.homes[i])
+        assert cm.resident(i, d.home)["gpu"] == lean, d.name
+    emb, head = layers[0].home, layers[-1].home
+    assert (emb.weights, emb.grads) == (Tier.GPU, Tier.GPU) and emb.optimizer is not Tier.GPU
+    assert head.optimizer is not Tier.GPU

@@ -221,3 +221,62 @@ def test_shares_out_of_their_window_or_order_are_refused():
         build_schedule(cm, layers, {("oc", 1, 5): 1.0, ("pc", 1, 4): 1.0})   # back before out
     with pytest.raises(UserError, match="has no share"):
         build_schedule(cm, layers, {("oc", 1, 3): 1.0})
+
+
+def test_gradients_on_nvme_cross_the_link_and_accumulate_in_host_memory_on_cuda():
+    """On a discrete GPU a gradient homed on NVMe leaves over d2h and is written from host
+    memory; in later passes its accumulator is read back into host memory (not the device)."""
+    from planner.costmodel import View
+    hw = spec()
+    cm, us = model(2, hw, K=2)
+    home = Home(T.CPU, T.NVME, T.NVME, T.CPU)
+    i = 1
+    assert home in cm.homes[i]
+    layers = [LD(u.name, Act.KEEP, home=home if u.kind == "block" else Home()) for u in us]
+    s = build_schedule(cm, layers)
+    name = us[i].name
+    out = [e for e in s["d2h"] if e.unit == name and e.cls is TensorClass.GRAD]
+    writes = [e for e in s["nvme"] if e.unit == name and e.cls is TensorClass.GRAD
+              and e.op is Op.WRITE and e.stage <= 2 * cm.U]
+    assert sum(e.bytes for e in out) == sum(e.bytes for e in writes) == us[i].grad_bytes
+    assert [e.stage for e in out] == [e.stage for e in writes]
+    assert all(e.stage > cm.L.bwd(i) for e in out)
+
+    s0 = cm.L.bwd(i) + 1
+    k = cm.homes[i].index(home)
+
+    class V(View):          # the decisions above, gradient of unit i leaving whole in s0
+        def x(self, j, c):
+            return 1 if c == "keep" else 0
+
+        def h(self, j, kk):
+            return 1 if (j == i and kk == k) else (1 if (j != i and kk == 0) else 0)
+
+        def share(self, kind, j, st):
+            return 1 if (kind, j, st) == ("gdn", i, s0) else 0
+
+        def e(self, j):
+            return 0
+
+        def q(self, kk, j):
+            return 0
+
+        def y(self, c, kk, e):
+            return 0
+
+        def at(self, st):
+            return [("gdn", i)] if st == s0 else []
+
+        def recomputed_at(self, j):
+            return []
+
+        def ck_returns(self, st):
+            return []
+
+    def total(lin):
+        return sum(a * c for a, c in lin)
+    first, rest = cm.alloc(s0, V(), False), cm.alloc(s0, V(), True)
+    assert total(rest["cpu"]) - total(first["cpu"]) == us[i].grad_bytes   # the accumulator
+    assert total(rest["gpu"]) == total(first["gpu"])
+    freed = cm.free(s0, V(), True)
+    assert total(freed["cpu"]) == us[i].grad_bytes
