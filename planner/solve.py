@@ -199,9 +199,11 @@ def _milp_size(cm: CostModel) -> int:
 
 
 def milp(profile, path, hw, budgets, cm: CostModel, *, origin, solver, gap, clock, warm,
-         nvme_dir, K, progress, share: float = 1.0) -> Candidate | None:
+         nvme_dir, K, progress, share: float = 1.0,
+         incumbent: float | None = None) -> Candidate | None:
     """One MILP strategy: solve within ``share`` of the time left; None if it has no
-    solution or no time."""
+    solution or no time, or if its LP relaxation proves that it cannot beat ``incumbent``
+    (the best candidate's step) by more than the gap."""
     left = clock.left()
     if left is not None:
         if _milp_size(cm) / BUILD_ROWS_PER_S > left * 0.5:
@@ -215,8 +217,9 @@ def milp(profile, path, hw, budgets, cm: CostModel, *, origin, solver, gap, cloc
     if clock.left() is not None:
         left = max(0.5, min(left, clock.left() - clock.sim_s))
     try:
-        out = solvers.solve(m, solver, left, gap, warm=warm, progress=progress)
-    except (solvers.Infeasible, solvers.NoIncumbent):
+        out = solvers.solve(m, solver, left, gap, warm=warm, progress=progress,
+                            incumbent=incumbent)
+    except (solvers.Infeasible, solvers.NoIncumbent, solvers.NothingBetter):
         return None
     except solvers.SolverFailed as e:
         # one strategy lost: the others' candidates still stand (seen once from CBC at 96
@@ -412,7 +415,8 @@ def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: 
     act = milp(profile, profile_path, hw, budgets, act_cm, origin="milp-act", solver=solver,
                gap=gap, clock=clock, warm=best.plan.layers if best and all(
                    d.home.resident for d in best.plan.layers) else None,
-               nvme_dir=nvme_dir, K=K, progress=progress, share=0.5 if stream != "off" else 1.0)
+               nvme_dir=nvme_dir, K=K, progress=progress, share=0.5 if stream != "off" else 1.0,
+               incumbent=best.sim.step_s if best else None)
     if act is not None:
         cands.append(act)
     best = _pick(cands)
@@ -421,7 +425,8 @@ def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: 
             joint = milp(profile, profile_path, hw, budgets, model, origin=origin,
                          solver=solver, gap=gap, clock=clock,
                          warm=best.plan.layers if best else None, nvme_dir=nvme_dir, K=K,
-                         progress=progress, share=share)
+                         progress=progress, share=share,
+                         incumbent=best.sim.step_s if best else None)
             if joint is not None:
                 cands.append(joint)
                 best = _pick(cands)

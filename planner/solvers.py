@@ -46,6 +46,11 @@ class NoIncumbent(Exception):
     """The solver stopped (time limit) before it found any solution."""
 
 
+class NothingBetter(Exception):
+    """The model's LP relaxation proves that no plan of it beats the given incumbent (a plan
+    from another strategy) by more than the gap: searching it would not change the answer."""
+
+
 @dataclass(frozen=True)
 class Outcome:
     """One solve: the solution read back and the solver's account of it."""
@@ -499,7 +504,7 @@ def _settle(model: Model, solver: str, time_limit) -> None:
         v.varValue = (got or values).get(v.name, values.get(v.name))
 
 
-def _dive(model: Model, solver: str, time_limit, gap: float):
+def _dive(model: Model, solver: str, time_limit, gap: float, incumbent: float | None = None):
     """A global bound and a first plan. The LP relaxation's value bounds every plan; then,
     batch by batch along the chain, its choices are rounded (``_Rounder``) and fixed, and the
     relaxation re-solved with them fixed, so the units still open adapt to what the fixed ones
@@ -515,6 +520,8 @@ def _dive(model: Model, solver: str, time_limit, gap: float):
     bound, lp = _relaxation(model, solver, time_limit, {})
     if bound is None:
         return None, None, None
+    if incumbent is not None and rel_gap(incumbent, bound) <= gap:
+        raise NothingBetter(f"bound {bound:.6g} s, incumbent {incumbent:.6g} s")
     U = model.cm.U
     batch = max(4, U // 6)
     for offset in (0.5, 0.0, 0.25, 0.75):
@@ -538,13 +545,17 @@ def _dive(model: Model, solver: str, time_limit, gap: float):
 
 
 def solve(model: Model, solver: str = "highs", time_limit: float | None = 60.0,
-          gap: float = 0.005, warm=None, progress: bool = False) -> Outcome:
+          gap: float = 0.005, warm=None, progress: bool = False,
+          incumbent: float | None = None) -> Outcome:
     """Solve ``model``; raise ``Infeasible`` when nothing fits, ``NoIncumbent`` when the time
     limit ends the search before a solution.
 
     First ``_dive`` (a few LPs): when its plan is within ``gap`` of the LP's bound
     it is the answer, proven; otherwise it starts the full search (with ``warm``,
-    a list of decisions such as the best baseline's, as the start where it has none)."""
+    a list of decisions such as the best baseline's, as the start where it has none).
+    With ``incumbent`` (the step of the best plan another strategy has), raise
+    ``NothingBetter`` as soon as the LP relaxation's bound shows that no plan of this model
+    beats it by more than ``gap``."""
     if model.violated:
         raise Infeasible(f"constant rows violated: {', '.join(model.violated[:3])}")
     t0 = time.perf_counter()
@@ -561,7 +572,7 @@ def solve(model: Model, solver: str = "highs", time_limit: float | None = 60.0,
         # 1.5x: a run with a start to pass overran by up to 1.8x the dive's first LP
         return max(0.5, (time_limit - (time.perf_counter() - t0)) * share - 1.5 * model.overrun_s)
 
-    bound, start, obj = _dive(model, solver, left(0.3), gap)
+    bound, start, obj = _dive(model, solver, left(0.3), gap, incumbent)
     if start is not None and bound is not None and rel_gap(obj, bound) <= gap:
         for v in model.prob.variables():
             v.varValue = start.get(v.name, v.varValue)
