@@ -225,10 +225,13 @@ def test_shares_out_of_their_window_or_order_are_refused():
 
 def test_gradients_on_nvme_cross_the_link_and_accumulate_in_host_memory_on_cuda():
     """On a discrete GPU a gradient homed on NVMe leaves over d2h and is written from host
-    memory; in later passes its accumulator is read back into host memory (not the device)."""
+    memory; in later passes its accumulator is read back into host memory (not the device).
+    With K > 1 the home is offered only where the host cannot hold every accumulator."""
     from planner.costmodel import View
     hw = spec()
     cm, us = model(2, hw, K=2)
+    assert all(h.grads is not T.NVME for hs in cm.homes for h in hs)
+    cm, us = model(2, hw, K=2, cpu=sum(u.grad_bytes for u in us) - 1)
     home = Home(T.CPU, T.NVME, T.NVME, T.CPU)
     i = 1
     assert home in cm.homes[i]
