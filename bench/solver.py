@@ -11,6 +11,7 @@ reserve), ``--cpu-mem`` 512 GiB, no NVMe.
     python bench/solver.py                               # the MILP alone, a few minutes
     python bench/solver.py --depths 12,24,48,96,192 --time-limit 120
     python bench/solver.py --end-to-end                  # what plan solve does
+    python bench/solver.py --end-to-end --depths 48,96,192 --fractions 0.25,0.5 --solvers highs
 
 The default times one MILP: the activation-only model ``plan solve`` always runs
 (``solve_profile``'s ``milp-act``: every tensor class at home on the device), built from
@@ -95,8 +96,9 @@ def milp_alone(label, p, hw, solver, time_limit, gap, joint) -> str:
             f"{r.step_s / comp:.4f}{fits} | {obj / r.step_s - 1:+.3%} |")
 
 
-def end_to_end(label, p, hw, solver, time_limit, gap) -> str:
-    b = Budgets(fraction_budget(p, 0.5), 512 * GiB, 0)
+def end_to_end(label, p, hw, solver, time_limit, gap, fraction=0.5) -> str:
+    b = Budgets(fraction_budget(p, fraction), 512 * GiB, 0)
+    label = f"{label} @{fraction:g}"
     t0 = time.perf_counter()
     try:
         o = solve_profile(p, None, hw, b, "optimal", solver=solver, time_limit=time_limit, gap=gap)
@@ -131,6 +133,9 @@ def main(argv=None) -> int:
     ap.add_argument("--joint", action="store_true",
                     help="time the joint MILP (homes off the device allowed)")
     ap.add_argument("--end-to-end", action="store_true", help="time plan solve's whole work")
+    ap.add_argument("--fractions", default="0.5",
+                    help="end to end: GPU budgets as fractions of the blocks' activations "
+                         "(planner.budget.fraction_budget), comma-separated")
     args = ap.parse_args(argv)
     names = [s for s in args.solvers.split(",") if s]
     if "highs" in names and not solvers.highs_available():
@@ -141,8 +146,9 @@ def main(argv=None) -> int:
               "compute-only | best baseline | MILP objective vs simulated | gap |")
         print("|---|---:|---|---:|---|---|---:|---:|---:|---:|")
         for label, p, hw in cases(args):
-            for s in names:
-                print(end_to_end(label, p, hw, s, args.time_limit, args.gap), flush=True)
+            for f in (float(x) for x in args.fractions.split(",") if x):
+                for s in names:
+                    print(end_to_end(label, p, hw, s, args.time_limit, args.gap, f), flush=True)
         return 0
     print(f"{'joint' if args.joint else 'activation-only'} MILP, gap {args.gap:g}, "
           f"time limit {args.time_limit:g} s")
