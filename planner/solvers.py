@@ -435,8 +435,10 @@ class _Rounder:
         return fixed
 
 
-def _fixed_lp(model: Model, solver: str, time_limit, fixed: dict):
-    """Objective and all values of ``model`` with the binaries in ``fixed`` pinned: an LP."""
+def _fixed_lp(model: Model, solver: str, time_limit, fixed: dict, optimal: bool = False):
+    """Objective and all values of ``model`` with the binaries in ``fixed`` pinned: an LP.
+    With ``optimal``, (None, None) unless the LP was solved to optimality: an LP the time
+    limit stopped has a feasible point, not a bound."""
     saved = []
     by_name = {v.name: v for v in model.prob.variables()}
     for name, val in fixed.items():
@@ -446,8 +448,10 @@ def _fixed_lp(model: Model, solver: str, time_limit, fixed: dict):
         v.cat = pulp.LpContinuous
     try:
         try:
-            _, obj, _ = _run(model, solver, time_limit, 0.0)
+            status, obj, _ = _run(model, solver, time_limit, 0.0)
         except Infeasible:
+            return None, None
+        if optimal and status != pulp.LpSolutionOptimal:
             return None, None
         return obj, {v.name: v.value() for v in model.prob.variables()}
     finally:
@@ -455,14 +459,16 @@ def _fixed_lp(model: Model, solver: str, time_limit, fixed: dict):
             v.lowBound, v.upBound, v.cat = lo, up, cat
 
 
-def _relaxation(model: Model, solver: str, time_limit, fixed: dict):
-    """The LP relaxation with the binaries in ``fixed`` pinned: (bound, values) or
-    (None, None) when infeasible."""
+def _relaxation(model: Model, solver: str, time_limit, fixed: dict, bound: bool = False):
+    """The LP relaxation with the binaries in ``fixed`` pinned: (objective, values) or
+    (None, None) when infeasible. With ``bound``, also (None, None) unless it was solved to
+    optimality: only then is its objective a lower bound (an LP the time limit stopped at a
+    feasible point gave gpt3-175b a 'bound' of 1,862 s where a 1,768 s plan exists)."""
     bins = _binaries(model)
     for v in bins:
         v.cat = pulp.LpContinuous
     try:
-        obj, values = _fixed_lp(model, solver, time_limit, fixed)
+        obj, values = _fixed_lp(model, solver, time_limit, fixed, optimal=bound)
     finally:
         for v in bins:
             v.cat = pulp.LpInteger
@@ -517,7 +523,7 @@ def _dive(model: Model, solver: str, time_limit, gap: float, incumbent: float | 
 
     def over():
         return time_limit is not None and time.perf_counter() - t0 > time_limit
-    bound, lp = _relaxation(model, solver, time_limit, {})
+    bound, lp = _relaxation(model, solver, time_limit, {}, bound=True)
     if bound is None:
         return None, None, None
     if incumbent is not None and rel_gap(incumbent, bound) <= gap:
@@ -570,7 +576,7 @@ def solve(model: Model, solver: str = "highs", time_limit: float | None = 60.0,
         if time_limit is None:
             return None
         # 1.5x: a run with a start to pass overran by up to 1.8x the dive's first LP
-        return max(0.5, (time_limit - (time.perf_counter() - t0)) * share - 1.5 * model.overrun_s)
+        return max(0.5, (time_limit - (time.perf_counter() - t0) - 1.5 * model.overrun_s) * share)
 
     bound, start, obj = _dive(model, solver, left(0.3), gap, incumbent)
     if start is not None and bound is not None and rel_gap(obj, bound) <= gap:
