@@ -499,8 +499,10 @@ def _settle(model: Model, solver: str, time_limit) -> None:
             v.upBound = (v.varValue or 0.0) * (1 + 1e-9) + 1e-12
         model.prob.setObjective(lin(held, 1 / GB))
         try:
-            _, got = _fixed_lp(model, solver, time_limit, fixed)
+            obj, got = _fixed_lp(model, solver, time_limit, fixed)
         except SolverFailed:
+            obj = got = None
+        if obj is None:             # infeasible, or stopped with no point: values unusable
             got = None
     finally:
         for v, up in bounds:

@@ -225,3 +225,18 @@ def test_a_strategy_that_cannot_beat_the_incumbent_stops_at_its_bound():
         solvers.solve(Model(cm), "highs", 60.0, 0.005, incumbent=bound * 1.004)
     best = solvers.solve(Model(cm), "highs", 60.0, 0.005, incumbent=bound * 2)
     assert bound <= best.solution.objective * (1 + 1e-9)
+
+
+def test_settling_that_fails_leaves_the_solution_as_it_was(monkeypatch):
+    """Phase two's LP stopped with no point (or infeasible): the solve's own values stand."""
+    from planner import solvers
+
+    hw = load_hardware("a100-80g")
+    prof = uniform_profile(4, hw, jitter=0.02, seed=4)
+    cm = cost_model(prof, hw, _budgets(prof, hw, random.Random(2)))
+    m = Model(cm)
+    solvers.solve(m, "highs", 60.0, 0.005)
+    before = {v.name: v.varValue for v in m.prob.variables()}
+    monkeypatch.setattr(solvers, "_fixed_lp", lambda *a, **k: (None, {n: None for n in before}))
+    solvers._settle(m, "highs", 60.0)
+    assert {v.name: v.varValue for v in m.prob.variables()} == before
