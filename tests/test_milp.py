@@ -237,6 +237,10 @@ def test_settling_that_fails_leaves_the_solution_as_it_was(monkeypatch):
     m = Model(cm)
     solvers.solve(m, "highs", 60.0, 0.005)
     before = {v.name: v.varValue for v in m.prob.variables()}
-    monkeypatch.setattr(solvers, "_fixed_lp", lambda *a, **k: (None, {n: None for n in before}))
+    assert cm.held_longer(m.v), "no share to settle: the case would not reach the LP"
+    called = []
+    monkeypatch.setattr(solvers, "_fixed_lp", lambda *a, **k: called.append(1) or
+                        (None, {n: None for n in before}))
     solvers._settle(m, "highs", 60.0)
+    assert called
     assert {v.name: v.varValue for v in m.prob.variables()} == before
