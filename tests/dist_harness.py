@@ -277,6 +277,9 @@ def fault_worker(rank: int, world: int, port: int, engine: str, plan: str, nvme:
             files = sum(1 for _ in Path(nvme).rglob("*.bin"))
             Path(out_dir, "seen.json").write_text(json.dumps({"files": files}))
             if fault == "sigint":
+                # Ctrl-C as at a terminal, also when the suite runs in the background with
+                # SIGINT inherited as ignored (the kill would then do nothing)
+                signal.signal(signal.SIGINT, signal.default_int_handler)
                 os.kill(os.getpid(), signal.SIGINT)
             raise RuntimeError("tierplan test: a fault injected on rank 0")
 

@@ -304,9 +304,12 @@ def cbc_profile(tmp_path_factory):
 
 def _start_cbc_solve(cbc_profile, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(_tmp(tmp_path)))
+    # SIGINT as at a terminal: a suite started in the background by a non-interactive shell
+    # passes it on ignored, and `plan` would then rightly ignore Ctrl-C
     proc = subprocess.Popen([PLAN, "solve", str(cbc_profile), "--gpu-mem=40G", "--cpu-mem=512G",
                              "--solver=cbc", "--time-limit=300", "-o", str(tmp_path / "o.json")],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 240            # a loaded host builds the model slowly
     while time.time() < deadline and proc.poll() is None:
         kids = [k for k in _children_named(proc.pid, "cbc") if _alive(k)]

@@ -346,11 +346,21 @@ CHILD = textwrap.dedent("""
 """)
 
 
+def _terminal_sigint() -> None:
+    """In the child before it starts: SIGINT as at a terminal. A test run started in the
+    background by a non-interactive shell inherits SIGINT ignored, and Python then installs no
+    KeyboardInterrupt handler: Ctrl-C would be ignored, as that shell intends, and the test
+    would wait for an exit that never comes (it did, beside a busy core, in a backgrounded
+    run of the suite)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _spawn(nvme, mode):
     code = CHILD.format(tests=str(REPO / "tests"), nvme=str(nvme), mode=mode)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+                            stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
+                            preexec_fn=_terminal_sigint)
 
 
 def _read_line(proc, timeout=300.0) -> str:
