@@ -435,10 +435,10 @@ class _Rounder:
         return fixed
 
 
-def _fixed_lp(model: Model, solver: str, time_limit, fixed: dict, optimal: bool = False):
+def _fixed_lp(model: Model, solver: str, time_limit, fixed: dict):
     """Objective and all values of ``model`` with the binaries in ``fixed`` pinned: an LP.
-    With ``optimal``, (None, None) unless the LP was solved to optimality: an LP the time
-    limit stopped has a feasible point, not a bound."""
+    ``model.lp_optimal`` says whether it was solved to optimality: an LP the time limit
+    stopped has a feasible point, not a bound."""
     saved = []
     by_name = {v.name: v for v in model.prob.variables()}
     for name, val in fixed.items():
@@ -447,28 +447,26 @@ def _fixed_lp(model: Model, solver: str, time_limit, fixed: dict, optimal: bool 
         v.lowBound = v.upBound = val
         v.cat = pulp.LpContinuous
     try:
+        model.lp_optimal = False
         try:
             status, obj, _ = _run(model, solver, time_limit, 0.0)
         except Infeasible:
             return None, None
-        if optimal and status != pulp.LpSolutionOptimal:
-            return None, None
+        model.lp_optimal = status == pulp.LpSolutionOptimal
         return obj, {v.name: v.value() for v in model.prob.variables()}
     finally:
         for v, lo, up, cat in saved:
             v.lowBound, v.upBound, v.cat = lo, up, cat
 
 
-def _relaxation(model: Model, solver: str, time_limit, fixed: dict, bound: bool = False):
+def _relaxation(model: Model, solver: str, time_limit, fixed: dict):
     """The LP relaxation with the binaries in ``fixed`` pinned: (objective, values) or
-    (None, None) when infeasible. With ``bound``, also (None, None) unless it was solved to
-    optimality: only then is its objective a lower bound (an LP the time limit stopped at a
-    feasible point gave gpt3-175b a 'bound' of 1,862 s where a 1,768 s plan exists)."""
+    (None, None) when infeasible."""
     bins = _binaries(model)
     for v in bins:
         v.cat = pulp.LpContinuous
     try:
-        obj, values = _fixed_lp(model, solver, time_limit, fixed, optimal=bound)
+        obj, values = _fixed_lp(model, solver, time_limit, fixed)
     finally:
         for v in bins:
             v.cat = pulp.LpInteger
@@ -525,10 +523,15 @@ def _dive(model: Model, solver: str, time_limit, gap: float, incumbent: float | 
 
     def over():
         return time_limit is not None and time.perf_counter() - t0 > time_limit
-    bound, lp = _relaxation(model, solver, time_limit, {}, bound=True)
-    if bound is None:
+    first, lp = _relaxation(model, solver, time_limit, {})
+    if first is None:
         return None, None, None
-    if incumbent is not None and rel_gap(incumbent, bound) <= gap:
+    # only an LP solved to optimality bounds every plan (one the time limit stopped gave
+    # gpt3-175b a 'bound' of 1,862 s where a 1,768 s plan exists); a stopped one still
+    # guides the rounding: without the complete start that gives, HiGHS was handed a partial
+    # one and ran 40 s past a 1.5 s limit (promises seed 1299)
+    bound = first if model.lp_optimal else None
+    if incumbent is not None and bound is not None and rel_gap(incumbent, bound) <= gap:
         raise NothingBetter(f"bound {bound:.6g} s, incumbent {incumbent:.6g} s")
     U = model.cm.U
     batch = max(4, U // 6)
@@ -596,8 +599,12 @@ def solve(model: Model, solver: str = "highs", time_limit: float | None = 60.0,
                 lo = -math.inf if v.lowBound is None else v.lowBound
                 up = math.inf if v.upBound is None else v.upBound
                 v.setInitialValue(min(max(x, lo), up))
+        # HiGHS gets only a complete start (the dive's): handed a partial one (a baseline's
+        # choices without its shares) it completes it in a sub-search that ran 40 s past a
+        # 1.5 s limit (promises seed 1299)
         st, obj2, g = _run(model, solver, left(), gap, warm=start is not None,
-                           start=start if solver == "highs" else None, progress=progress)
+                           start=start if (solver == "highs" and dived) else None,
+                           progress=progress)
         if (st == pulp.LpSolutionOptimal and start is not None and g is not None and g > gap
                 and bound is not None and obj2 is not None and rel_gap(obj2, bound) > gap):
             # HiGHS returned the start as "optimal" though the relaxation bounds the objective

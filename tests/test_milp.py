@@ -220,7 +220,9 @@ def test_a_strategy_that_cannot_beat_the_incumbent_stops_at_its_bound():
     prof = uniform_profile(6, hw, jitter=0.02, seed=6)
     rng = random.Random(1)
     cm = cost_model(prof, hw, _budgets(prof, hw, rng))
-    bound, _ = solvers._relaxation(Model(cm), "highs", 60.0, {}, bound=True)
+    m0 = Model(cm)
+    bound, _ = solvers._relaxation(m0, "highs", 60.0, {})
+    assert m0.lp_optimal
     with pytest.raises(solvers.NothingBetter):
         solvers.solve(Model(cm), "highs", 60.0, 0.005, incumbent=bound * 1.004)
     best = solvers.solve(Model(cm), "highs", 60.0, 0.005, incumbent=bound * 2)
