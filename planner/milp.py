@@ -95,6 +95,10 @@ class Model:
         self.opt = options
         self.prob = pulp.LpProblem("tierplan", pulp.LpMinimize)
         self.violated: list[str] = []
+        # what the solver runs learn about this model (planner.solvers): seconds a run took
+        # beyond its time limit (handing the model over), and whether the last LP was optimal
+        self.overrun_s = 0.0
+        self.lp_optimal = False
         self.v = _Vars(self)
         self._variables()
         self.c_choice()

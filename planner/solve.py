@@ -99,12 +99,12 @@ def stream_all_layers(cm: CostModel, base: list[LayerDecision]) -> list[LayerDec
     that needs the least host memory (NVMe takes the rest); then, unit by unit while host
     memory lasts, the one that leaves the least on NVMe (host transfers are the faster). None
     when no such home exists here."""
-    blocks = [i for i in range(cm.U) if len(cm.homes[i]) > 1]
-    if not blocks:
+    units = [i for i in range(cm.U) if len(cm.homes[i]) > 1]
+    if not units:
         return None
     # host room for homes: the budget less the optimizer phase's pipeline (three units' state
     # in flight) and a tenth for staging and offloaded activations
-    transient = max((cm.step_transient(i, h) for i in blocks for h in cm.homes[i]), default=0)
+    transient = max((cm.step_transient(i, h) for i in units for h in cm.homes[i]), default=0)
     room = cm.budget["cpu"] * 0.9 - cm.opt_depth * transient
 
     def off(i):
@@ -112,9 +112,9 @@ def stream_all_layers(cm: CostModel, base: list[LayerDecision]) -> list[LayerDec
         least = min(cm.resident(i, h)["gpu"] for h in hs)
         return [h for h in hs if cm.resident(i, h)["gpu"] == least]
     pick = {i: min(off(i), key=lambda h, i=i: (cm.resident(i, h)["cpu"], cm.resident(i, h)["nvme"]))
-            for i in blocks}
-    used = sum(cm.resident(i, pick[i])["cpu"] for i in blocks)
-    for i in blocks:
+            for i in units}
+    used = sum(cm.resident(i, pick[i])["cpu"] for i in units)
+    for i in units:
         better = sorted(off(i), key=lambda h, i=i: cm.resident(i, h)["nvme"])
         for h in better:
             extra = cm.resident(i, h)["cpu"] - cm.resident(i, pick[i])["cpu"]

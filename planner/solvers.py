@@ -25,7 +25,7 @@ import pulp
 
 from .errors import UserError
 from .fileio import lock_dir
-from .milp import Model, Solution
+from .milp import GB, Model, Solution, lin
 
 SOLVERS = ("cbc", "highs")
 # rows handed to a solver per second, beyond its own time limit (a first guess of a run's
@@ -336,7 +336,7 @@ def _run(model: Model, solver, time_limit, gap, warm=False, start=None, progress
             model.prob.solve(s)
             if time_limit is not None:      # what passing the model cost beyond the limit
                 past = time.perf_counter() - t0 - time_limit
-                model.overrun_s = max(getattr(model, "overrun_s", 0.0), min(past, 60.0))
+                model.overrun_s = max(model.overrun_s, min(past, 60.0))
         except KeyboardInterrupt:
             if cb is not None:
                 cb.stop = True
@@ -486,7 +486,6 @@ def _settle(model: Model, solver: str, time_limit) -> None:
     held = model.cm.held_longer(model.v)
     if not held or (time_limit is not None and time_limit < 1.0):
         return
-    from .milp import GB, lin
     values = {v.name: v.varValue for v in model.prob.variables()}
     fixed = {v.name: round(v.varValue or 0.0) for v in _binaries(model)}
     durations = [*model.T.values(), *model.T2.values(), model.To]
@@ -574,8 +573,7 @@ def solve(model: Model, solver: str = "highs", time_limit: float | None = 60.0,
     # every row first): gpt3-175b's 8,600 rows ran each run ~2 s past its limit, and four runs
     # past the command's --time-limit. That much is kept back from each run's limit; the
     # first guess is by size, later ones what the runs took beyond their limits.
-    model.overrun_s = max(getattr(model, "overrun_s", 0.0),
-                          model.prob.numConstraints() / PASS_ROWS_PER_S)
+    model.overrun_s = max(model.overrun_s, model.prob.numConstraints() / PASS_ROWS_PER_S)
 
     def left(share=1.0):
         if time_limit is None:
