@@ -278,6 +278,7 @@ class _Runner:
         self.static_ptrs: set = set()
         self.pass_: _Pass | None = None
         self.n_passes = 0
+        self.passes_warned = False
         self._recomputing = False
         self.closed = False
         self.hooked = any(d.activation is not Activation.KEEP for d in self.decisions)
@@ -660,6 +661,15 @@ class _Runner:
         self.report.steps.append(rec)
         self.report.hwm_reset = self.hwm_ok
         self.step_open = False
+        K = self.plan.micro_batches
+        if self.step_passes not in (0, K) and not self.passes_warned:
+            # the prediction is for K passes a step: with more, memory and time are not it
+            # (found running a --micro-batches 1 plan with two passes: 6.6% above its peak)
+            self.passes_warned = True
+            warnings.warn(f"tierplan: this optimizer step ran {self.step_passes} forward/backward "
+                          f"pass(es) but the plan was solved for --micro-batches {K}; its "
+                          f"memory and time predictions assume {K}: solve with --micro-batches "
+                          f"{self.step_passes}", stacklevel=2)
 
     def close(self):
         self.closed = True

@@ -401,6 +401,31 @@ def test_every_stage_runs_once_in_order_however_the_backward_starts(tmp_path, mo
 
 # ----------------------------------------------------------------------------- report
 
+def test_more_passes_a_step_than_the_plan_was_solved_for_is_said_once(tmp_path):
+    """A --micro-batches 1 plan run with two backward passes a step: its predictions no longer
+    hold, and the runtime says so once (the report records the passes)."""
+    import warnings as w
+    cfg = dict(load_config("gpt-tiny"), dtype="fp32")
+    model = build_model(cfg, dtype="fp32")
+    opt = torch.optim.AdamW(model.parameters())
+    h = apply_plan(model, plan_for(model, "offload-all", B, S, nvme_dir=tmp_path / "n"))
+    with w.catch_warnings(record=True) as got:
+        w.simplefilter("always")
+        model(**make_inputs(cfg, B, S, seed=0)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert not [x for x in got if "micro-batches" in str(x.message)]
+        for step in range(2):
+            for k in range(2):
+                model(**make_inputs(cfg, B, S, seed=k)).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    said = [x for x in got if "micro-batches" in str(x.message)]
+    h.remove()
+    assert len(said) == 1 and "ran 2 forward/backward pass(es)" in str(said[0].message)
+    assert [s.passes for s in h.report().steps] == [1, 2, 2]
+
+
 def test_report_counts_and_saves(tmp_path):
     from planner.report import load_report
     cfg = dict(load_config("gpt-tiny"), dtype="fp32")
