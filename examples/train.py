@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -128,7 +129,14 @@ def main(argv=None) -> int:
         torch.manual_seed(rank)       # each rank its own dropout
         data = _batches(vocab, args.batch, args.seq, args.text, args.device, rank)
         K = max(1, args.micro_batches)
+        cuda = str(args.device).startswith("cuda")
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        times = []
         for step in range(args.steps):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
             total = 0.0
             for _ in range(K):
                 ids, labels = next(data)
@@ -142,8 +150,17 @@ def main(argv=None) -> int:
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
             tag = f"rank {rank}/{world}  " if engine else ""
-            print(f"{tag}step {step + 1}/{args.steps}  loss {total:.4f}", flush=True)
+            print(f"{tag}step {step + 1}/{args.steps}  loss {total:.4f}  {times[-1]:.3f} s",
+                  flush=True)
+        if len(times) > 1:      # the first step warms up (allocator, kernels): left out
+            rest = sorted(times[1:])
+            print(f"{tag}median step {rest[len(rest) // 2]:.4f} s over steps 2..{len(times)}"
+                  + (f"; peak allocated {torch.cuda.max_memory_allocated() / 2**30:.3f} GiB"
+                     if cuda else ""), flush=True)
         if handle is not None:
             rep = handle.report()
             if args.report_out:

@@ -214,7 +214,9 @@ class _Offload:
         self.r, self.group, self.keys, self.pass_ = r, group, {}, pass_
 
     def pack(self, t):
-        if self.r.is_static(t):
+        if self.r.is_static(t) or t.device != self.r.device:
+            # a tensor saved off the device (a CPU scalar a CUDA model's forward made; seen
+            # with FSDP2 and Hugging Face GPT-2 on an H200) holds no device memory: left as is
             return ("ref", t)
         key = (_storage_ptr(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
         hit = self.keys.get(key)
