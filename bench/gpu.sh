@@ -34,11 +34,11 @@ $PY -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.versi
 stage "measure this host (plan hardware)" 90 "$PLAN hardware --size 1G -o $W/this-gpu.yaml && cat $W/this-gpu.yaml"
 if [ -n "${PROMISES_JOBS:-}" ]; then    # the planner's promise check on the idle CPU cores
     echo "== promises part 1 in the background ($PROMISES_JOBS workers)"
-    ( timeout -k 5 "${PROMISES_S:-240}" nice -n 19 $PY bench/promises.py --parts 1 --n 400 --t1 10 \
+    ( timeout -k 5 "${PROMISES_S:-240}" nice -n 19 $PY bench/promises.py --parts 1 --n 400 --t1 10 ${PROMISES_ARGS:-} \
         --jobs "$PROMISES_JOBS" --out "$W/promises.json" > "$W/promises.log" 2>&1 ) &
 fi
 stage "CUDA tests" 150 "$PY -m pytest -q -rs -p no:cacheprovider tests/test_runtime.py tests/test_distributed.py -k cuda 2>&1 | tee $W/tests-cuda.log | tail -15"
-stage "fast subset under this torch" 150 "$PY -m pytest -q -p no:cacheprovider -m 'not slow' 2>&1 | tee $W/tests-fast.log | tail -8"
+[ -n "${GPU_SKIP_FAST:-}" ] || stage "fast subset under this torch" 150 "$PY -m pytest -q -p no:cacheprovider -m 'not slow' 2>&1 | tee $W/tests-fast.log | tail -8"
 
 one() {   # one TAG MODEL BATCH SEQ FRACTION STEPS: measured profile, plan, plain and planned steps
     local tag=$1 model=$2 b=$3 s=$4 f=$5 n=$6
@@ -55,9 +55,13 @@ one() {   # one TAG MODEL BATCH SEQ FRACTION STEPS: measured profile, plan, plai
     stage "$tag: $n steps under the plan" 150 \
         "$PY examples/train.py --model $model --batch $b --seq $s --steps $n --device cuda --plan $W/$tag-plan.json --report-out $W/$tag-report.json 2>&1 | tail -4 && $PLAN inspect $W/$tag-plan.json --report $W/$tag-report.json | tail -22"
 }
-one small gpt2-small 8 1024 0.4 8
-one hfgpt2 examples.hf_models:gpt2_default 8 1024 0.4 8
-one xl gpt2-xl 8 1024 0.4 6
+for m in ${GPU_MODELS:-small hfgpt2 xl}; do   # GPU_MODELS: a subset, to rerun some
+    case $m in
+        small) one small gpt2-small 8 1024 0.4 8 ;;
+        hfgpt2) one hfgpt2 examples.hf_models:gpt2_default 8 1024 0.4 8 ;;
+        xl) one xl gpt2-xl 8 1024 0.4 6 ;;
+    esac
+done
 
 NGPU=$(nvidia-smi -L | wc -l)
 RANKS=$(( NGPU >= 2 ? 2 : 1 ))
