@@ -2,7 +2,8 @@
 # One prepared run for a machine with a CUDA GPU (the lent H200, say): the CUDA tests and the
 # fast subset under that machine's own torch, `plan hardware` there, and for three models
 # (gpt2-small and gpt2-xl built in, GPT-2 as Hugging Face's GPT2Config() gives it) a measured
-# profile, a plan under a tight budget, training steps under it with the report (predicted vs
+# profile (--optimizer adamw-pure: train.py runs torch's AdamW on the parameters as they are),
+# a plan under a tight budget, training steps under it with the report (predicted vs
 # measured: allocator peak, pinned host bytes, bytes per link, stalls) beside the same steps
 # run plainly (--stream off: the runtime streams weights on a CPU host only, so far); then
 # FSDP2 on one or two ranks.
@@ -43,7 +44,7 @@ stage "CUDA tests" 150 "$PY -m pytest -q -rs -p no:cacheprovider tests/test_runt
 one() {   # one TAG MODEL BATCH SEQ FRACTION STEPS: measured profile, plan, plain and planned steps
     local tag=$1 model=$2 b=$3 s=$4 f=$5 n=$6
     stage "$tag: profile $model b=$b s=$s measured on the GPU" 150 \
-        "$PLAN profile $model --batch $b --seq $s --device cuda --hardware $W/this-gpu.yaml -o $W/$tag-prof.json 2>&1 | tail -3"
+        "$PLAN profile $model --batch $b --seq $s --device cuda --hardware $W/this-gpu.yaml --optimizer adamw-pure -o $W/$tag-prof.json 2>&1 | tail -3"
     [ -f "$W/$tag-prof.json" ] || return
     local budget
     budget=$($PY -m planner.budget "$W/$tag-prof.json" --fraction "$f")

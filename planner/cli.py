@@ -59,7 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="meta: shapes/bytes/FLOPs without allocating, times estimated; "
                    "cpu/cuda: also measure times (default: meta)")
     q.add_argument("--hardware", default="cpu-host", help="spec name or YAML (default: cpu-host)")
-    q.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    q.add_argument("--optimizer", choices=["adamw", "adamw-pure", "sgd"], default="adamw",
+                   help="adamw: mixed precision (fp32 master and moments, 16 B/param for 16-bit "
+                   "weights); adamw-pure: torch's AdamW on the parameters as they are (8 B/param "
+                   "for 16-bit weights); sgd: no momentum")
     q.add_argument("--blocks", default=None, help="the blocks, by qualified name or glob "
                    "pattern, comma or space separated: 'encoder.block.*,decoder.block.*'; one "
                    "ModuleList/Sequential means the blocks inside it, e.g. transformer.h "

@@ -328,3 +328,31 @@ def test_profile_output_directory_exit_2(tmp_path, capsys):
 def test_one_dtype_table():
     from planner import models, profiler
     assert profiler.DTYPES is models.DTYPES
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_adamw_pure_counts_what_torch_adamw_holds(dtype):
+    """--optimizer adamw-pure: the profile's static bytes are what a plain torch AdamW over the
+    model's own parameters really holds after a step (weights, grads, moments); adamw counts
+    mixed precision (fp32 master and moments) on top for 16-bit weights."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 8)).to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 64, dtype=dtype)).sum().backward()
+    opt.step()
+    held = sum(p.numel() * p.element_size() + p.grad.numel() * p.grad.element_size()
+               for p in model.parameters())
+    held += sum(v.numel() * v.element_size() for st in opt.state.values()
+                for k, v in st.items() if k != "step")
+    n = sum(p.numel() for p in model.parameters())
+    assert sum(static_bytes_per_param(dtype, "adamw-pure")) * n == held
+    mixed = sum(static_bytes_per_param(dtype, "adamw")) * n
+    assert mixed == (2 * held if dtype == torch.bfloat16 else held)
+
+
+def test_adamw_pure_profile_has_no_master():
+    pure = profile_model("gpt-tiny", 2, 32, device="meta", hardware=CPU, optimizer="adamw-pure",
+                         dtype="bf16")
+    mixed = profile_model("gpt-tiny", 2, 32, device="meta", hardware=CPU, dtype="bf16")
+    assert pure.model["bytes_per_param"] == 8 and mixed.model["bytes_per_param"] == 16
+    assert all(u.master_bytes == 0 for u in pure.layers)
+    assert sum(u.master_bytes for u in mixed.layers) > 0
