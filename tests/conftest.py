@@ -89,7 +89,8 @@ def plan_for(model, layers, batch, seq, *, hardware="cpu-host", nvme_dir=None,
         decisions = [dataclasses.replace(d, home=homes.get(d.name, homes.get("blocks") if
                                                            u.kind == "block" else d.home))
                      for d, u in zip(decisions, units)]
-    # a discrete GPU's host tier gets the spec's host memory (no budget: the plan may not use it)
+    # a discrete GPU's plan may use the host tier: budget it at the spec's host memory (1 TiB
+    # where the spec names none); a unified-memory spec has no host tier
     host = 0 if hw.unified_memory else (hw.host_memory_bytes or 1 << 40)
     budgets = Budgets(hw.memory_bytes, host, hw.nvme_bytes)
     return make_plan(prof, None, hw, budgets, layers if isinstance(layers, str) else "optimal",
