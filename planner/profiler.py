@@ -79,9 +79,15 @@ def static_bytes_per_param(param_dtype: torch.dtype, optimizer: str) -> tuple[in
     w = torch.empty((), dtype=param_dtype).element_size()
     if optimizer == "adamw-pure":
         return w, w, 2 * w
-    master = 4 if w < 4 and param_dtype.is_floating_point else 0
     moments = 8 if optimizer == "adamw" else 0
-    return w, w, master + moments
+    return w, w, master_bytes_per_param(param_dtype, optimizer) + moments
+
+
+def master_bytes_per_param(param_dtype: torch.dtype, optimizer: str) -> int:
+    """The fp32 master copy inside the optimizer state: 4 bytes for 16-bit floating weights
+    under mixed precision, none for fp32 weights (their own master) or ``adamw-pure``."""
+    w = torch.empty((), dtype=param_dtype).element_size()
+    return 4 if w < 4 and param_dtype.is_floating_point and optimizer != "adamw-pure" else 0
 
 
 # ----------------------------------------------------------------------------- attention
@@ -989,8 +995,7 @@ def _assemble(model, inputs, units, prologues, rep_of, blockset, tracker, timing
         if p.requires_grad:
             c[2] += n * g
             c[3] += n * o
-            c[4] += n * 4 if (w < 4 and p.is_floating_point()
-                              and optimizer != "adamw-pure") else 0
+            c[4] += n * master_bytes_per_param(p.dtype, optimizer)
         users = set(tracker.param_users.get(id(p), ())) | {owner[id(p)]}
         for u in users:
             tied[u] |= users - {u}
