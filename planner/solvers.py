@@ -328,12 +328,129 @@ def _solver_run(solver, time_limit, gap, warm, start, progress):
             os.close(lock_fd)
 
 
-def _run(model: Model, solver, time_limit, gap, warm=False, start=None, progress=False):
-    """One solve of ``model.prob`` as it stands; (status, objective, gap or None)."""
-    with _solver_run(solver, time_limit, gap, warm, start, progress) as (s, log_path, cb):
-        t0 = time.perf_counter()
+def hard_deadline(time_limit: float, overrun_s: float) -> float:
+    """How long a HiGHS MIP run in its child may take before it is killed: its own limit,
+    what handing it the model costs (``overrun_s``, of which ``solve`` keeps 1.5x back from
+    the run's limit), and a twentieth more (at least 0.5 s) for the node that is running
+    when the limit strikes: the whole solve then ends within about that much of
+    ``--time-limit``."""
+    return time_limit + max(0.5, 0.05 * time_limit) + 1.5 * overrun_s
+
+
+def _fork_available() -> bool:
+    return sys.platform.startswith("linux") and hasattr(os, "fork")
+
+
+def _highs_child(model: Model, s, fd: int) -> None:
+    """In the forked child: solve, write back (status, sol_status, values, dual bound) or the
+    error, pickled, and leave without running any of the parent's exit handlers."""
+    import pickle
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)     # the parent decides; it kills us
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _die_with_parent()
         try:
             model.prob.solve(s)
+            bound = float(model.prob.solverModel.getInfo().mip_dual_bound)
+            msg = ("ok", model.prob.status, model.prob.sol_status,
+                   {v.name: v.varValue for v in model.prob.variables()}, bound)
+        except pulp.PulpSolverError as e:
+            msg = ("failed", str(e))
+        except BaseException as e:                       # noqa: BLE001 -- reported, not lost
+            msg = ("failed", f"{type(e).__name__}: {e}")
+        with os.fdopen(fd, "wb") as fh:
+            pickle.dump(msg, fh)
+    finally:
+        os._exit(0)
+
+
+def _read_until(fd: int, deadline: float | None) -> bytes | None:
+    """Everything written to pipe ``fd`` until its writer closes it; ``None`` when the
+    deadline (``time.monotonic()``) comes first."""
+    import select
+    chunks = []
+    while True:
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, _, _ = select.select([fd], [], [], wait)
+        if not ready:
+            return None
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+def _highs_in_child(model: Model, s, time_limit: float | None):
+    """Run HiGHS on the MIP in a forked child with a hard deadline; its dual bound, or
+    ``None`` with the status 'no solution' when the deadline killed it.
+
+    Why: HiGHS checks its time limit and its interrupt callback only at points of its own;
+    its MIP presolve of one 834-binary model (promises seed 1299) ran for minutes past a 7 s
+    limit reaching neither, and in-process nothing can stop it, Ctrl-C included. A child can
+    be killed: the caller then keeps the plan it already has (the dive's). ``os.fork``, not
+    ``multiprocessing``: this may run inside a pool's daemonic worker, which may not have
+    multiprocessing children."""
+    import pickle
+    r, w = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:                                    # the child
+        os.close(r)
+        _highs_child(model, s, w)
+    os.close(w)
+    data = None
+    try:
+        deadline = None if time_limit is None else \
+            time.monotonic() + hard_deadline(time_limit, model.overrun_s)
+        data = _read_until(r, deadline)
+    finally:
+        os.close(r)
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            os.waitpid(pid, 0)
+    if data is None:
+        model.prob.status = pulp.LpStatusNotSolved
+        model.prob.sol_status = pulp.LpSolutionNoSolutionFound
+        return None
+    try:
+        msg = pickle.loads(data)
+    except Exception:                               # noqa: BLE001 -- died mid-write
+        msg = ("failed", "the HiGHS process ended without an answer")
+    if msg[0] == "failed":
+        raise pulp.PulpSolverError(msg[1])
+    _, model.prob.status, model.prob.sol_status, values, bound = msg
+    for v in model.prob.variables():
+        v.varValue = values.get(v.name)
+    return bound
+
+
+# a MIP with at least this many binaries runs in a child (``_highs_in_child``): forking
+# costs ~20 ms with torch loaded, nothing beside a search of that size, but 3x the whole
+# solve of the few-binary MIPs that exhaustive checks and small models make by the hundred
+CHILD_MIN_BINARIES = 64
+
+
+def _big_mip(model: Model) -> bool:
+    return sum(v.cat == pulp.LpInteger for v in model.prob.variables()) >= CHILD_MIN_BINARIES
+
+
+def _run(model: Model, solver, time_limit, gap, warm=False, start=None, progress=False):
+    """One solve of ``model.prob`` as it stands; (status, objective, gap or None). A HiGHS
+    MIP of ``CHILD_MIN_BINARIES`` or more runs in a child process with a hard deadline
+    (``_highs_in_child``); LPs, small MIPs and CBC (itself a child process) run as PuLP runs
+    them."""
+    with _solver_run(solver, time_limit, gap, warm, start, progress) as (s, log_path, cb):
+        t0 = time.perf_counter()
+        bound = None
+        try:
+            if solver == "highs" and _fork_available() and _big_mip(model):
+                bound = _highs_in_child(model, s, time_limit)
+            else:
+                model.prob.solve(s)
+                if solver == "highs":
+                    bound = float(model.prob.solverModel.getInfo().mip_dual_bound)
             if time_limit is not None:      # what passing the model cost beyond the limit
                 past = time.perf_counter() - t0 - time_limit
                 model.overrun_s = max(model.overrun_s, min(past, 60.0))
@@ -353,8 +470,7 @@ def _run(model: Model, solver, time_limit, gap, warm=False, start=None, progress
         if solver == "cbc":
             g = _cbc_gap(log_path, obj, gap)
         else:
-            bound = float(model.prob.solverModel.getInfo().mip_dual_bound)
-            g = rel_gap(obj, bound) if math.isfinite(bound) else None
+            g = rel_gap(obj, bound) if bound is not None and math.isfinite(bound) else None
         return status, obj, g
 
 

@@ -1,6 +1,10 @@
 """The MILP and ``plan solve``'s strategies: a written plan's objective is its simulated step,
 it fits, it is never slower than a baseline that fits, and more budget never makes it slower."""
+import os
 import random
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -246,3 +250,88 @@ def test_settling_that_fails_leaves_the_solution_as_it_was(monkeypatch):
     solvers._settle(m, "highs", 60.0)
     assert called
     assert {v.name: v.varValue for v in m.prob.variables()} == before
+
+
+class _NeverReturns:
+    """Stands in for a HiGHS run that reaches neither its time limit nor its callback (its
+    MIP presolve on promises seed 1299)."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def actualSolve(self, lp, **kw):          # noqa: N802 -- PuLP's name
+        if lp.isMIP():
+            time.sleep(600)
+        return self.real.actualSolve(lp, **kw)
+
+
+def _live_children() -> list[int]:
+    me, out = os.getpid(), []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == me and fields[0] != "Z":
+                out.append(int(d.name))
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the child run is Linux-only")
+def test_a_highs_search_past_its_deadline_is_killed_and_the_dives_plan_kept(monkeypatch):
+    """A HiGHS MIP that runs on past its time limit is killed at its hard deadline: the solve
+    ends within it, with the dive's plan (status feasible), and leaves no process behind."""
+    from planner import solvers
+    hw = load_hardware("a100-80g")
+    prof = uniform_profile(6, hw, jitter=0.02)
+    m = Model(cost_model(prof, hw, Budgets(10**15, 10**15, 0)))
+    real_make = solvers.make_solver
+    monkeypatch.setattr(solvers, "make_solver",
+                        lambda *a, **k: _NeverReturns(real_make(*a, **k)))
+    monkeypatch.setattr(solvers, "CHILD_MIN_BINARIES", 1)   # this small model runs in a child
+    real_dive = solvers._dive
+
+    def dive_with_a_weak_bound(*a, **k):      # a bound far below the plan: the search must run
+        bound, start, obj = real_dive(*a, **k)
+        assert start is not None
+        return bound * 0.5, start, obj
+    monkeypatch.setattr(solvers, "_dive", dive_with_a_weak_bound)
+    before = set(_live_children())
+    t0 = time.perf_counter()
+    out = solvers.solve(m, "highs", 2.0, 0.005)
+    took = time.perf_counter() - t0
+    assert out.status == "feasible" and out.solution is not None
+    assert took < 2.0 + solvers.hard_deadline(2.0, m.overrun_s), took
+    assert set(_live_children()) <= before
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the child run is Linux-only")
+def test_a_highs_child_that_fails_is_a_solver_failure(monkeypatch):
+    from planner import solvers
+
+    class Crashes:
+        def actualSolve(self, lp, **kw):       # noqa: N802
+            raise RuntimeError("boom")
+    hw = load_hardware("a100-80g")
+    monkeypatch.setattr(solvers, "CHILD_MIN_BINARIES", 1)
+    m = Model(cost_model(uniform_profile(3, hw), hw, Budgets(10**15, 10**15, 0)))
+    st, obj, _ = solvers._run(m, "highs", 5.0, 0.0)        # a real run through the child
+    monkeypatch.setattr(solvers, "make_solver", lambda *a, **k: Crashes())
+    with pytest.raises(solvers.SolverFailed, match="boom"):
+        solvers._run(m, "highs", 5.0, 0.0)
+    assert obj is not None and obj > 0
+
+
+@pytest.mark.slow
+def test_promises_seed_1299_ends_within_its_time_limit(tmp_path):
+    """bench/promises.py part 1, seed 1299 (h200, 32 blocks, --stream auto): HiGHS's MIP
+    presolve ran for minutes past a 10 s limit; now the solve ends and writes a plan that fits."""
+    hw = load_hardware("h200")
+    prof = random_profile(1299, hw, n_blocks=32)
+    t0 = time.perf_counter()
+    out = solve_profile(prof, None, hw, Budgets(10019853143, 11649178124, 10**13),
+                        nvme_dir=str(tmp_path), stream="auto", time_limit=10, gap=0.005)
+    assert time.perf_counter() - t0 < 20
+    from planner.simulate import simulate
+    assert simulate(out.plan).fits
