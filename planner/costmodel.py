@@ -49,6 +49,19 @@ ACCUMULATE_TRAFFIC = 3.0
 # A tie-break on the objective: 10 us per GB moved, so that moving bytes that hide fully
 # behind compute loses to not moving them (it gains nothing and costs link time).
 EPS_S_PER_BYTE = 1e-5 / 1e9
+# A unit whose optimizer state lives on NVMe is stepped piece by piece
+# (runtime/streaming.py, ``UnitStatic.step_in_pieces``): a piece is whole tensors whose state
+# comes to at most STEP_PIECE_BYTES, or a slice of STEP_PIECE_ALIGN-element multiples of one
+# larger tensor (at least one such slice). Only a piece's state is read at a time, so a tied
+# embedding whose own moments exceed the budget can still be stepped. Slices start at
+# multiples of 2^20 elements so that the elementwise kernels see the same vector/scalar split
+# as on the whole tensor (bit-identical steps; tests/test_streaming.py).
+STEP_PIECE_BYTES = 16 * 2**20
+STEP_PIECE_ALIGN = 2**20
+# In the passes after the first, a gradient accumulator on NVMe is read back, added into and
+# written again in parts of at most this many bytes, one part at a time (the runtime's single
+# I/O thread): the read-back holds one such part, not the unit's whole gradient.
+ACC_CHUNK_BYTES = 2**20
 
 
 def decision_choice(d: LayerDecision) -> str:
@@ -446,11 +459,22 @@ class CostModel:
         h2d = self.P[i] if (h.step is Tier.CPU and h.weights is Tier.GPU) else 0
         return {"nvme": nv, "h2d": h2d}
 
+    def state_held(self, i: int, h: Home) -> int:
+        """Bytes of unit i's optimizer state its step holds at once when that state lives on
+        NVMe: one piece (see STEP_PIECE_BYTES), taking the state as even over its elements."""
+        full = self.opt_copy(i, h)
+        per_element = full / max(1, self.N[i])
+        return min(full, math.ceil(max(STEP_PIECE_BYTES, STEP_PIECE_ALIGN * per_element)))
+
     def step_transient(self, i: int, h: Home) -> int:
-        """Bytes held where the step runs, from its read stage to its write stage."""
+        """Bytes held where the step runs, from its read stage to its write stage: what it
+        reads (of a state on NVMe, one piece at a time) and the weights it writes."""
         r = self.step_reads(i, h)
+        held = r["nvme"] + r["d2h"]
+        if h.optimizer is Tier.NVME:
+            held -= self.opt_copy(i, h) - self.state_held(i, h)
         written_only = self.P[i] if (h.weights is Tier.NVME and self.M[i] > 0) else 0
-        return r["nvme"] + r["d2h"] + written_only
+        return held + written_only
 
     def step_seconds(self, i: int, h: Home) -> tuple[float, float]:
         """(device seconds, host seconds) of unit i's optimizer step under home h."""
@@ -734,11 +758,19 @@ class CostModel:
                 g.append((sh, nb))
             elif K.cls == "act":
                 (c if K.dst == "cpu" else n).append((sh, nb))
-            if rest and kind == "gdn":       # reading a gradient accumulator back
-                dev.append((sh, nb))
+            if rest and kind == "gdn":       # reading a gradient accumulator back, by parts
+                dev += self._readback(v, i, nb)
         for k, e, ch in v.ck_returns(s):
             g.append((v.y(ch, k, e), float(self.X[k])))
         return out
+
+    def _readback(self, v: View, i: int, nb: float) -> list:
+        """Lin of what reading unit i's gradient accumulator back holds during a stage its
+        share moves in: one part (ACC_CHUNK_BYTES) under a home whose gradients are on NVMe.
+        Counted in every stage the share may move in (the MILP's window; the simulator's
+        stages with a share), freed at the stage's end."""
+        part = float(min(nb, ACC_CHUNK_BYTES))
+        return [(v.h(i, k), part) for k, h in enumerate(self.homes[i]) if h.grads is Tier.NVME]
 
     def ck_pairs(self, e: int) -> list:
         """(k, choice) whose offloaded checkpoint may return for a segment ending at e (the
@@ -777,7 +809,7 @@ class CostModel:
             elif K.cls == "act":
                 (c if K.src == "cpu" else n).append((sh, nb))
             if rest and kind == "gdn":
-                (g if self.unified else c).append((sh, nb))
+                (g if self.unified else c).extend(self._readback(v, i, nb))
         for k, e, ch in v.ck_returns(s):     # a checkpoint's copy was read back
             (c if ch == "rc" else n).append((v.y(ch, k, e), float(self.X[k])))
         # streamed weights: the forward copy goes when the forward ends (the last unit's stays

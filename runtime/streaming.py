@@ -23,9 +23,11 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import warnings
 
 import torch
 
+from planner.costmodel import ACC_CHUNK_BYTES, STEP_PIECE_ALIGN, STEP_PIECE_BYTES
 from planner.errors import UserError
 from planner.formats import Tier
 
@@ -123,6 +125,8 @@ class UnitStatic:
         self._norms: dict = {}
         self.placeholders_due = False
         self.state_layout = None             # [(param index, key)] of state tensors on NVMe
+        self.s_off: dict = {}                # (param index, key) -> byte offset in the state file
+        self.s_end = 0
         if device.type == "cuda" and (self.weights_out or self.grads_out or self.state_out):
             raise UserError(f"{name}: streaming weights, gradients or optimizer state on CUDA "
                             "is not supported by this runtime yet (the plan gives it home "
@@ -254,17 +258,23 @@ class UnitStatic:
     def _accumulate(self, a: int, b: int, last: bool):
         flat = self.dev_grads
         for k, g, lo, hi, off in flat.parts(a, b, by="start"):
-            part = as_bytes(g)[lo:hi]
-            if self.acc_valid:
-                # add the accumulator into the new gradient in its dtype: new + acc, the same
-                # bits as PyTorch's acc + new
-                old = torch.empty(hi - lo, dtype=torch.uint8)
-                pread_all(self.g_fd, byte_view(old), off + lo, self.g_sums)
-                self.g_sums.verify(off + lo, byte_view(old), self.g_fd)
-                self.c.moved_add("nvme_read", hi - lo)
-                part.view(g.dtype).add_(old.view(g.dtype))
-            pwrite_all(self.g_fd, byte_view(part), off + lo, self.g_sums)
-            self.c.moved_add("nvme_write", hi - lo)
+            # by parts of ACC_CHUNK_BYTES (whole elements), each written with its own checksum:
+            # the read-back below then holds one part at a time, as the plan counts it
+            step = max(1, ACC_CHUNK_BYTES // g.element_size()) * g.element_size()
+            for c0 in range(lo, hi, step):
+                c1 = min(hi, c0 + step)
+                part = as_bytes(g)[c0:c1]
+                if self.acc_valid:
+                    # add the accumulator into the new gradient in its dtype: new + acc, the
+                    # same bits as PyTorch's acc + new
+                    old = torch.empty(c1 - c0, dtype=torch.uint8)
+                    pread_all(self.g_fd, byte_view(old), off + c0, self.g_sums)
+                    self.g_sums.verify(off + c0, byte_view(old), self.g_fd)
+                    self.c.moved_add("nvme_read", c1 - c0)
+                    part.view(g.dtype).add_(old.view(g.dtype))
+                    del old
+                pwrite_all(self.g_fd, byte_view(part), off + c0, self.g_sums)
+                self.c.moved_add("nvme_write", c1 - c0)
             if hi == g.numel() * g.element_size() and g.numel():
                 # the tensor's accumulated gradient is complete: its norm, as clipping takes it
                 self._norms[k] = torch.linalg.vector_norm(g, 2.0)
@@ -310,8 +320,9 @@ class UnitStatic:
                     out.append((k, key, v))
         return out
 
-    def materialize(self, opt_state, clip: float | None) -> None:
-        """Bring what the step needs to the device: weights, gradients, optimizer state."""
+    def materialize(self, opt_state, clip: float | None, state: bool = True) -> None:
+        """Bring what the step needs to the device: weights, gradients and (unless ``state``
+        is False: a step in pieces reads its own) the optimizer state."""
         store = self.store_of()
         self.wait()
         if self.weights_out and not self.in_use:
@@ -322,32 +333,47 @@ class UnitStatic:
             for (_, p), g in zip(self.params, grads):
                 if p.requires_grad:
                     p.grad = g
-        if self.state_out and self.state_layout is not None:
+        if state and self.state_out and self.state_layout is not None:
             tens = self.state_tensors(opt_state)
             store.submit(self._read_state, tens).result()
 
+    def _state_file(self):
+        if self.s_fd is None:
+            self.s_fd, self.s_path = self.store_of().open(f"s-{self.name}")
+            self.s_sums = Sums(self.s_path, f"s-{self.name}")
+
+    def _state_offset(self, k: int, key, n: int) -> int:
+        """Where state tensor ``key`` of parameter k lives in the state file: given once, when
+        first written, and kept (a step in pieces reads and writes slices of it in place)."""
+        off = self.s_off.get((k, key))
+        if off is None:
+            off = self.s_off[(k, key)] = self.s_end
+            self.s_end += n
+            self.c.add("nvme", n)
+        return off
+
     def _read_state(self, tens):
-        off = 0
         for k, key, v in tens:
             n = v.numel() * v.element_size()
+            off = self.s_off[(k, key)]
             v.untyped_storage().resize_(n)
             pread_all(self.s_fd, byte_view(as_bytes(v)), off, self.s_sums)
             self.s_sums.verify(off, byte_view(as_bytes(v)), self.s_fd)
             self.c.moved_add("nvme_read", n)
-            off += n
 
-    def write_back(self, opt_state, weights: bool = True) -> None:
+    def write_back(self, opt_state, weights: bool = True, state: bool = True) -> None:
         """After the step: weights (unless ``weights`` is False: a loaded optimizer state
-        alone) and state to their homes, freed on the device; gradients stay where they were
-        (the accumulation lives until ``zero_grad``)."""
+        alone) and state (unless ``state`` is False: a step in pieces wrote its own) to their
+        homes, freed on the device; gradients stay where they were (the accumulation lives
+        until ``zero_grad``)."""
         store = self.store_of()
         jobs = []
-        if self.state_out:
+        state = state and self.state_out
+        if state:
             tens = self.state_tensors(opt_state)
-            if self.s_fd is None:
-                self.s_fd, self.s_path = store.open(f"s-{self.name}")
-                self.s_sums = Sums(self.s_path, f"s-{self.name}")
-                self.c.add("nvme", sum(v.numel() * v.element_size() for _, _, v in tens))
+            self._state_file()
+            for k, key, v in tens:
+                self._state_offset(k, key, v.numel() * v.element_size())
             self.state_layout = [(k, key) for k, key, _ in tens]
             jobs.append(store.submit(self._write_state, tens))
         weights = weights and self.weights_out
@@ -355,7 +381,7 @@ class UnitStatic:
             jobs.append(store.submit(self._write_all_weights))
         for j in jobs:
             j.result()
-        if self.state_out:
+        if state:
             for _, _, v in self.state_tensors(opt_state):
                 v.untyped_storage().resize_(0)
         if weights:
@@ -367,12 +393,113 @@ class UnitStatic:
                     p.grad = OffloadedGrad(p, self.name)
 
     def _write_state(self, tens):
-        off = 0
-        for k, key, v in tens:
-            n = v.numel() * v.element_size()
-            pwrite_all(self.s_fd, byte_view(as_bytes(v)), off, self.s_sums)
-            self.c.moved_add("nvme_write", n)
-            off += n
+        self._write_slices([(self.s_off[(k, key)], v) for k, key, v in tens])
+
+    # -- the step in pieces -------------------------------------------------------------------
+    def pieces(self, ps: list, opt_state) -> list:
+        """``ps`` (parameters of this unit in one param group) cut into pieces of at most
+        STEP_PIECE_BYTES of optimizer state each: runs of whole tensors, or slices of
+        STEP_PIECE_ALIGN-element multiples of a larger one (at least one such slice): lists
+        of (param index, first element, end element). A parameter's state per element is
+        that of its state tensors where it has them, else taken as two of its own elements
+        (Adam's moments) until its first step."""
+        index = {id(p): k for k, (_, p) in enumerate(self.params)}
+        out, cur, cur_b = [], [], 0
+        for p in ps:
+            k, n = index[id(p)], p.numel()
+            per = sum(v.element_size() for v in opt_state.get(p, {}).values()
+                      if isinstance(v, torch.Tensor) and v.numel() == n > 1) \
+                or 2 * p.element_size()
+            if n * per <= STEP_PIECE_BYTES:
+                if cur and cur_b + n * per > STEP_PIECE_BYTES:
+                    out.append(cur)
+                    cur, cur_b = [], 0
+                cur.append((k, 0, n))
+                cur_b += n * per
+                continue
+            step = max(1, STEP_PIECE_BYTES // (per * STEP_PIECE_ALIGN)) * STEP_PIECE_ALIGN
+            out += [[(k, lo, min(n, lo + step))] for lo in range(0, n, step)]
+        if cur:
+            out.append(cur)
+        return out
+
+    def step_in_pieces(self, make_optimizer, ps: list, opt_state) -> None:
+        """Step the parameters ``ps`` piece by piece (``pieces``): each piece's state is read
+        from the state file, stepped by ``make_optimizer(views)`` over flat views of the
+        parameters' elements, and written back in place before the next is read. For
+        elementwise optimizers only (Adam, SGD, ...): there a slice steps exactly as the
+        whole tensor would (slices start at multiples of 2^20 elements: the same
+        vectorised kernels, the same bits). Weights and gradients are on the device."""
+        self._state_file()
+        store = self.store_of()
+        # the state as the step found it: a tensor's later slices must read what its first
+        # slice's step has not yet replaced (its stand-ins, its step count)
+        before = {id(p): dict(opt_state.get(p, {})) for p in ps}
+        for piece in self.pieces(ps, opt_state):
+            views, slots = [], []
+            for k, lo, hi in piece:
+                p = self.params[k][1]
+                g = p.grad
+                if g is None or isinstance(g, OffloadedGrad):
+                    continue                     # no gradient: the optimizer skips it
+                c = p.detach().view(-1)[lo:hi]
+                c.grad = g.detach().view(-1)[lo:hi]
+                st, reads = {}, []
+                for key, v in before[id(p)].items():
+                    if isinstance(v, torch.Tensor) and v.numel() == p.numel() > 1:
+                        part = torch.empty(hi - lo, dtype=v.dtype, device=v.device)
+                        reads.append((self.s_off[(k, key)] + lo * v.element_size(), part))
+                        st[key] = part
+                    else:                        # a step count and the like: one per tensor
+                        st[key] = v.clone() if isinstance(v, torch.Tensor) else v
+                if reads:
+                    store.submit(self._read_slices, reads).result()
+                views.append(c)
+                slots.append((k, lo, hi, st))
+            if not views:
+                continue
+            sub = make_optimizer(views)
+            for c, (_, _, _, st) in zip(views, slots):
+                if st:
+                    sub.state[c] = st
+            sub.step()
+            writes = []
+            for c, (k, lo, hi, _) in zip(views, slots):
+                p = self.params[k][1]
+                new = sub.state.get(c, {})
+                old = opt_state.setdefault(p, {})
+                for key in sorted(new, key=str):
+                    v = new[key]
+                    if isinstance(v, torch.Tensor) and v.numel() == hi - lo and \
+                            p.numel() > 1:
+                        es = v.element_size()
+                        off = self._state_offset(k, key, p.numel() * es)
+                        writes.append((off + lo * es, v))
+                        if key not in old:       # the whole tensor's stand-in: no storage
+                            ph = torch.empty(p.shape, dtype=v.dtype, device=v.device)
+                            ph.untyped_storage().resize_(0)
+                            old[key] = ph
+                    else:
+                        old[key] = v
+            store.submit(self._write_slices, writes).result()
+        self.state_layout = [(k, key) for k, key, _ in self.state_tensors(opt_state)]
+
+    def _read_slices(self, reads):
+        for off, t in reads:
+            pread_all(self.s_fd, byte_view(as_bytes(t)), off, self.s_sums)
+            self.s_sums.verify(off, byte_view(as_bytes(t)), self.s_fd)
+            self.c.moved_add("nvme_read", t.numel() * t.element_size())
+
+    def _write_slices(self, writes):
+        """Each tensor in STEP_PIECE_ALIGN-element parts, each checksummed on its own: a piece
+        (whole tensors, or slices starting at multiples of that) then reads and verifies whole
+        ranges only, never a larger range it would have to read from the file in full."""
+        for off, t in writes:
+            mv = byte_view(as_bytes(t))
+            step = STEP_PIECE_ALIGN * t.element_size()
+            for a in range(0, len(mv), step):
+                pwrite_all(self.s_fd, mv[a:a + step], off + a, self.s_sums)
+            self.c.moved_add("nvme_write", len(mv))
 
     # -- reading and loading values ------------------------------------------------------------
     @contextlib.contextmanager
@@ -422,6 +549,14 @@ class UnitStatic:
                     store.unlink(path)
 
 
+# Optimizers whose step is elementwise (each element's update reads only that element's
+# parameter, gradient and state, and per-tensor scalars such as the step count): a unit's state
+# on NVMe is stepped piece by piece with them. Exact classes: a subclass may change the step.
+ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad,
+               torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax,
+               torch.optim.Adadelta, torch.optim.ASGD, torch.optim.Rprop)
+
+
 class OptimizerPhase:
     """``opt.step()`` under a plan: the user's optimizer for units at home on the device, an
     optimizer of the same class per other unit (sharing the user's state and
@@ -441,6 +576,11 @@ class OptimizerPhase:
         if missing:
             raise UserError(f"the optimizer given to apply_plan does not hold parameter "
                             f"{missing[0]!r}; build it on model.parameters()")
+        if type(opt) not in ELEMENTWISE and any(u.state_out for u in units):
+            warnings.warn(f"tierplan: {type(opt).__name__} is not one of the elementwise "
+                          "optimizers (Adam, AdamW, SGD, ...) whose state on NVMe is stepped "
+                          "piece by piece: each unit's whole state comes to the device for its "
+                          "step, more than the plan counts", stacklevel=3)
         self.subs = []      # (unit, [(sub optimizer, user group index)])
         for u in units:
             by_group = {}
@@ -476,17 +616,22 @@ class OptimizerPhase:
         finally:
             for p, g in hidden:
                 p.grad = g
+        pieces = type(self.opt) in ELEMENTWISE
         for u, subs in self.subs:
-            u.materialize(self.opt.state, self.clip)
+            by_pieces = pieces and u.state_out
+            u.materialize(self.opt.state, self.clip, state=not by_pieces)
             for sub, gi in subs:
                 # the user's state and hyper-parameters as they are now: a scheduler changes
                 # the groups, and ``opt.load_state_dict`` replaces ``opt.state`` altogether
+                hyper = {k: v for k, v in self.opt.param_groups[gi].items() if k != "params"}
+                if by_pieces:
+                    u.step_in_pieces(lambda views, h=hyper: type(self.opt)([dict(h, params=views)]),
+                                     sub.param_groups[0]["params"], self.opt.state)
+                    continue
                 sub.state = self.opt.state
-                for k, v in self.opt.param_groups[gi].items():
-                    if k != "params":
-                        sub.param_groups[0][k] = v
+                sub.param_groups[0].update(hyper)
                 sub.step()
-            u.write_back(self.opt.state)
+            u.write_back(self.opt.state, state=not by_pieces)
         self.clip = None
         return loss
 
