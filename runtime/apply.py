@@ -936,7 +936,8 @@ def _install_state_dict_hooks(runner: _Runner) -> list:
 
 def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
                optimizer: torch.optim.Optimizer | None = None,
-               nvme_dir: str | Path | None = None, trim_heap: bool = False) -> Handle:
+               nvme_dir: str | Path | None = None, trim_heap: bool = False,
+               checkpoint: str | Path | None = None) -> Handle:
     """Make ``model`` train under ``plan``; return a handle with ``report()``, ``remove()``
     and, for plans whose gradients may live off the device, ``clip_grad_norm_()``.
 
@@ -947,6 +948,10 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
     FSDP1- or DataParallel-wrapped or self-checkpointing models. On a CPU device,
     ``trim_heap=True`` gives freed heap pages back to the kernel before each step (costly; see
     docs/runtime.md).
+
+    ``checkpoint`` (a safetensors file, its index, or a directory with either) fills the
+    model's parameters from it, each straight into its home: a model built under
+    ``runtime.meta_parameters()`` never exists whole in memory (runtime/checkpoint.py).
 
     Under FSDP2 or DDP (a plan from ``plan solve --world-size N``) every rank applies the same
     plan to its model after wrapping it: ``fully_shard`` on each block and then the root, or
@@ -973,6 +978,12 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
     p0 = next(model.parameters(), None)
     dev = p0.device.type if p0 is not None else "cpu"
     plan_dev = plan.hardware.get("device")
+    on_meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if on_meta and checkpoint is None:
+        raise PlanMismatchError(f"parameter {on_meta[0]!r} is on the meta device: pass "
+                                "apply_plan(..., checkpoint=FILE) to fill it")
+    if on_meta:
+        dev = plan_dev or "cpu"
     if plan_dev and plan_dev != dev:
         raise PlanMismatchError(f"{src} is for {plan_dev} hardware ({plan.hardware.get('name')}) "
                                 f"but the model is on {dev}; solve with a {dev} hardware spec")
@@ -1004,6 +1015,17 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
         raise PlanMismatchError(f"{src} keeps weights, gradients or optimizer state off the "
                                 "device, so the optimizer step goes through the plan: pass "
                                 "apply_plan(model, plan, optimizer=opt)")
+    ck = None
+    if checkpoint is not None:
+        from . import checkpoint as ckpt
+        ck = ckpt.Checkpoint(checkpoint)
+        streamed = {id(p) for u, d in zip(plan.units, plan.layers) if d.home.weights is not Tier.GPU
+                    for _, p in _unit_params(model, plan, dict(blocks))[u.name]}
+        try:
+            ckpt.load_resident(model, ck, torch.device(dev) if on_meta else p0.device, streamed)
+        except BaseException:
+            ck.close()
+            raise
     runner = _Runner(model, plan, plan_path, blocks, nvme, trim_heap, optimizer)
     if nvme_needed:
         # Up front (docs/reliability.md): the directory is made, writable and has room for the
@@ -1014,8 +1036,18 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
         except BaseException:
             runner.close()
             raise
-    for s in runner.statics.values():
-        s.setup()
+    try:
+        if ck is not None:
+            names = ckpt.names_of(model)
+        for s in runner.statics.values():
+            s.setup(None if ck is None else
+                    (lambda k, p: ckpt.fill(ck, names[id(p)], p)))
+    except BaseException:
+        runner.close()
+        raise
+    finally:
+        if ck is not None:
+            ck.close()
     runner.wrap()
     undo = []
     if runner.phase is not None:

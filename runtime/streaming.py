@@ -61,6 +61,8 @@ class OffloadedGrad(torch.Tensor):
 def _own_storage(p: torch.nn.Parameter) -> None:
     """Give ``p`` a storage of its own, so that resizing it frees exactly ``p``."""
     st = p.untyped_storage()
+    if st.nbytes() == 0 and p.storage_offset() == 0 and p.is_contiguous():
+        return          # a stand-in with no storage yet (filled from a checkpoint at setup)
     if p.storage_offset() != 0 or st.nbytes() != p.numel() * p.element_size() or not p.is_contiguous():
         p.data = p.data.clone(memory_format=torch.contiguous_format)
 
@@ -136,14 +138,26 @@ class UnitStatic:
         self.flat = _Flat([p for _, p in params])
 
     # -- weights ----------------------------------------------------------------------------
-    def setup(self) -> None:
-        """Write the current weights to their home and free them on the device."""
+    def setup(self, source=None) -> None:
+        """Write the current weights to their home and free them on the device. With
+        ``source`` (index, parameter: fills the parameter, e.g. from a checkpoint) each
+        parameter is filled, written and freed in turn: one tensor on the device at a time."""
         if not self.weights_out:
             return
         store = self.store_of()
         self.w_fd, self.w_path = store.open(f"w-{self.name}")
         self.w_sums = Sums(self.w_path, f"w-{self.name}")
-        store.submit(self._write_all_weights).result()
+        if source is None:
+            store.submit(self._write_all_weights).result()
+        else:
+            for k, (_, p) in enumerate(self.params):
+                t, off, n = self.flat.items[k]
+                with torch.no_grad():
+                    p.untyped_storage().resize_(n)
+                    source(k, p)
+                store.submit(pwrite_all, self.w_fd, byte_view(as_bytes(p.detach())), off,
+                             self.w_sums).result()
+                p.untyped_storage().resize_(0)
         self.c.add("nvme", self.flat.size)
         self._free_weights()
 

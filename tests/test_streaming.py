@@ -246,3 +246,70 @@ def test_an_optimizer_not_known_elementwise_is_stepped_whole_with_a_warning(refe
     _train(model, data, opt, torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), handle)
     assert _max_diff(model.state_dict(), ref.state_dict()) <= 1e-6
     handle.remove()
+
+
+def _save(model, path):
+    from safetensors.torch import save_model
+    save_model(model, str(path))          # a tied weight is stored once, under one of its names
+
+
+def test_a_model_built_on_meta_is_filled_from_a_checkpoint_into_its_homes(reference, tmp_path):
+    """Parameters on the meta device (buffers real: the rotary tables are computed at
+    construction), filled by apply_plan from a safetensors file, streamed units straight into
+    their files: training then equals plain PyTorch's from the same weights."""
+    from runtime import meta_parameters
+    cfg, model0, data, ref, ref_opt = reference
+    ck = tmp_path / "model.safetensors"
+    _save(model0, ck)
+    with meta_parameters():
+        torch.manual_seed(0)
+        model = build_model(cfg, dtype="fp32")
+    model.train()
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert all(b.device.type == "cpu" for b in model.buffers())
+    nvme = tmp_path / "nvme"
+    plan = plan_for(model0, "keep-all", B, S, nvme_dir=nvme, micro_batches=K,
+                    homes={"blocks": HOMES["all-on-disk"]})
+    opt, sched = _optimizer(model)              # built on the meta parameters: the same objects
+    handle = apply_plan(model, plan, optimizer=opt, checkpoint=ck)
+    streamed = [p for n, p in model.named_parameters() if n.startswith("blocks.")]
+    assert streamed and all(p.untyped_storage().nbytes() == 0 for p in streamed)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    _train(model, data, opt, sched, handle)
+    assert _max_diff(model.state_dict(), ref.state_dict()) <= 1e-6
+    handle.remove()
+    assert _files(nvme) == []
+
+
+def test_a_checkpoint_that_does_not_match_is_one_line_and_leaves_no_file(reference, tmp_path):
+    from planner.errors import UserError
+    from runtime import PlanMismatchError, meta_parameters
+    cfg, model0, _, _, _ = reference
+    nvme = tmp_path / "nvme"
+    plan = plan_for(model0, "keep-all", B, S, nvme_dir=nvme, homes={"blocks": HOMES["all-on-disk"]})
+
+    def meta_model():
+        with meta_parameters():
+            return build_model(cfg, dtype="fp32")
+    m = meta_model()
+    with pytest.raises(PlanMismatchError, match="meta device.*checkpoint="):
+        apply_plan(m, plan, optimizer=torch.optim.AdamW(m.parameters()))
+    sd = {k: v.clone() for k, v in model0.state_dict().items()}
+    from safetensors.torch import save_file
+    short = {k: v for k, v in sd.items() if k != "blocks.1.mlp.up.weight"}
+    if len(short) == len(sd):
+        short.pop(next(k for k in sd if k.startswith("blocks.1.")))
+    save_file(short, str(tmp_path / "short.safetensors"))
+    bad = dict(sd)
+    k0 = next(k for k in sd if k.startswith("blocks.0.") and sd[k].dim() == 2)
+    bad[k0] = torch.zeros(3, 3)
+    save_file(bad, str(tmp_path / "bad.safetensors"))
+    (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 64)
+    for name, match in (("short.safetensors", "has no tensor"), ("bad.safetensors", "has shape"),
+                        ("junk.safetensors", "cannot be read"), ("none.safetensors", "no such")):
+        m = meta_model()
+        with pytest.raises(UserError, match=match) as e:
+            apply_plan(m, plan, optimizer=torch.optim.AdamW(m.parameters()),
+                       checkpoint=tmp_path / name)
+        assert "\n" not in str(e.value)
+        assert _files(nvme) == []
