@@ -164,6 +164,7 @@ class UnitStatic:
     def _write_all_weights(self):
         for t, off, n in self.flat.items:
             pwrite_all(self.w_fd, byte_view(as_bytes(t.detach())), off, self.w_sums)
+            self.c.moved_add("nvme_write", n)
 
     def _free_weights(self):
         for _, p in self.params:

@@ -93,6 +93,11 @@ def test_streamed_training_equals_plain_pytorch(reference, home, acts, tmp_path)
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert (got[i][key] - want[i][key]).abs().max().item() <= 1e-6, (i, key)
     assert _files(nvme), "a plan with homes on disk wrote no file"
+    # every byte the schedule moves per step is moved, and counted (weights written back
+    # after the step were once left out of the count)
+    rep = handle.report()
+    for link in ("nvme_write", "nvme_read"):
+        assert rep.measured.moved[link] == rep.predicted_moved[link] > 0, (link, home, acts)
     handle.remove()
     assert _files(nvme) == []
     # after remove the model is a plain model holding the trained values
