@@ -217,7 +217,12 @@ def load_resident(model: torch.nn.Module, ck: Checkpoint, device: torch.device,
             fill(ck, names[id(p)], dst)
             _replace(p, dst)
         for n, b in model.named_buffers():
-            if n in ck:
+            if n in ck and b.device.type == "meta":
+                owner, _, leaf = n.rpartition(".")
+                real = torch.empty(b.shape, dtype=b.dtype, device=device)
+                fill(ck, [n], real)
+                model.get_submodule(owner)._buffers[leaf] = real
+            elif n in ck:
                 fill(ck, [n], b)
             elif b.device.type == "meta":
                 raise UserError(f"buffer {n!r} is on the meta device and not in checkpoint "

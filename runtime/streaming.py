@@ -127,7 +127,7 @@ class UnitStatic:
         self._norms: dict = {}
         self.placeholders_due = False
         self.state_layout = None             # [(param index, key)] of state tensors on NVMe
-        self.s_off: dict = {}                # (param index, key) -> byte offset in the state file
+        self.s_off: dict = {}                # (param index, key) -> (offset, bytes) in the state file
         self.s_end = 0
         if device.type == "cuda" and (self.weights_out or self.grads_out or self.state_out):
             raise UserError(f"{name}: streaming weights, gradients or optimizer state on CUDA "
@@ -360,17 +360,17 @@ class UnitStatic:
     def _state_offset(self, k: int, key, n: int) -> int:
         """Where state tensor ``key`` of parameter k lives in the state file: given once, when
         first written, and kept (a step in pieces reads and writes slices of it in place)."""
-        off = self.s_off.get((k, key))
-        if off is None:
-            off = self.s_off[(k, key)] = self.s_end
+        got = self.s_off.get((k, key))
+        if got is None or got[1] != n:       # new, or loaded in another dtype: a new region
+            got = self.s_off[(k, key)] = (self.s_end, n)
             self.s_end += n
             self.c.add("nvme", n)
-        return off
+        return got[0]
 
     def _read_state(self, tens):
         for k, key, v in tens:
             n = v.numel() * v.element_size()
-            off = self.s_off[(k, key)]
+            off = self.s_off[(k, key)][0]
             v.untyped_storage().resize_(n)
             pread_all(self.s_fd, byte_view(as_bytes(v)), off, self.s_sums)
             self.s_sums.verify(off, byte_view(as_bytes(v)), self.s_fd)
@@ -408,7 +408,7 @@ class UnitStatic:
                     p.grad = OffloadedGrad(p, self.name)
 
     def _write_state(self, tens):
-        self._write_slices([(self.s_off[(k, key)], v) for k, key, v in tens])
+        self._write_slices([(self.s_off[(k, key)][0], v) for k, key, v in tens])
 
     # -- the step in pieces -------------------------------------------------------------------
     def pieces(self, ps: list, opt_state) -> list:
@@ -463,7 +463,7 @@ class UnitStatic:
                 for key, v in before[id(p)].items():
                     if isinstance(v, torch.Tensor) and v.numel() == p.numel() > 1:
                         part = torch.empty(hi - lo, dtype=v.dtype, device=v.device)
-                        reads.append((self.s_off[(k, key)] + lo * v.element_size(), part))
+                        reads.append((self.s_off[(k, key)][0] + lo * v.element_size(), part))
                         st[key] = part
                     else:                        # a step count and the like: one per tensor
                         st[key] = v.clone() if isinstance(v, torch.Tensor) else v
@@ -485,8 +485,9 @@ class UnitStatic:
                 old = opt_state.setdefault(p, {})
                 for key in sorted(new, key=str):
                     v = new[key]
-                    if isinstance(v, torch.Tensor) and v.numel() == hi - lo and \
-                            p.numel() > 1:
+                    # per element: the view's own shape (a step count is 0-dim, even where
+                    # a slice has one element)
+                    if isinstance(v, torch.Tensor) and v.shape == c.shape and p.numel() > 1:
                         es = v.element_size()
                         off = self._state_offset(k, key, p.numel() * es)
                         writes.append((off + lo * es, v))

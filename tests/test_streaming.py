@@ -198,18 +198,24 @@ class _ReadLog:
         monkeypatch.setattr(streaming.UnitStatic, "_read_slices", read)
 
 
-@pytest.mark.parametrize("make", [
-    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, amsgrad=True),
-    lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True),
-], ids=["adamw-amsgrad", "sgd-nesterov"])
-def test_state_on_disk_is_stepped_in_pieces_exactly(reference, make, tmp_path, monkeypatch):
+@pytest.mark.parametrize("make,piece,align", [
+    (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, amsgrad=True), 512, 16),
+    (lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True), 512, 16),
+    # slices at no alignment: 382 elements on the first step (state guessed at 8 B per
+    # element), 255 once it is known (12 B): the layout changes between steps, and a
+    # 256-element tensor ends in a one-element slice
+    pytest.param(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, amsgrad=True),
+                 3060, 1, marks=pytest.mark.slow),          # ~2,400 pieces: a minute
+], ids=["adamw-amsgrad", "sgd-nesterov", "unaligned-slices"])
+def test_state_on_disk_is_stepped_in_pieces_exactly(reference, make, piece, align, tmp_path,
+                                                    monkeypatch):
     """A unit's optimizer state on disk is read, stepped and written one piece at a time
     (whole small tensors, slices of a large one) and the training equals plain PyTorch: here
-    the pieces are made tiny (512 bytes of state, 16-element slices) so that every tensor of
-    gpt-tiny, the tied embedding too, is cut into many; the step count and LR schedule hold."""
+    the pieces are made tiny (hundreds of bytes of state) so that every tensor of gpt-tiny,
+    the tied embedding too, is cut into many; the step count and LR schedule hold."""
     from runtime import streaming
-    monkeypatch.setattr(streaming, "STEP_PIECE_BYTES", 512)
-    monkeypatch.setattr(streaming, "STEP_PIECE_ALIGN", 16)
+    monkeypatch.setattr(streaming, "STEP_PIECE_BYTES", piece)
+    monkeypatch.setattr(streaming, "STEP_PIECE_ALIGN", align)
     log = _ReadLog(monkeypatch)
     cfg, model0, data, _, _ = reference
     ref, model = copy.deepcopy(model0), copy.deepcopy(model0)
@@ -232,7 +238,7 @@ def test_state_on_disk_is_stepped_in_pieces_exactly(reference, make, tmp_path, m
     per = max(sum(v.element_size() for v in st.values()         # state bytes per element
                   if isinstance(v, torch.Tensor) and v.numel() > 1)
               for st in ref_opt.state.values())
-    assert 0 < log.most <= max(512, 16 * per), log.most
+    assert 0 < log.most <= max(piece, align * per), log.most
     handle.remove()
     assert _files(nvme) == []
 
