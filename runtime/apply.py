@@ -1019,8 +1019,9 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
     if checkpoint is not None:
         from . import checkpoint as ckpt
         ck = ckpt.Checkpoint(checkpoint)
+        owned = _unit_params(model, plan, dict(blocks))
         streamed = {id(p) for u, d in zip(plan.units, plan.layers) if d.home.weights is not Tier.GPU
-                    for _, p in _unit_params(model, plan, dict(blocks))[u.name]}
+                    for _, p in owned[u.name]}
         try:
             ckpt.load_resident(model, ck, torch.device(dev) if on_meta else p0.device, streamed)
         except BaseException:

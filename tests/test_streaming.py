@@ -324,3 +324,39 @@ def test_a_checkpoint_that_does_not_match_is_one_line_and_leaves_no_file(referen
                        checkpoint=tmp_path / name)
         assert "\n" not in str(e.value)
         assert _files(nvme) == []
+
+
+@pytest.mark.parametrize("factory", ["gpt2", "qwen2"])
+def test_a_hugging_face_model_built_on_meta_trains_like_its_checkpoint(factory, tmp_path):
+    """Hugging Face models nobody here wrote (GPT-2 with its tied head, Qwen2 with rotary
+    buffers), built under meta_parameters and filled from a checkpoint saved from the same
+    model, train two steps exactly as the model itself does."""
+    pytest.importorskip("transformers")
+    from safetensors.torch import save_model
+
+    import examples.hf_models as hf
+    from runtime import meta_parameters
+    b, s = 2, 32
+    model, inputs = getattr(hf, factory)(b, s)
+    model.train()
+    ref = copy.deepcopy(model)
+    save_model(model, str(tmp_path / "m.safetensors"))
+    with meta_parameters():
+        meta, _ = getattr(hf, factory)(b, s)
+    meta.train()
+    assert all(p.device.type == "meta" for p in meta.parameters())
+    nvme = tmp_path / "nvme"
+    plan = plan_for(model, "keep-all", b, s, inputs=inputs, nvme_dir=nvme,
+                    homes={"blocks": HOMES["all-on-disk"]})
+    opt = torch.optim.AdamW(meta.parameters(), lr=1e-3)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    handle = apply_plan(meta, plan, optimizer=opt, checkpoint=tmp_path / "m.safetensors")
+    for step in range(2):
+        for m, o in ((meta, opt), (ref, ropt)):
+            torch.manual_seed(step)               # dropout: the same draws in both
+            m(**inputs).loss.backward()
+            o.step()
+            o.zero_grad()
+    assert _max_diff(meta.state_dict(), ref.state_dict()) == 0.0
+    handle.remove()
+    assert _files(nvme) == []
