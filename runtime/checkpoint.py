@@ -130,6 +130,9 @@ class Checkpoint:
     def shape(self, name: str) -> tuple:
         return self.entries[name][2]
 
+    def dtype(self, name: str) -> torch.dtype:
+        return self.entries[name][1]
+
     def read_into(self, name: str, dst: torch.Tensor) -> None:
         """Fill ``dst`` (contiguous, on the CPU, of the tensor's shape) with tensor ``name``,
         cast to ``dst``'s dtype where they differ."""
@@ -172,6 +175,9 @@ def fill(ck: Checkpoint, names: list, dst: torch.Tensor) -> None:
     if tuple(ck.shape(name)) != tuple(dst.shape):
         raise UserError(f"checkpoint '{ck.path}': {name!r} has shape {tuple(ck.shape(name))}, "
                         f"the model's is {tuple(dst.shape)}; it is from another model")
+    if ck.dtype(name).is_floating_point != dst.dtype.is_floating_point:
+        raise UserError(f"checkpoint '{ck.path}': {name!r} is {ck.dtype(name)}, the model's is "
+                        f"{dst.dtype}; it is from another model")
     if dst.device.type == "cpu" and dst.is_contiguous():
         ck.read_into(name, dst)
     else:

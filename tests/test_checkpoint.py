@@ -37,6 +37,8 @@ def test_reads_what_safetensors_wrote_by_name_and_casts(good, tmp_path):
         dst = torch.empty(3, 4, dtype=torch.float64)          # cast to the model's dtype
         fill(ck, ["missing.weight", "a.weight"], dst)          # a tied weight's other name
         assert torch.equal(dst, TENSORS["a.weight"].double())
+        with pytest.raises(UserError, match="is torch.int64, the model's is torch.float32"):
+            fill(ck, ["c.ids"], torch.empty(3))
         ck.close()
 
 
