@@ -30,25 +30,6 @@ sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != 
 MiB = 2 ** 20
 
 
-def _hwm() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def _rss() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def _reset_hwm() -> None:
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")
-
-
 def child(args) -> None:
     import torch
 
@@ -65,14 +46,15 @@ def child(args) -> None:
     else:
         data = make_inputs(cfg, 1, args.seq, seed=1)
         import runtime  # noqa: F401 -- its import is not the load's memory
+        from runtime.report import read_status, reset_hwm
         from safetensors.torch import load_model  # noqa: F401
-        _reset_hwm()
-        base = _rss()
+        reset_hwm()
+        base = read_status()["VmRSS"]
         if args.role == "plain":
             from safetensors.torch import load_model
             m = build_model(cfg, dtype="fp32")
             load_model(m, args.ck)
-            out["rise"] = _hwm() - base
+            out["rise"] = read_status()["VmHWM"] - base
             opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
             handle = None
         else:
@@ -82,7 +64,7 @@ def child(args) -> None:
             opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
             handle = apply_plan(m, args.plan, optimizer=opt, checkpoint=args.ck,
                                 nvme_dir=args.nvme)
-            out["rise"] = _hwm() - base
+            out["rise"] = read_status()["VmHWM"] - base
         m.train()
         torch.manual_seed(5)
         m(**data).loss.backward()

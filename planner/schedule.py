@@ -185,7 +185,8 @@ def order_values(values: dict, allowed) -> dict:
             if k != p or (o, i) not in by:
                 continue
             arr, dep = sorted(arr), sorted(by[o, i])
-            trial = {key: v for key, v in out.items() if key[1] == i and key[0] in (o, p)}
+            trial = {**{(o, i, d): out[o, i, d] for d in dep},
+                     **{(p, i, t): out[p, i, t] for t in arr}}
             moved, got = 0, 0
             for n, t in enumerate(arr):
                 left = sum(trial[o, i, d] for d in dep if d < t)

@@ -246,7 +246,7 @@ def test_state_on_disk_is_stepped_in_pieces_exactly(reference, make, piece, alig
 def test_an_optimizer_not_known_elementwise_is_stepped_whole_with_a_warning(reference,
                                                                             tmp_path):
     class MyAdamW(torch.optim.AdamW):
-        pass
+        """A subclass: its step may differ from AdamW's, so it is not stepped in pieces."""
     cfg, model0, data, ref, ref_opt = reference
     model = copy.deepcopy(model0)
     plan = plan_for(model, "keep-all", B, S, nvme_dir=tmp_path / "nvme", micro_batches=K,
