@@ -41,6 +41,7 @@ MODELS = {
     "gpt": (str(ROOT / "bench/models/gpt-stream.yaml"), 2, 64),
     "llama": (str(ROOT / "bench/models/llama-stream.yaml"), 2, 64),
     "hf-gpt2": ("examples.hf_models:gpt2_default", 1, 128),
+    "hf-nanochat": ("examples.hf_models:nanochat_default", 1, 128),
 }
 MiB = 2 ** 20
 

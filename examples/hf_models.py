@@ -74,6 +74,23 @@ def gpt2_default(batch: int, seq: int):
     return _seeded(build, make)
 
 
+
+def nanochat_default(batch: int, seq: int):
+    """NanoChatForCausalLM exactly as ``NanoChatConfig()`` gives it: 12 layers, hidden 768,
+    MLP 8192, vocabulary 50304, untied head, no dropout in the architecture, use_cache on --
+    257M parameters, 4.1 GB of fp32 AdamW state (a default-config model without a tied
+    embedding, for the layer-streaming benchmark)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.for_model("nanochat")
+
+    def build():
+        return AutoModelForCausalLM.from_config(config)
+
+    def make():
+        ids = torch.randint(0, config.vocab_size, (batch, seq))
+        return {"input_ids": ids, "labels": ids.clone()}
+    return _seeded(build, make)
+
 def llama(batch: int, seq: int, n_layer: int = 3):
     """LlamaForCausalLM: 3 layers, hidden 64, 4 heads sharing 2 KV heads, SwiGLU 176, RoPE,
     attention dropout 0.1, untied head."""
@@ -149,6 +166,20 @@ def gemma(batch: int, seq: int, n_layer: int = 2):
                    max_position_embeddings=max(256, seq), attention_dropout=P)
 
 
+
+def nanochat(batch: int, seq: int, n_layer: int = 2):
+    """NanoChatForCausalLM: parameter-free RMSNorm, QK norm, squared-ReLU MLP, logit
+    soft-capping, untied head, attention dropout 0.1."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    def build():
+        config = AutoConfig.for_model(
+            "nanochat", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN,
+            num_hidden_layers=n_layer, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+            max_position_embeddings=max(256, seq), attention_dropout=P)
+        return AutoModelForCausalLM.from_config(config)
+    return _seeded(build, _lm_inputs(batch, seq))
+
 def bert(batch: int, seq: int, n_layer: int = 2):
     """BertForMaskedLM: bidirectional encoder, absolute positions, token types, dropout 0.1
     (its default), decoder tied to the word embeddings."""
@@ -221,4 +252,4 @@ def resnet18(batch: int, seq: int):
 
 
 ZOO = ("gpt2", "llama", "mistral", "qwen2", "phi", "gpt_neox", "opt", "falcon", "gemma",
-       "bert", "t5", "vit")
+       "nanochat", "bert", "t5", "vit")
