@@ -75,13 +75,13 @@ def gpt2_default(batch: int, seq: int):
 
 
 
-def nanochat_default(batch: int, seq: int):
+def nanochat_default(batch: int, seq: int, **overrides):
     """NanoChatForCausalLM exactly as ``NanoChatConfig()`` gives it: 12 layers, hidden 768,
-    MLP 8192, vocabulary 50304, untied head, no dropout in the architecture, use_cache on --
-    257M parameters, 4.1 GB of fp32 AdamW state (a default-config model without a tied
+    MLP 8192, vocabulary 50304, untied head, attention dropout 0.0, use_cache on -- 257M
+    parameters, 4.1 GB of fp32 AdamW state (a default-config model without a tied
     embedding, for the layer-streaming benchmark)."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    config = AutoConfig.for_model("nanochat")
+    config = AutoConfig.for_model("nanochat", **overrides)
 
     def build():
         return AutoModelForCausalLM.from_config(config)
@@ -90,6 +90,12 @@ def nanochat_default(batch: int, seq: int):
         ids = torch.randint(0, config.vocab_size, (batch, seq))
         return {"input_ids": ids, "labels": ids.clone()}
     return _seeded(build, make)
+
+
+def nanochat_default_dropout(batch: int, seq: int):
+    """``nanochat_default`` with its one dropout (attention, 0.0 by default) at 0.1, so that
+    a streamed run must replay dropout masks."""
+    return nanochat_default(batch, seq, attention_dropout=P)
 
 def llama(batch: int, seq: int, n_layer: int = 3):
     """LlamaForCausalLM: 3 layers, hidden 64, 4 heads sharing 2 KV heads, SwiGLU 176, RoPE,
