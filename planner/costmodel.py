@@ -525,12 +525,10 @@ class CostModel:
         """Bytes autograd holds for tied parameters' gradients in each pass stage: a parameter
         two units use gets its gradient in parts, and the engine keeps the first part (from the
         later unit's backward) until the earlier unit's backward adds the second and hands the
-        sum to ``.grad``. In the first pass that sum is the resident gradient's first value, so
-        ``base``, which counts the gradient for the whole step, covers the part held; in the
-        passes after it (K > 1) the resident gradient exists beside it."""
+        sum to ``.grad``. The part is counted from that later backward to the earlier one,
+        both included (there it is summed with the earlier unit's part, which ``alloc``
+        counts with K = 1; with K > 1 the resident gradient exists beside both)."""
         out = [0] * (2 * self.U + 1)
-        if self.K == 1:
-            return out
         idx = {x.name: i for i, x in enumerate(self.units)}
         for j, x in enumerate(self.units):
             if not x.tied_grad_bytes:
@@ -685,15 +683,27 @@ class CostModel:
 
     # -- memory ----------------------------------------------------------------------------
 
-    def base(self, v: View) -> dict:
+    def grads_from_backward(self) -> bool:
+        """With one pass per step (K = 1) a gradient kept on the device exists from its
+        unit's backward to the end of the optimizer step: ``opt.zero_grad()`` sets every
+        ``.grad`` to None (PyTorch's default since 2.0), so the next forward runs without them
+        (the runtime warns when a step starts with gradients present). With K > 1 they carry
+        from pass to pass and count for the whole step."""
+        return self.K == 1
+
+    def base(self, v: View, optimizer_phase: bool = False) -> dict:
         """Lin per tier: what every home holds for the whole step (a key/value cache, and a
-        sharded engine's own resident bytes: DDP's gradient buckets)."""
+        sharded engine's own resident bytes: DDP's gradient buckets). Gradients on the device
+        with K = 1 count from their backward (``alloc``): here only in the optimizer phase."""
         out = {t: [] for t in TIERS}
         if self.engine_static:
             out["gpu"].append((1, float(self.engine_static)))
+        late = self.grads_from_backward() and not optimizer_phase
         for i in range(self.U):
             for k, h in enumerate(self.homes[i]):
                 for t, n in self.resident(i, h).items():
+                    if late and t == "gpu" and h.grads is Tier.GPU:
+                        n -= self.G[i]
                     if n:
                         out[t].append((v.h(i, k), float(n)))
         if self.cache:
@@ -748,6 +758,10 @@ class CostModel:
                 # the gradient of a unit whose gradients live elsewhere exists during B:i
                 g += [(v.h(i, k), float(self.G[i])) for k, h in enumerate(self.homes[i])
                       if h.grads is not Tier.GPU]
+            if self.G[i] and self.grads_from_backward():
+                # K = 1: a gradient kept on the device is made here and stays to the step
+                g += [(v.h(i, k), float(self.G[i])) for k, h in enumerate(self.homes[i])
+                      if h.grads is Tier.GPU]
         for kind, i in v.at(s):              # transfers arriving in stage s
             K = KINDS[kind]
             nb = float(self.size(kind, i))

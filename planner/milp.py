@@ -324,12 +324,13 @@ class Model:
         carried_t_s:  C_{t,s} = C_{t,s-1} - free_t(s-1) + alloc_t(s),   C_{t,-1} = 0
         mem_t_s:      base_t + shared_t(s) + C_{t,s} + ws_s [gpu] + pi [cpu; gpu on unified] <= B_t
         opt_held_t_j: tmax_t >= what unit j's step holds on tier t (read to write)
-        mem_t_opt:    base_t + depth tmax_t [+ optimizer workspace on gpu] + pi [host] <= B_t
+        mem_t_opt:    base'_t + depth tmax_t [+ optimizer workspace on gpu] + pi [host] <= B_t
+                      (base' = base with every gradient on the device, also with K = 1)
         ws_s >= each workspace candidate of stage s (the largest of a recomputed segment's)
         staging_n:    pi >= each staging need (two buffers of the largest NVMe transfer)
         """
         cm, L, v = self.cm, self.cm.L, self.v
-        base = cm.base(v)
+        base, base_opt = cm.base(v), cm.base(v, optimizer_phase=True)
         if self.pool is not None:
             for n, need in enumerate(cm.staging_needs(v)):
                 self._c(self.pool - lin(need, 1 / GB) >= 0, f"staging_{n}")
@@ -363,7 +364,7 @@ class Model:
             tmax = self._var(f"tmax_{t}") if per_unit else 0
             for j, terms in enumerate(per_unit):
                 self._c(tmax - lin(terms, 1 / GB) >= 0, f"opt_held_{t}_{j}")
-            row = lin(base[t], 1 / GB) + cm.opt_depth * tmax
+            row = lin(base_opt[t], 1 / GB) + cm.opt_depth * tmax
             if t == "gpu" and cm.opt_ws:
                 row += cm.opt_ws / GB
             if t == pool_tier:

@@ -183,6 +183,7 @@ def simulate(plan: Plan) -> SimResult:
     rest = cm.needs_rest_pass()
 
     base = {t: evaluate(x) for t, x in cm.base(v).items()}
+    base_opt = {t: evaluate(x) for t, x in cm.base(v, optimizer_phase=True).items()}
     staging = max((evaluate(n) for n in cm.staging_needs(v)), default=0.0)
     pool_tier = "gpu" if cm.unified else "cpu"
     stages, mem_peak = [], {t: 0.0 for t in TIERS}
@@ -204,7 +205,7 @@ def simulate(plan: Plan) -> SimResult:
         else:
             held = {t: max((evaluate(x) for x in per), default=0.0)
                     for t, per in cm.opt_transients(v).items()}
-            mem = {t: base[t] + cm.opt_depth * held[t] for t in TIERS}
+            mem = {t: base_opt[t] + cm.opt_depth * held[t] for t in TIERS}
             mem["gpu"] += cm.opt_ws
         if staging:
             mem[pool_tier] += staging

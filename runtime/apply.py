@@ -281,6 +281,7 @@ class _Runner:
         self.pass_: _Pass | None = None
         self.n_passes = 0
         self.passes_warned = False
+        self.grads_warned = False
         self._recomputing = False
         self.closed = False
         self.hooked = any(d.activation is not Activation.KEEP for d in self.decisions)
@@ -614,6 +615,16 @@ class _Runner:
         return n
 
     def _begin_step(self):
+        if self.plan.micro_batches == 1 and not self.grads_warned and any(
+                p.grad is not None for p in self.model.parameters()):
+            # the plan counts a gradient from its unit's backward to the optimizer step
+            # (costmodel.grads_from_backward): gradients alive through the forward are not in it
+            self.grads_warned = True
+            warnings.warn("tierplan: gradients exist as a step's forward starts, but the plan "
+                          "(--micro-batches 1) counts each from its unit's backward on; free "
+                          "them after the optimizer step with opt.zero_grad() (set_to_none, "
+                          "the default), or for gradient accumulation solve with "
+                          "--micro-batches K", stacklevel=3)
         self.step_static = self._static_bytes()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

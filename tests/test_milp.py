@@ -21,12 +21,14 @@ from planner.synthetic import random_profile, uniform_profile
 SPECS = ("a100-80g", "h100-80g", "rtx4090", "cpu-host")
 
 
-def _budgets(prof, hw, rng):
+def _budgets(prof, hw, rng, K=1):
+    """A GPU budget between recompute-all's and keep-all's peaks at K micro-batches (with
+    K > 1 gradients count for the whole step, so the peaks are higher)."""
     big = Budgets(10**15, 0 if hw.unified_memory else 10**15, 10**15)
     keep = plan_and_sim(prof, None, hw, big, "keep-all",
-                        baseline_layers("keep-all", prof.layers, hw))[1]
+                        baseline_layers("keep-all", prof.layers, hw), micro_batches=K)[1]
     rec = plan_and_sim(prof, None, hw, big, "recompute-all",
-                       baseline_layers("recompute-all", prof.layers, hw))[1]
+                       baseline_layers("recompute-all", prof.layers, hw), micro_batches=K)[1]
     g = int(rng.uniform(rec.peak_gpu_bytes, keep.peak_gpu_bytes))
     cpu = 0 if hw.unified_memory else int(keep.peak_gpu_bytes * rng.uniform(0.2, 2))
     return Budgets(g, cpu, rng.choice([0, 10**13]))
@@ -37,8 +39,8 @@ def test_objective_is_the_simulated_step_and_beats_every_baseline(seed, tmp_path
     rng = random.Random(seed)
     hw = load_hardware(SPECS[seed % len(SPECS)])
     prof = random_profile(seed, hw, n_blocks=rng.randint(3, 8))
-    b = _budgets(prof, hw, rng)
     K = rng.choice([1, 2])
+    b = _budgets(prof, hw, rng, K)
     out = solve_profile(prof, None, hw, b, time_limit=60, micro_batches=K,
                         nvme_dir=str(tmp_path))
     assert out.sim.fits
@@ -152,8 +154,9 @@ def test_gradients_homed_on_nvme_fit_a_host_too_small_for_their_accumulators(tmp
     prof = uniform_profile(4, hw, fwd_s=0.05, saved_bytes=200_000_000, input_bytes=10_000_000,
                            param_bytes=GB, workspace_bytes=50_000_000,
                            head_saved_bytes=200_000_000)
-    # 4 GB of host: the step, in pieces, fits in 5 GB without NVMe gradient homes
-    b = Budgets(8 * GB, 4 * GB, 10**13)
+    # 4 GB of host and 6 GB of GPU: without NVMe gradient homes the gradients (6 GB, from
+    # their backward on) have nowhere to be (fits from 7 GB on, counted from the backward)
+    b = Budgets(6 * GB, 4 * GB, 10**13)
     out = solve_profile(prof, None, hw, b, time_limit=60, nvme_dir=str(tmp_path))
     assert out.sim.fits and out.sim.peak_cpu_bytes <= b.cpu_bytes
     assert any(d.home.grads is Tier.NVME for d in out.plan.layers)

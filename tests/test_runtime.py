@@ -426,6 +426,27 @@ def test_more_passes_a_step_than_the_plan_was_solved_for_is_said_once(tmp_path):
     assert [s.passes for s in h.report().steps] == [1, 2, 2]
 
 
+def test_gradients_kept_into_the_next_forward_are_said_once(tmp_path):
+    """With --micro-batches 1 the plan counts a gradient from its unit's backward to the
+    optimizer step; a loop that keeps gradients alive into the next forward
+    (``zero_grad(set_to_none=False)``) holds more than that, and the runtime says so once.
+    The default ``zero_grad()`` says nothing."""
+    import warnings as w
+    cfg = dict(load_config("gpt-tiny"), dtype="fp32")
+    for keep, expected in ((False, 0), (True, 1)):
+        model = build_model(cfg, dtype="fp32")
+        opt = torch.optim.AdamW(model.parameters())
+        h = apply_plan(model, plan_for(model, "offload-all", B, S, nvme_dir=tmp_path / str(keep)))
+        with w.catch_warnings(record=True) as got:
+            w.simplefilter("always")
+            for k in range(3):
+                model(**make_inputs(cfg, B, S, seed=k)).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=not keep)
+        h.remove()
+        said = [x for x in got if "gradients exist as a step's forward starts" in str(x.message)]
+        assert len(said) == expected, keep
+
 def test_report_counts_and_saves(tmp_path):
     from planner.report import load_report
     cfg = dict(load_config("gpt-tiny"), dtype="fp32")

@@ -43,9 +43,11 @@ def test_keep_all_memory_and_time_are_exact():
     p = prof(2, hw)
     plan, r = plan_and_sim(p, None, hw, BIG, "keep-all", baseline_layers("keep-all", p.layers, hw))
     us = p.layers
-    static = sum(u.static_bytes for u in us)
-    # the head's forward holds every unit's activations, plus its own workspace
-    assert r.peak_gpu_bytes == static + sum(u.activation_bytes for u in us) + us[-1].workspace_bytes
+    static = sum(u.static_bytes - u.grad_bytes for u in us)
+    # the head's backward holds every unit's activations, its own workspace and the gradient
+    # it makes (K = 1: the other gradients come later, as activations go)
+    assert r.peak_gpu_bytes == (static + sum(u.activation_bytes for u in us)
+                                + us[-1].workspace_bytes + us[-1].grad_bytes)
     assert r.pass_s == pytest.approx(sum(u.fwd_s + u.bwd_s for u in us))
     assert r.step_s == pytest.approx(r.pass_s + p.optimizer_s)
     assert r.step_s == pytest.approx(r.compute_s)
@@ -120,8 +122,13 @@ def test_streamed_weights_are_on_the_device_only_while_needed():
         shares["wfn", i, i] = 1.0                       # stage fwd(i) - 1 = i
         shares["wbn", i, 2 * 5 - i - 1] = 1.0           # stage bwd(i) - 1, U = 5
     plan, r = plan_and_sim(p, None, hw, Budgets(10**12, 0, 10**12), "x", layers, shares=shares)
-    resident = sum(u.static_bytes for u in p.layers) - 3 * 400
-    held = {s.stage: s.memory["gpu"] - resident for s in r.stages if s.phase != "optimizer"}
+    # resident: weights and state (less the streamed blocks' weights), and with K = 1 the
+    # gradients made so far (unit i's from its backward, stage 2U - i, on)
+    resident = sum(u.static_bytes - u.grad_bytes for u in p.layers) - 3 * 400
+    made = {s: sum(u.grad_bytes for i, u in enumerate(p.layers) if 2 * 5 - i <= s)
+            for s in range(11)}
+    held = {s.stage: s.memory["gpu"] - resident - made[s.stage] for s in r.stages
+            if s.phase != "optimizer"}
     assert held[2] == 800          # blocks.0 computes, blocks.1's weights arrive
     assert held[4] == 400          # blocks.2 computes; blocks.1's copy went with its forward
     assert held[5] == 0            # the head: no block needs weights
