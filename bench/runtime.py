@@ -30,6 +30,7 @@ before the step), and the measured saving of the NVMe plan beside the predicted 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -251,10 +252,10 @@ def fidelity_child(a) -> list[dict]:
         rep = h.report()
         h.remove()
         print(rep, flush=True)
-        med = rep.median()
+        med = dataclasses.asdict(rep.measured)
         rows.append(dict(policy=policy, act=sum(u.activation_bytes for u in prof.layers),
-                         med=med, pred_rise=rep.predicted_gpu_rise(med["static_bytes"]),
-                         pred=dict(plan.predicted), compute_s=plan.predicted["compute_s"],
+                         med=med, pred_rise=rep.predicted_gpu_rise_bytes,
+                         pred=plan.predicted.to_dict(), compute_s=plan.predicted.compute_s,
                          steps=[s.step_s for s in rep.steps],
                          rises=[s.peak_gpu_bytes for s in rep.steps]))
         del model, opt, h, rep
