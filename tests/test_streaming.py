@@ -326,11 +326,12 @@ def test_a_checkpoint_that_does_not_match_is_one_line_and_leaves_no_file(referen
         assert _files(nvme) == []
 
 
-@pytest.mark.parametrize("factory", ["gpt2", "qwen2"])
+@pytest.mark.parametrize("factory", ["gpt2", "qwen2", "nanochat"])
 def test_a_hugging_face_model_built_on_meta_trains_like_its_checkpoint(factory, tmp_path):
     """Hugging Face models nobody here wrote (GPT-2 with its tied head, Qwen2 with rotary
-    buffers), built under meta_parameters and filled from a checkpoint saved from the same
-    model, train two steps exactly as the model itself does."""
+    buffers, NanoChat with an untied head and parameter-free norms), built under
+    meta_parameters and filled from a checkpoint saved from the same model, train two steps
+    exactly as the model itself does."""
     pytest.importorskip("transformers")
     from safetensors.torch import save_model
 
