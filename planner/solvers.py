@@ -514,6 +514,22 @@ class _Rounder:
         self.run = 0
         self.groups = _groups(model)
 
+    def save(self):
+        return dict(self.deficit), self.prev, self.run
+
+    def restore(self, state) -> None:
+        deficit, self.prev, self.run = state
+        self.deficit = dict(deficit)
+
+    def took(self, i: int, keys: dict) -> None:
+        """Unit i was fixed to ``keys`` ({'x': choice, 'h': home index}) by someone else:
+        keep the chain's state (the running segment) as if the rounder had chosen them."""
+        x = keys.get("x", next(iter(self.model.xv[i])))
+        self.run = self.run + 1 if x == "rz" else 0
+        self.prev = x
+        for kind, key in keys.items():
+            self.deficit[(kind, key)] = self.deficit.get((kind, key), 0.0) - 1.0
+
     def round(self, units, lp: dict) -> dict:
         from .costmodel import REC
         m = self.model
@@ -549,6 +565,38 @@ class _Rounder:
                 fixed[m.xv[i]["rg"].name] = 1
                 self.prev, self.run = "rg", 0
         return fixed
+
+
+def _unit_by_unit(r: "_Rounder", units, fixed: dict, cur: dict, relax, over):
+    """Fix ``units`` one at a time: each as the rounder rounds it, or, where that does not
+    fit, the first of its other choice combinations (by the LP's values) that does. Returns
+    (fixed, objective, values), objective None when some unit has no choice that fits."""
+    import itertools
+    obj = values = None
+    for i in units:
+        if over():
+            return fixed, None, None
+        state = r.save()
+        trial = dict(fixed, **r.round([i], cur))
+        obj, values = relax(trial)
+        if obj is None:
+            r.restore(state)
+            groups = r.groups[i]
+            combos = sorted(itertools.product(*[items for _, items in groups]),
+                            key=lambda c: -sum(cur.get(v.name, 0.0) for _, v in c))
+            for combo in combos:
+                pick = {}
+                for (kind, items), (key, var) in zip(groups, combo):
+                    pick.update({v.name: int(v is var) for _, v in items})
+                trial = dict(fixed, **pick)
+                obj, values = relax(trial)
+                if obj is not None:
+                    r.took(i, dict(zip((k for k, _ in groups), (key for key, _ in combo))))
+                    break
+            if obj is None:
+                return fixed, None, None
+        fixed, cur = trial, values
+    return fixed, obj, values
 
 
 def _fixed_lp(model: Model, solver: str, time_limit, fixed: dict):
@@ -587,6 +635,94 @@ def _relaxation(model: Model, solver: str, time_limit, fixed: dict):
         for v in bins:
             v.cat = pulp.LpInteger
     return obj, values
+
+
+# a relaxation with at least this many columns is solved first by HiGHS's interior point
+# method (then crossover to a vertex), and re-solved by dual simplex from that basis: the
+# gpt3-175b joint model's first LP (13,242 columns) took 118 s by simplex and 15 s this way
+IPM_MIN_COLUMNS = 8000
+
+
+class _HeldLP:
+    """The model's LP relaxation held in one HiGHS instance for a whole dive: binaries
+    relaxed, fixings applied as bound changes, each re-solve warm-started from the last basis
+    (through PuLP every LP was built and solved from scratch: 76 ms each at 48 blocks, where a
+    re-solve takes 5-15 ms; 7.9 s and then ~1 s on gpt3-175b against minutes). HiGHS only;
+    answers what ``_relaxation`` answers."""
+
+    def __init__(self, model: Model):
+        import highspy
+        import numpy as np
+        self.np, self.hs = np, highspy
+        self.model = model
+        prob = model.prob
+        self.vars = prob.variables()
+        self.names = [v.name for v in self.vars]
+        self.col = {n: j for j, n in enumerate(self.names)}
+        inf = highspy.kHighsInf
+        self.lo = np.array([-inf if v.lowBound is None else v.lowBound for v in self.vars], float)
+        self.up = np.array([inf if v.upBound is None else v.upBound for v in self.vars], float)
+        cost = np.zeros(len(self.vars))
+        for v, c in prob.objective.items():
+            cost[self.col[v.name]] += c
+        self.constant = float(prob.objective.constant or 0.0)
+        sys.stdout.flush()
+        saved = os.dup(1)           # highspy.Highs() prints a banner before options apply
+        try:
+            with open(os.devnull, "w") as null:
+                os.dup2(null.fileno(), 1)
+                h = highspy.Highs()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        h.setOptionValue("output_flag", False)
+        h.setOptionValue("threads", 1)
+        n = len(self.vars)
+        h.addVars(n, self.lo, self.up)
+        h.changeColsCost(n, np.arange(n, dtype=np.int32), cost)
+        senses = {pulp.LpConstraintLE: (-inf, 0), pulp.LpConstraintGE: (0, inf),
+                  pulp.LpConstraintEQ: (0, 0)}
+        cons = prob.constraints            # a list from a call in later PuLP 3.x, a dict before
+        for con in (cons() if callable(cons) else cons.values()):
+            idx = np.fromiter((self.col[v.name] for v in con.keys()), np.int32)
+            val = np.fromiter(con.values(), float)
+            rhs = -float(con.constant or 0.0)
+            lo, up = senses[con.sense]
+            h.addRow(rhs if lo == 0 else lo, rhs if up == 0 else up, len(idx), idx, val)
+        self.h = h
+        self.fixed: dict = {}
+        self.first = True
+
+    def solve(self, time_limit, fixed: dict):
+        """(objective, {variable name: value}) with the binaries in ``fixed`` pinned, or
+        (None, None) when that is infeasible or the time limit left no point; sets
+        ``model.lp_optimal``."""
+        np, h = self.np, self.h
+        gone = [self.col[k] for k in self.fixed if k not in fixed]
+        if gone:
+            ids = np.array(gone, np.int32)
+            h.changeColsBounds(len(ids), ids, self.lo[ids], self.up[ids])
+        new = {k: v for k, v in fixed.items() if self.fixed.get(k) != v}
+        if new:
+            ids = np.fromiter((self.col[k] for k in new), np.int32)
+            vals = np.fromiter((float(v) for v in new.values()), float)
+            h.changeColsBounds(len(ids), ids, vals, vals)
+        self.fixed = dict(fixed)
+        # HiGHS's time limit counts the instance's whole run time, every earlier solve's too
+        h.setOptionValue("time_limit", float("inf") if time_limit is None
+                         else h.getRunTime() + max(0.05, float(time_limit)))
+        big = self.first and len(self.vars) >= IPM_MIN_COLUMNS
+        h.setOptionValue("solver", "ipm" if big else "simplex")
+        self.first = False
+        h.run()
+        status = h.getModelStatus()
+        ok = status == self.hs.HighsModelStatus.kOptimal
+        self.model.lp_optimal = ok
+        info = h.getInfo()
+        if not ok and info.primal_solution_status != 2:       # 2: a feasible point
+            return None, None
+        values = dict(zip(self.names, h.getSolution().col_value))
+        return float(info.objective_function_value) + self.constant, values
 
 
 def _settle(model: Model, solver: str, time_limit) -> None:
@@ -638,7 +774,16 @@ def _dive(model: Model, solver: str, time_limit, gap: float, incumbent: float | 
 
     def over():
         return time_limit is not None and time.perf_counter() - t0 > time_limit
-    first, lp = _relaxation(model, solver, time_limit, {})
+
+    held = _HeldLP(model) if solver == "highs" and highs_available() else None
+
+    def relaxation(limit, fixed):
+        if held is None:
+            return _relaxation(model, solver, limit, fixed)
+        if limit is not None:
+            limit = max(0.05, limit - (time.perf_counter() - t0))
+        return held.solve(limit, fixed)
+    first, lp = relaxation(time_limit, {})
     if first is None:
         return None, None, None
     # only an LP solved to optimality bounds every plan (one the time limit stopped gave
@@ -657,14 +802,25 @@ def _dive(model: Model, solver: str, time_limit, gap: float, incumbent: float | 
         for start in range(0, U, batch):
             if over():
                 return bound, None, None
-            trial = dict(fixed, **r.round(range(start, min(U, start + batch)), cur))
-            obj, values = _relaxation(model, solver, time_limit, trial)
+            units = range(start, min(U, start + batch))
+            state = r.save()
+            trial = dict(fixed, **r.round(units, cur))
+            obj, values = relaxation(time_limit, trial)
+            if obj is None and held is not None:
+                # the batch as rounded does not fit: unit by unit, a unit that does not fit
+                # as rounded taking the first of its other choices that does (cheap with the
+                # held LP's warm re-solves; gpt3-175b's joint model failed every offset here)
+                r.restore(state)
+                trial, obj, values = _unit_by_unit(r, units, fixed, cur,
+                                                   lambda f: relaxation(time_limit, f), over)
             if obj is None:
                 ok = False
                 break
             fixed, cur = trial, values
         if ok:
-            obj, values = _fixed_lp(model, solver, time_limit, fixed)
+            # every binary is fixed now: the relaxation is the plan's LP
+            obj, values = relaxation(time_limit, fixed) if held is not None else \
+                _fixed_lp(model, solver, time_limit, fixed)
             if obj is not None:
                 return bound, values, obj
     return bound, None, None
@@ -697,7 +853,11 @@ def solve(model: Model, solver: str = "highs", time_limit: float | None = 60.0,
         # 1.5x: a run with a start to pass overran by up to 1.8x the dive's first LP
         return max(0.5, (time_limit - (time.perf_counter() - t0) - 1.5 * model.overrun_s) * share)
 
-    bound, start, obj = _dive(model, solver, left(0.3), gap, incumbent)
+    # the dive's share of the time: at IPM_MIN_COLUMNS and more, HiGHS's own search finds
+    # nothing in the time plan solve has (its root LP by simplex alone took 118 s on gpt3-175b's
+    # joint model), so the dive, which gives the plan there, gets most of it
+    big = len(model.prob.variables()) >= IPM_MIN_COLUMNS
+    bound, start, obj = _dive(model, solver, left(0.8 if big else 0.3), gap, incumbent)
     if start is not None and bound is not None and rel_gap(obj, bound) <= gap:
         for v in model.prob.variables():
             v.varValue = start.get(v.name, v.varValue)

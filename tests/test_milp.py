@@ -339,3 +339,31 @@ def test_promises_seed_1299_ends_within_its_time_limit(tmp_path):
     assert time.perf_counter() - t0 < 20
     from planner.simulate import simulate
     assert simulate(out.plan).fits
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+def test_the_held_lp_answers_what_a_fresh_lp_answers(seed):
+    """The dive's LP held in one HiGHS instance (fixings as bound changes, warm re-solves)
+    gives the relaxation PuLP builds from scratch: with nothing fixed, with a unit's choice
+    fixed, after that fixing is released again; a fixing that cannot fit gives (None, None)."""
+    pytest.importorskip("highspy")
+    from planner import solvers
+    rng = random.Random(seed)
+    hw = load_hardware(SPECS[seed % len(SPECS)])
+    prof = random_profile(seed, hw, n_blocks=6)
+    m = Model(cost_model(prof, hw, _budgets(prof, hw, rng)))
+    held = solvers._HeldLP(m)
+    groups = [g for gs in solvers._groups(m) for g in gs]
+    assert groups
+    kind, items = groups[len(groups) // 2]
+    fixings = [{}] + [{v.name: int(v is w) for _, v in items} for _, w in items] + [{}]
+    for fixed in fixings:
+        got, _ = held.solve(60, fixed)
+        want, _ = solvers._relaxation(m, "highs", 60, fixed)
+        if want is None:
+            assert got is None
+        else:
+            assert got == pytest.approx(want, rel=1e-7, abs=1e-12)
+    # a device of one byte fits nothing
+    tiny = Model(cost_model(prof, hw, Budgets(1, 0, 0)))
+    assert solvers._HeldLP(tiny).solve(60, {}) == (None, None)
