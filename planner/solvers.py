@@ -66,6 +66,21 @@ class Outcome:
 
 # ----------------------------------------------------------------------------- the solvers
 
+def _quiet_highs():
+    """A ``highspy.Highs()``, without the banner it prints on stdout before any option can
+    silence it."""
+    import highspy
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            return highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 class _QuietHiGHS(pulp.HiGHS):
     """PuLP's HiGHS without the banner ``highspy.Highs()`` prints on stdout before any option
     can silence it (``plan solve`` prints the plan's path as its first stdout line), with an
@@ -77,16 +92,7 @@ class _QuietHiGHS(pulp.HiGHS):
         self.start = start          # {variable name: value}: a MIP start (HiGHS checks it)
 
     def createAndConfigureSolver(self, lp):
-        import highspy
-        sys.stdout.flush()
-        saved = os.dup(1)
-        try:
-            with open(os.devnull, "w") as null:
-                os.dup2(null.fileno(), 1)
-                h = highspy.Highs()
-        finally:
-            os.dup2(saved, 1)
-            os.close(saved)
+        h = _quiet_highs()
         h.setOptionValue("output_flag", bool(self.msg))
         for key, val in (("mip_rel_gap", self.gapRel), ("threads", self.threads),
                          ("time_limit", None if self.timeLimit is None else float(self.timeLimit))):
@@ -666,15 +672,7 @@ class _HeldLP:
         for v, c in prob.objective.items():
             cost[self.col[v.name]] += c
         self.constant = float(prob.objective.constant or 0.0)
-        sys.stdout.flush()
-        saved = os.dup(1)           # highspy.Highs() prints a banner before options apply
-        try:
-            with open(os.devnull, "w") as null:
-                os.dup2(null.fileno(), 1)
-                h = highspy.Highs()
-        finally:
-            os.dup2(saved, 1)
-            os.close(saved)
+        h = _quiet_highs()
         h.setOptionValue("output_flag", False)
         h.setOptionValue("threads", 1)
         n = len(self.vars)

@@ -367,3 +367,30 @@ def test_the_held_lp_answers_what_a_fresh_lp_answers(seed):
     # a device of one byte fits nothing
     tiny = Model(cost_model(prof, hw, Budgets(1, 0, 0)))
     assert solvers._HeldLP(tiny).solve(60, {}) == (None, None)
+
+
+def test_unit_by_unit_fixing_gives_a_complete_plan_that_fits(tmp_path):
+    """The dive's fallback for a batch that does not fit as rounded: every unit is fixed (each
+    as rounded, or the first of its other choices that fits), and the plan those choices make
+    is the LP it reports, and fits in the simulator."""
+    pytest.importorskip("highspy")
+    from planner import solvers
+    rng = random.Random(7)
+    hw = load_hardware("a100-80g")
+    prof = random_profile(7, hw, n_blocks=6)
+    b = _budgets(prof, hw, rng)
+    m = Model(cost_model(prof, hw, b))
+    held = solvers._HeldLP(m)
+    _, lp = held.solve(60, {})
+    r = solvers._Rounder(m, 0.5)
+    fixed, obj, values = solvers._unit_by_unit(r, range(m.cm.U), {}, lp,
+                                               lambda f: held.solve(60, f), lambda: False)
+    assert obj is not None
+    names = {v.name for gs in solvers._groups(m) for _, items in gs for _, v in items}
+    assert set(fixed) == names                      # every choice binary is fixed
+    for v in m.prob.variables():
+        v.varValue = values[v.name]
+    sol = m.solution()
+    _, sim = plan_and_sim(prof, None, hw, b, "optimal", sol.layers, shares=sol.shares)
+    # the LP's objective also holds the objective's small tie-break on held bytes
+    assert sim.fits and sim.step_s == pytest.approx(obj, rel=1e-4) and sim.step_s <= obj
