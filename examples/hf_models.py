@@ -257,5 +257,14 @@ def resnet18(batch: int, seq: int):
     return _seeded(lambda: torchvision.models.resnet18(num_classes=10), make)
 
 
+def available(name: str) -> bool:
+    """Whether the installed transformers has zoo entry ``name``'s architecture (NanoChat
+    arrived in transformers 5; the others are older than the 4.40 the project needs)."""
+    if name not in ("nanochat", "nanochat_default", "nanochat_default_dropout"):
+        return True
+    from transformers import CONFIG_MAPPING
+    return "nanochat" in CONFIG_MAPPING
+
+
 ZOO = ("gpt2", "llama", "mistral", "qwen2", "phi", "gpt_neox", "opt", "falcon", "gemma",
        "nanochat", "bert", "t5", "vit")

@@ -527,8 +527,12 @@ class CostModel:
         later unit's backward) until the earlier unit's backward adds the second and hands the
         sum to ``.grad``. The part is counted from that later backward to the earlier one,
         both included (there it is summed with the earlier unit's part, which ``alloc``
-        counts with K = 1; with K > 1 the resident gradient exists beside both)."""
+        counts with K = 1; with K > 1 the resident gradient exists beside both). Under FSDP2
+        with K = 1 the root's unsharded gradients (``_engine_memory``) already hold it from
+        the head's backward on."""
         out = [0] * (2 * self.U + 1)
+        if self.K == 1 and self.engine == "fsdp2":
+            return out
         idx = {x.name: i for i, x in enumerate(self.units)}
         for j, x in enumerate(self.units):
             if not x.tied_grad_bytes:

@@ -591,6 +591,8 @@ def _unit_by_unit(r: "_Rounder", units, fixed: dict, cur: dict, relax, over):
             combos = sorted(itertools.product(*[items for _, items in groups]),
                             key=lambda c: -sum(cur.get(v.name, 0.0) for _, v in c))
             for combo in combos:
+                if over():
+                    return fixed, None, None
                 pick = {}
                 for (kind, items), (key, var) in zip(groups, combo):
                     pick.update({v.name: int(v is var) for _, v in items})

@@ -87,6 +87,20 @@ def test_fsdp2_shards_static_state_and_counts_gathered_weights(N, R):
     assert r.static_bytes == sum(cm.P[i] + cm.O[i] for i in range(U))   # K = 1: no gradients
 
 
+def test_fsdp2_counts_a_tied_gradient_once():
+    """A tied embedding's gradient part: one process holds it as autograd's buffer from the
+    head's backward to the embedding's; under FSDP2 the root's unsharded gradients (engine
+    memory) hold it already, so with K = 1 it is not counted a second time."""
+    from planner.synthetic import random_profile
+    p = random_profile(2, H100)
+    assert any(u.tied_grad_bytes for u in p.layers)
+    b = Budgets(80 * GIB, 512 * GIB, 0)
+    one = cost_model(p, H100, b, world_size=1, ranks_per_node=1, engine="none")
+    assert any(one._tied_grad_buffers())
+    for K in (1, 2):
+        cm = cost_model(p, H100, b, K, world_size=4, ranks_per_node=4, engine="fsdp2")
+        assert any(cm._tied_grad_buffers()) == (K > 1)
+
 @pytest.mark.parametrize("engine", ["fsdp2", "ddp"])
 def test_collectives_are_ring_transfers_on_the_net_stream(engine):
     p = _prof()

@@ -337,6 +337,8 @@ def test_a_hugging_face_model_built_on_meta_trains_like_its_checkpoint(factory, 
 
     import examples.hf_models as hf
     from runtime import meta_parameters
+    if not hf.available(factory):
+        pytest.skip(f"this transformers has no {factory}")
     b, s = 2, 32
     model, inputs = getattr(hf, factory)(b, s)
     model.train()
