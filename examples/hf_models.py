@@ -74,7 +74,6 @@ def gpt2_default(batch: int, seq: int):
     return _seeded(build, make)
 
 
-
 def nanochat_default(batch: int, seq: int, **overrides):
     """NanoChatForCausalLM exactly as ``NanoChatConfig()`` gives it: 12 layers, hidden 768,
     MLP 8192, vocabulary 50304, untied head, attention dropout 0.0, use_cache on -- 257M
@@ -96,6 +95,7 @@ def nanochat_default_dropout(batch: int, seq: int):
     """``nanochat_default`` with its one dropout (attention, 0.0 by default) at 0.1, so that
     a streamed run must replay dropout masks."""
     return nanochat_default(batch, seq, attention_dropout=P)
+
 
 def llama(batch: int, seq: int, n_layer: int = 3):
     """LlamaForCausalLM: 3 layers, hidden 64, 4 heads sharing 2 KV heads, SwiGLU 176, RoPE,
@@ -172,19 +172,15 @@ def gemma(batch: int, seq: int, n_layer: int = 2):
                    max_position_embeddings=max(256, seq), attention_dropout=P)
 
 
-
 def nanochat(batch: int, seq: int, n_layer: int = 2):
     """NanoChatForCausalLM: parameter-free RMSNorm, QK norm, squared-ReLU MLP, logit
     soft-capping, untied head, attention dropout 0.1."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import NanoChatConfig, NanoChatForCausalLM
+    return _causal(NanoChatConfig, NanoChatForCausalLM, batch, seq, hidden_size=HIDDEN,
+                   intermediate_size=FFN, num_hidden_layers=n_layer, num_attention_heads=HEADS,
+                   num_key_value_heads=HEADS, max_position_embeddings=max(256, seq),
+                   attention_dropout=P)
 
-    def build():
-        config = AutoConfig.for_model(
-            "nanochat", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN,
-            num_hidden_layers=n_layer, num_attention_heads=HEADS, num_key_value_heads=HEADS,
-            max_position_embeddings=max(256, seq), attention_dropout=P)
-        return AutoModelForCausalLM.from_config(config)
-    return _seeded(build, _lm_inputs(batch, seq))
 
 def bert(batch: int, seq: int, n_layer: int = 2):
     """BertForMaskedLM: bidirectional encoder, absolute positions, token types, dropout 0.1
@@ -260,7 +256,7 @@ def resnet18(batch: int, seq: int):
 def available(name: str) -> bool:
     """Whether the installed transformers has zoo entry ``name``'s architecture (NanoChat
     arrived in transformers 5; the others are older than the 4.40 the project needs)."""
-    if name not in ("nanochat", "nanochat_default", "nanochat_default_dropout"):
+    if not name.startswith("nanochat"):
         return True
     from transformers import CONFIG_MAPPING
     return "nanochat" in CONFIG_MAPPING

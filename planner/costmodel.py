@@ -758,14 +758,12 @@ class CostModel:
                 g.append((v.e(i), float(self.A[i])))
             for k in v.recomputed_at(i):
                 g.append((v.q(k, i), float(self.A[k])))
-            if self.G[i] and any(h.grads is not Tier.GPU for h in self.homes[i]):
-                # the gradient of a unit whose gradients live elsewhere exists during B:i
+            if self.G[i]:
+                # the new gradient exists from B:i: one homed elsewhere leaves from here (its
+                # shares free it); with K = 1 one kept on the device is made here and stays
+                late = self.grads_from_backward()
                 g += [(v.h(i, k), float(self.G[i])) for k, h in enumerate(self.homes[i])
-                      if h.grads is not Tier.GPU]
-            if self.G[i] and self.grads_from_backward():
-                # K = 1: a gradient kept on the device is made here and stays to the step
-                g += [(v.h(i, k), float(self.G[i])) for k, h in enumerate(self.homes[i])
-                      if h.grads is Tier.GPU]
+                      if late or h.grads is not Tier.GPU]
         for kind, i in v.at(s):              # transfers arriving in stage s
             K = KINDS[kind]
             nb = float(self.size(kind, i))

@@ -8,6 +8,7 @@ The reported gap is relative to the step time: the model's objective has no cons
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import re
@@ -577,7 +578,6 @@ def _unit_by_unit(r: "_Rounder", units, fixed: dict, cur: dict, relax, over):
     """Fix ``units`` one at a time: each as the rounder rounds it, or, where that does not
     fit, the first of its other choice combinations (by the LP's values) that does. Returns
     (fixed, objective, values), objective None when some unit has no choice that fits."""
-    import itertools
     obj = values = None
     for i in units:
         if over():
@@ -818,11 +818,12 @@ def _dive(model: Model, solver: str, time_limit, gap: float, incumbent: float | 
                 break
             fixed, cur = trial, values
         if ok:
-            # every binary is fixed now: the relaxation is the plan's LP
-            obj, values = relaxation(time_limit, fixed) if held is not None else \
-                _fixed_lp(model, solver, time_limit, fixed)
+            # every binary is fixed now: the last relaxation is the plan's LP (held), or is
+            # timed as one
+            if held is None:
+                obj, cur = _fixed_lp(model, solver, time_limit, fixed)
             if obj is not None:
-                return bound, values, obj
+                return bound, cur, obj
     return bound, None, None
 
 

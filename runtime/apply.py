@@ -320,6 +320,7 @@ class _Runner:
         self.trim = trim
         from planner.simulate import cost_model_of
         cm = cost_model_of(plan)
+        self.grads_late = cm.grads_from_backward()     # gradients counted from the backward
         # what is resident on the device before a step: weights and optimizer state at home
         # there; not the gradients, which zero_grad frees and the backward makes again (they
         # belong to the step's rise, as the plan counts them)
@@ -615,10 +616,10 @@ class _Runner:
         return n
 
     def _begin_step(self):
-        if self.plan.micro_batches == 1 and not self.grads_warned and any(
+        if self.grads_late and not self.grads_warned and any(
                 p.grad is not None for p in self.model.parameters()):
-            # the plan counts a gradient from its unit's backward to the optimizer step
-            # (costmodel.grads_from_backward): gradients alive through the forward are not in it
+            # the plan counts a gradient from its unit's backward to the optimizer step:
+            # gradients alive through the forward are not in it
             self.grads_warned = True
             warnings.warn("tierplan: gradients exist as a step's forward starts, but the plan "
                           "(--micro-batches 1) counts each from its unit's backward on; free "
