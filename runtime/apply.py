@@ -608,7 +608,10 @@ class _Runner:
             add(engines.local(prm))
             if prm.grad is not None:
                 add(engines.local(prm.grad))
-        for opt in list(self.optimizers):
+        # the handle's optimizer under a streaming plan ends the step itself, so it is never
+        # among the optimizers seen stepping: its state on the device counts all the same
+        opts = list(self.optimizers) + ([self.phase.opt] if self.phase is not None else [])
+        for opt in opts:
             for state in opt.state.values():
                 for v in state.values():
                     if isinstance(v, torch.Tensor) and v.device == self.device:

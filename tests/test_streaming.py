@@ -98,6 +98,9 @@ def test_streamed_training_equals_plain_pytorch(reference, home, acts, tmp_path)
     rep = handle.report()
     for link in ("nvme_write", "nvme_read"):
         assert rep.measured.moved[link] == rep.predicted_moved[link] > 0, (link, home, acts)
+    # the state on the device before a step, the handle's optimizer's included (it was left
+    # out: it ends the step itself, so it was never among the optimizers seen stepping)
+    assert rep.measured.static_bytes == pytest.approx(rep.predicted_static_bytes, rel=0.01)
     handle.remove()
     assert _files(nvme) == []
     # after remove the model is a plain model holding the trained values
