@@ -136,34 +136,34 @@ class Model:
             for kind in cm.kinds_of(i):
                 for t in cm.window(kind, i):
                     self.sv[kind, i, t] = self._var(f"{kind}_{i}_{t}", 0, 1)
-        # segments: e_i (i ends one), m_{k,i} (k..i one segment), q_{k,i} (k recomputed at bwd(i))
-        self.ev, self.mv, self.qv = {}, {}, {}
-        rec = [any(c in cm.choices[i] for c in REC) for i in range(U)]
-        for i in range(U):
-            if rec[i]:
-                self.ev[i] = self._var(f"e_{i}", 0, 1)
-        for i in range(U):
-            for k in range(max(0, i - cm.windows.seg + 1), i):
-                if all("rz" in cm.choices[t] for t in range(k + 1, i + 1)):
-                    self.mv[k, i] = self._var(f"m_{k}_{i}", 0, 1)
-                    self.qv[k, i] = self._var(f"q_{k}_{i}", 0, 1)
-        # y^c_{k,e}: k's offloaded checkpoint returns for a segment ending at e
-        self.yv = {}
-        ends = {}                  # k -> the i of each m_{k,i}, in order (a scan per k was O(U^2))
-        for kk, i in self.mv:
-            ends.setdefault(kk, []).append(i)
+        # segments as intervals: z^c_{k,e} = 1 when k..e is one recompute segment, k taking
+        # c in {rg, rc, rn} (its input checkpoint kept, on the host or on NVMe) and k+1..e
+        # taking rz; e_i (i ends one) and q_{k,i} (k is recomputed at bwd(i)) are sums of them
+        self.zv = {}
         for k in range(U):
-            for c in ("rc", "rn"):
+            for c in ("rg", "rc", "rn"):
                 if c not in cm.choices[k]:
                     continue
-                for e in [k] + ends.get(k, []):
-                    if cm.ck_allowed(k, e):
-                        self.yv[c, k, e] = self._var(f"y{c[1]}_{k}_{e}", 0, 1)
+                for e in range(k, min(U, k + cm.windows.seg)):
+                    if e > k and "rz" not in cm.choices[e]:
+                        break
+                    if c != "rg" and not cm.ck_allowed(k, e):
+                        continue
+                    self.zv[c, k, e] = self._var(f"z{c[1]}_{k}_{e}", 0, 1)
+        self.ev, self.qv = {}, {}
+        for (c, k, e) in self.zv:
+            if e not in self.ev:
+                self.ev[e] = self._var(f"e_{e}", 0, 1)
+            for j in range(k, e):
+                if (j, e) not in self.qv:
+                    self.qv[j, e] = self._var(f"q_{j}_{e}", 0, 1)
+        # y^c_{k,e}: k's offloaded checkpoint returns for a segment ending at e: z^c_{k,e}
+        self.yv = {key: v for key, v in self.zv.items() if key[0] != "rg"}
         # what the cost model asks per stage: the shares, segment members, checkpoint returns
         self.at_stage, self.rec_at, self.ck_at = {}, {}, {}
         for kind, i, t in self.sv:
             self.at_stage.setdefault(t, []).append((kind, i))
-        for k, i in self.qv:
+        for k, i in sorted(self.qv):
             self.rec_at.setdefault(i, []).append(k)
         for c, k, e in self.yv:
             self.ck_at.setdefault(cm.ck_return_stage(k, e), []).append((k, e, c))
@@ -217,57 +217,45 @@ class Model:
                 self._c(pulp.lpSum(self.hv[i]) == 1, f"home_{i}")
 
     def c_segments(self):
-        """Segment recompute (Chen et al. 2016): a ``none`` unit (rz) is rebuilt with the
-        segment it continues, at the backward of the segment's last unit.
+        """Segment recompute (Chen et al. 2016) as intervals: a ``none`` unit (rz) is rebuilt
+        with the segment it continues, at the backward of the segment's last unit. A segment
+        k..e (z^c_{k,e}) starts at a unit whose input is checkpointed (c = rg, rc, rn) and
+        continues through rz units; at most w_seg units long; an offloaded checkpoint only
+        where it can be back in time (σ_{k,e} > fwd(k)+1).
 
-        none_follows_i:  rz_i <= rec_{i-1}
-        seg_len_i:       Σ_{t=i-w_seg+1..i} rz_t <= w_seg - 1
-        seg_chain_k_i:   m_{k,i} >= m_{k,i-1} + rz_i - 1,   m_{k,k} = 1
-        seg_end_i:       e_i >= rec_i - rz_{i+1}
-        seg_rec_k_i:     q_{k,i} >= m_{k,i} + e_i - 1
-        ck_home_c_k:     Σ_e y^c_{k,e} = x_{c,k}                      (c = rc, rn)
-        ck_end_c_k_e:    y^c_{k,e} >= m_{k,e} + e_e + x_{c,k} - 2      (y^c_{k,k} >= e_k + x_{c,k} - 1)
-        ck_late_k_i:     m_{k,i} + x_{rc,k} + x_{rn,k} <= 1   where X_k could not come back
-        Only lower bounds: m, q, e, y only ever make a row harder or the objective larger.
+        seg_start_c_k:  x_{c,k} = Σ_e z^c_{k,e}                      (c = rg, rc, rn)
+        seg_cont_i:     x_{rz,i} = Σ_{c, k<i<=e} z^c_{k,e}
+        seg_end_i:      e_i = Σ_{c, k<=i} z^c_{k,i}
+        seg_rec_k_i:    q_{k,i} = Σ_{c, j<=k} z^c_{j,i}               (k < i)
+        y^c_{k,e} = z^c_{k,e}
+
+        With choice_i these partition the chain: every recomputed unit lies in exactly one
+        segment. Given whole x the z are whole (the segments are the maximal runs), so z, e,
+        q stay continuous; and the relaxation is a mix of whole segmentations, so it cannot
+        rebuild a fraction of a segment more cheaply than the segment (the chain rows this
+        replaces, m_{k,i} >= m_{k,i-1} + rz_i - 1, let 60% of rz fade to nothing in three
+        units).
         """
-        cm, U, w = self.cm, self.cm.U, self.cm.windows.seg
-        for i in range(U):
-            if "rz" in self.xv[i]:
-                self._c(lin([(self.xv[i]["rz"], 1.0)] + [(v, -c) for v, c in self.rec(i - 1)])
-                        <= 0, f"none_follows_{i}")
-            if i >= w:
-                zs = [self.xv[t]["rz"] for t in range(i - w + 1, i + 1) if "rz" in self.xv[t]]
-                if len(zs) == w:
-                    self._c(pulp.lpSum(zs) <= w - 1, f"seg_len_{i}")
-        for (k, i), m in self.mv.items():
-            prev = 1 if i == k + 1 else self.mv[k, i - 1]
-            self._c(m >= prev + self.xv[i]["rz"] - 1, f"seg_chain_{k}_{i}")
-            off = [self.xv[k][c] for c in ("rc", "rn") if c in self.xv[k]]
-            if off and not cm.ck_allowed(k, i):
-                self._c(m + pulp.lpSum(off) <= 1, f"ck_late_{k}_{i}")
-        for i, e in self.ev.items():
-            nxt = [(self.xv[i + 1]["rz"], -1.0)] if i + 1 < U and "rz" in self.xv[i + 1] else []
-            self._c(lin(self.rec(i) + [(e, -1.0)] + nxt) <= 0, f"seg_end_{i}")
-        for (k, i), q in self.qv.items():
-            if i in self.ev:
-                self._c(q >= self.mv[k, i] + self.ev[i] - 1, f"seg_rec_{k}_{i}")
-        by_ck = {}                 # (c, k) -> {e: y}, in order (a scan per k was O(U^2))
-        for (cc, kk, e), v in self.yv.items():
-            by_ck.setdefault((cc, kk), {})[e] = v
+        cm, U = self.cm, self.cm.U
+        starts, cont, ends, recs = {}, {}, {}, {}
+        for (c, k, e), z in self.zv.items():
+            starts.setdefault((c, k), []).append(z)
+            ends.setdefault(e, []).append(z)
+            for i in range(k + 1, e + 1):
+                cont.setdefault(i, []).append(z)
+            for j in range(k, e):
+                recs.setdefault((j, e), []).append(z)
         for k in range(U):
-            for c in ("rc", "rn"):
-                if c not in self.xv[k]:
-                    continue
-                xs = self.xv[k][c]
-                ys = by_ck.get((c, k), {})
-                self._c(pulp.lpSum(ys.values()) == xs, f"ck_home_{c}_{k}")
-                if k in ys and k in self.ev:
-                    self._c(ys[k] >= self.ev[k] + xs - 1, f"ck_end_{c}_{k}_{k}")
-                for e, v in ys.items():
-                    if e != k and e in self.ev:
-                        self._c(v >= self.mv[k, e] + self.ev[e] + xs - 2, f"ck_end_{c}_{k}_{e}")
-                if not cm.ck_allowed(k, k):
-                    self._c(xs <= 0, f"ck_late_{c}_{k}")
+            for c in ("rg", "rc", "rn"):
+                if c in self.xv[k]:
+                    self._c(self.xv[k][c] - pulp.lpSum(starts.get((c, k), [])) == 0,
+                            f"seg_start_{c}_{k}")
+            if "rz" in self.xv[k]:
+                self._c(self.xv[k]["rz"] - pulp.lpSum(cont.get(k, [])) == 0, f"seg_cont_{k}")
+        for i, e in self.ev.items():
+            self._c(e - pulp.lpSum(ends[i]) == 0, f"seg_end_{i}")
+        for (j, i), q in self.qv.items():
+            self._c(q - pulp.lpSum(recs[j, i]) == 0, f"seg_rec_{j}_{i}")
 
     def c_streamed_segments(self):
         """A unit whose weights stream is recomputed only on its own (its weights are fetched
