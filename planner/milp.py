@@ -236,7 +236,7 @@ class Model:
         replaces, m_{k,i} >= m_{k,i-1} + rz_i - 1, let 60% of rz fade to nothing in three
         units).
         """
-        cm, U = self.cm, self.cm.U
+        U = self.cm.U
         starts, cont, ends, recs = {}, {}, {}, {}
         for (c, k, e), z in self.zv.items():
             starts.setdefault((c, k), []).append(z)
