@@ -441,3 +441,30 @@ def test_polish_improves_a_poor_plan_and_leaves_the_held_lp_as_it_was(tmp_path):
     assert sim.fits and sim.step_s == pytest.approx(new, rel=1e-3) and sim.step_s <= new
     again, _ = held.solve(60, {})
     assert again == pytest.approx(bound, rel=1e-9) and held.fixed == {}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the child run is Linux-only")
+def test_a_polish_past_its_deadline_is_killed_and_the_dives_plan_kept(monkeypatch):
+    """On a model big enough to polish in a child (``CHILD_MIN_BINARIES``), a window search
+    that never returns is killed at the hard deadline: the dive's plan comes back unchanged,
+    within the deadline, and no process is left."""
+    pytest.importorskip("highspy")
+    from planner import solvers
+    hw = load_hardware("h200")
+    prof = uniform_profile(16, hw, jitter=0.02, seed=16)
+    m = Model(cost_model(prof, hw, Budgets(10**15, 10**15, 0), allow_streaming=False))
+    assert solvers._big_mip(m)
+    held = solvers._HeldLP(m)
+    bound, lp = held.solve(60, {})
+
+    def hangs(*a, **k):
+        while True:
+            time.sleep(1)
+    monkeypatch.setattr(solvers, "_polish", hangs)
+    before = set(_live_children())
+    t0 = time.perf_counter()
+    got = solvers._polish_guarded(m, held, lp, dict(lp), bound * 1.1, bound, 0.005, 0.5)
+    took = time.perf_counter() - t0
+    assert got[1] == bound * 1.1 and got[0] == lp
+    assert took < 0.5 + 2.0 + 1.0, took
+    assert set(_live_children()) <= before
