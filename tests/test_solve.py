@@ -144,7 +144,8 @@ def test_gpt3_175b_streams_through_one_80g_gpu(tmp_path, capsys):
     # 2.5 TiB of static state, of which 80 GiB at most can stay: nearly every block is homed
     # off the device
     assert sum(1 for d in plan.layers if not d.home.resident) >= 0.9 * len(plan.layers)
-    assert plan.solver.origin in ("milp", "baseline:stream-all+recompute-all")
+    # a joint MILP (depth 3 or, since the interval segments, often depth 1) or the baseline
+    assert plan.solver.origin in ("milp", "milp/depth1", "baseline:stream-all+recompute-all")
     assert r.peak_cpu_bytes <= 512 * 1024**3 and r.peak_nvme_bytes <= 4 * 1024**4
 
 
