@@ -26,6 +26,7 @@ import pulp
 
 from .errors import UserError
 from .fileio import lock_dir
+from .highs import available as highs_available, quiet as _quiet_highs
 from .milp import GB, Model, Solution, lin
 
 SOLVERS = ("cbc", "highs")
@@ -67,21 +68,6 @@ class Outcome:
 
 # ----------------------------------------------------------------------------- the solvers
 
-def _quiet_highs():
-    """A ``highspy.Highs()``, without the banner it prints on stdout before any option can
-    silence it."""
-    import highspy
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 1)
-            return highspy.Highs()
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
 class _QuietHiGHS(pulp.HiGHS):
     """PuLP's HiGHS without the banner ``highspy.Highs()`` prints on stdout before any option
     can silence it (``plan solve`` prints the plan's path as its first stdout line), with an
@@ -111,14 +97,6 @@ class _QuietHiGHS(pulp.HiGHS):
             sol.col_value = [float(self.start.get(v.name, 0.0)) for v in lp.variables()]
             sol.value_valid = True
             lp.solverModel.setSolution(sol)
-
-
-def highs_available() -> bool:
-    try:
-        import highspy  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def make_solver(name: str, time_limit: float | None, gap: float, warm: bool, tmp_dir: str,

@@ -468,3 +468,45 @@ def test_a_polish_past_its_deadline_is_killed_and_the_dives_plan_kept(monkeypatc
     assert got[1] == bound * 1.1 and got[0] == lp
     assert took < 0.5 + 2.0 + 1.0, took
     assert set(_live_children()) <= before
+
+
+def test_the_integer_optimizer_floor_lies_between_the_relaxation_and_every_whole_plan():
+    """``opt_floor_int`` bounds the pipelined optimizer phase over whole units: never above
+    the best assignment of homes (brute force over every combination, the phase as the cost
+    model defines it), never below the fractional split the relaxation could take, and above
+    it where whole units cannot balance host against device."""
+    import itertools
+
+    from planner.costmodel import View
+    from planner.milp import opt_floor_int
+    pytest.importorskip("highspy")
+
+    class OneHome(View):
+        def __init__(self, j, k):
+            self.jk = (j, k)
+
+        def h(self, i, k):
+            return 1 if (i, k) == self.jk else 0
+
+    raised = 0
+    for seed in range(8):
+        hw = load_hardware(SPECS[seed % 3])
+        prof = random_profile(seed, hw, n_blocks=2 + seed % 3)
+        cm = cost_model(prof, hw, Budgets(10**15, 10**15, 0), 1, allow_streaming=True,
+                        allow_offload=True, optimizer_depth=3)
+        floor = opt_floor_int(cm)
+        assert floor is not None, seed
+        # each (unit, home)'s seconds on every resource, and its chain, from the cost model
+        load, chain = {}, {}
+        for j, homes in enumerate(cm.homes):
+            for k in range(len(homes)):
+                v = OneHome(j, k)
+                load[j, k] = [sum(x * c for x, c in t) for t in cm.opt_loads(v).values()]
+                chain[j, k] = max(sum(x * c for x, c in t) for t in cm.opt_chains(v))
+        best = min(max([sum(col) for col in zip(*(load[j, k] for j, k in enumerate(pick)))]
+                       + [chain[j, k] for j, k in enumerate(pick)])
+                   for pick in itertools.product(*(range(len(h)) for h in cm.homes)))
+        assert best * (1 - 1e-5) <= floor <= best * (1 + 1e-9), (seed, floor, best)
+        assert floor >= cm.optimizer_floor() * (1 - 1e-5), (seed, floor, cm.optimizer_floor())
+        raised += floor > cm.optimizer_floor() * (1 + 1e-4)
+    assert raised, "no profile where whole units raise the floor above the fractional split"
