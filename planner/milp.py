@@ -368,6 +368,7 @@ class Model:
         timeo_r:       To >= Σ_j load_r(j)       the optimizer phase (depth 3): its busiest
         timeo_chain_j: To >= read_j + step_j + write_j     resource, or one unit's chain
         timeo_sum:     To >= Σ_j (read_j + step_j + write_j)    (depth 1: one after another)
+        timeo_int:     To >= F_int   (depth 3; valid: the phase over whole units, opt_floor_int)
         """
         cm, L, v = self.cm, self.cm.L, self.v
         for s in L.pass_stages:
