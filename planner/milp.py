@@ -430,6 +430,20 @@ class Model:
         const = cm.A[i_head] + cm.W[i_head] + cm.shared[cm.L.bwd(i_head)]
         self._c(lin(terms, 1 / GB, const / GB) - self.budget("gpu") <= 0, "peak_knapsack")
 
+    def home_counts(self) -> list:
+        """For each group g of alike units (``home_groups``) with a choice, and each home k:
+        the variables whose sum n_{g,k} = Σ_{j in g} h_{j,k} is a whole number in any plan
+        (``planner.solvers`` splits the relaxation on a fractional one)."""
+        cm, out = self.cm, []
+        for units in home_groups(cm):
+            if len(units) < 2 or len(cm.homes[units[0]]) < 2:
+                continue
+            for k in range(len(cm.homes[units[0]])):
+                hv = [self.v.h(j, k) for j in units]
+                if not any(isinstance(x, (int, float)) for x in hv):
+                    out.append(hv)
+        return out
+
     # -- objective -----------------------------------------------------------------------------
 
     def step_expr(self) -> pulp.LpAffineExpression:
@@ -499,6 +513,31 @@ class _HomeTags(View):
 OPT_FLOOR_S = 0.2
 
 
+def _opt_coefficients(cm: CostModel):
+    """The optimizer phase per (unit, home): the number of resources, {(j, k): seconds on each
+    resource}, {(j, k): its chain}."""
+    tags = _HomeTags()
+    loads = [t for t in cm.opt_loads(tags).values() if t]
+    chain = {jk: c for terms in cm.opt_chains(tags) for jk, c in terms}
+    coef = {}
+    for r, terms in enumerate(loads):
+        for jk, c in terms:
+            coef.setdefault(jk, [0.0] * len(loads))[r] += c
+    return len(loads), coef, chain
+
+
+def home_groups(cm: CostModel) -> list:
+    """Units alike in every home (the same optimizer-phase seconds and the same bytes held on
+    each tier), as lists of unit indices: a model's blocks are usually one group."""
+    n, coef, chain = _opt_coefficients(cm)
+    groups: dict = {}
+    for j in range(cm.U):
+        sig = tuple((tuple(coef.get((j, k), [0.0] * n)), chain.get((j, k), 0.0),
+                     tuple(sorted(cm.resident(j, h).items()))) for k, h in enumerate(cm.homes[j]))
+        groups.setdefault(sig, []).append(j)
+    return list(groups.values())
+
+
 def opt_floor_int(cm: CostModel) -> float | None:
     """A lower bound on the pipelined optimizer phase (depth 3) over whole units: the least,
     over integer homes, of max(busiest resource, longest chain). The LP relaxation balances
@@ -513,23 +552,18 @@ def opt_floor_int(cm: CostModel) -> float | None:
     if not highs.available():
         return None
     import highspy
-    tags = _HomeTags()
-    loads = [t for t in cm.opt_loads(tags).values() if t]
-    chain = {jk: c for terms in cm.opt_chains(tags) for jk, c in terms}
-    coef = {}                               # (j, k) -> seconds per resource
-    for r, terms in enumerate(loads):
-        for jk, c in terms:
-            coef.setdefault(jk, [0.0] * len(loads))[r] += c
+    nres, coef, chain = _opt_coefficients(cm)
     # in units of the largest coefficient: HiGHS' tolerances are absolute (1e-7 .. 1e-6), and
     # a phase of 10 us in seconds would sit inside them
     unit = max([c for v in coef.values() for c in v] + list(chain.values()) + [0.0])
     if unit <= 0:
         return None
     groups = {}                             # per-home coefficients -> how many units have them
-    for j in range(cm.U):
-        sig = tuple((tuple(c / unit for c in coef.get((j, k), [0.0] * len(loads))),
+    for units in home_groups(cm):
+        j = units[0]
+        sig = tuple((tuple(c / unit for c in coef.get((j, k), [0.0] * nres)),
                      chain.get((j, k), 0.0) / unit) for k in range(len(cm.homes[j])))
-        groups[sig] = groups.get(sig, 0) + 1
+        groups[sig] = groups.get(sig, 0) + len(units)
     h = highs.quiet()
     for opt, val in (("output_flag", False), ("time_limit", OPT_FLOOR_S),
                      ("mip_rel_gap", 0.0), ("mip_abs_gap", 0.0), ("threads", 1)):
@@ -546,7 +580,7 @@ def opt_floor_int(cm: CostModel) -> float | None:
         return c
 
     T = column(0.0, inf, 1.0, is_int=False)     # min T
-    rows = [[] for _ in loads]                   # T >= Σ coef_r n      per resource r
+    rows = [[] for _ in range(nres)]             # T >= Σ coef_r n      per resource r
     for sig, n in groups.items():
         counts = []
         for res, ch in sig:

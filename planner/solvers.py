@@ -726,6 +726,52 @@ class _HeldLP:
         return float(info.objective_function_value) + self.constant, values
 
 
+    def solve_with_row(self, names: list, lo: float, up: float, time_limit):
+        """``solve`` with nothing fixed and one more row, lo <= Σ names <= up, taken out
+        again afterwards."""
+        np, h = self.np, self.h
+        ids = np.fromiter((self.col[n] for n in names), np.int32)
+        h.addRow(lo, up, len(ids), ids, np.ones(len(ids)))
+        try:
+            return self.solve(time_limit, {})
+        finally:
+            h.deleteRows(1, np.array([h.getNumRow() - 1], np.int32))
+
+
+# counts a dive splits the relaxation on, most fractional first
+SPLITS = 2
+
+
+def _split_bound(model: Model, held: "_HeldLP", lp: dict, bound: float, time_limit) -> float:
+    """A bound above the relaxation's: every plan puts a whole number of a group's alike
+    units at each home (``Model.home_counts``), so where the relaxation's count n is
+    fractional, min(LP with n <= floor(n), LP with n >= ceil(n)) bounds every plan too. Tried
+    on the ``SPLITS`` most fractional counts, keeping the best. Why: on gpt2-xl's joint model
+    at a quarter of its activations the relaxation put 3.74 blocks' optimizer steps on the
+    host, a plan 3 (more recompute: +0.09%) or 4 (a longer optimizer phase); the split bound
+    proves the dive's plan within 0.5%, where HiGHS's search took 20 s."""
+    t0 = time.perf_counter()
+    counts = []
+    for hv in model.home_counts():
+        n = sum(lp.get(v.name, 0.0) for v in hv)
+        f = n - math.floor(n)
+        if 1e-6 < f < 1 - 1e-6:
+            counts.append((abs(f - 0.5), n, [v.name for v in hv]))
+    best = bound
+    for _, n, names in sorted(counts)[:SPLITS]:
+        sides = []
+        for lo, up in ((0.0, float(math.floor(n))), (float(math.ceil(n)), float(len(names)))):
+            left = None if time_limit is None else time_limit - (time.perf_counter() - t0)
+            if left is not None and left <= 0.05:
+                return best
+            obj, _ = held.solve_with_row(names, lo, up, left)
+            if obj is not None and not model.lp_optimal:
+                return best          # stopped early: a point, not a bound
+            sides.append(math.inf if obj is None else obj)
+        best = max(best, min(sides))
+    return best
+
+
 def _windows(model: Model, lp: dict, cur: dict, width: int) -> list:
     """Windows of ``width`` consecutive units to re-optimise, worst first: each pass stage
     that the plan ``cur`` makes longer than the relaxation ``lp`` does names the units whose
@@ -972,6 +1018,8 @@ def _dive(model: Model, solver: str, time_limit, gap: float, incumbent: float | 
                 obj, cur = _fixed_lp(model, solver, time_limit, fixed)
             elif obj is not None and (bound is None or rel_gap(obj, bound) > gap):
                 cur, obj = _polish_guarded(model, held, lp, cur, obj, bound, gap, polish_limit)
+                if bound is not None and rel_gap(obj, bound) > gap:
+                    bound = _split_bound(model, held, lp, bound, polish_limit)
             if obj is not None:
                 return bound, cur, obj
     return bound, None, None

@@ -510,3 +510,33 @@ def test_the_integer_optimizer_floor_lies_between_the_relaxation_and_every_whole
         assert floor >= cm.optimizer_floor() * (1 - 1e-5), (seed, floor, cm.optimizer_floor())
         raised += floor > cm.optimizer_floor() * (1 + 1e-4)
     assert raised, "no profile where whole units raise the floor above the fractional split"
+
+
+def test_the_split_bound_lies_between_the_relaxation_and_the_optimum():
+    """``_split_bound`` splits the relaxation on a fractional count of alike blocks at one
+    home: its bound is at least the relaxation's and at most the optimum (HiGHS to a gap of
+    1e-9), and above the relaxation where the relaxation spreads a home over the blocks."""
+    pytest.importorskip("highspy")
+    from planner import solvers
+    from planner.budget import fraction_budget
+
+    hw = load_hardware("a100-80g")
+    # parameters large against the activations, and less device memory than the static
+    # state: some blocks' homes must leave the device, and the relaxation spreads them
+    prof = uniform_profile(6, hw, param_bytes=6_000_000_000)
+    raised = 0
+    for r in (0.5, 0.9, 0.95):
+        b = Budgets(int(fraction_budget(prof, 0.25) * r), 512 * 2**30, 0)
+        cm = cost_model(prof, hw, b, 1, allow_streaming=True, allow_offload=True,
+                        optimizer_depth=3)
+        m = Model(cm)
+        held = solvers._HeldLP(m)
+        lp, values = held.solve(None, {})
+        assert m.home_counts(), "alike blocks form no group"
+        split = solvers._split_bound(m, held, values, lp, None)
+        # the optimum from HiGHS's own search alone (solvers.solve would stop at the split)
+        status, opt, _ = solvers._run(Model(cm), "highs", 120, 1e-9)
+        assert status == 1, status
+        assert lp * (1 - 1e-9) <= split <= opt * (1 + 1e-7), (r, lp, split, opt)
+        raised += split > lp * (1 + 1e-6)
+    assert raised, "the split raised no bound"
