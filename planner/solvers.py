@@ -725,6 +725,9 @@ class _HeldLP:
         values = dict(zip(self.names, h.getSolution().col_value))
         return float(info.objective_function_value) + self.constant, values
 
+    def infeasible(self) -> bool:
+        """Whether the last ``solve`` proved its LP infeasible (not merely stopped)."""
+        return self.h.getModelStatus() == self.hs.HighsModelStatus.kInfeasible
 
     def solve_with_row(self, names: list, lo: float, up: float, time_limit):
         """``solve`` with nothing fixed and one more row, lo <= Σ names <= up, taken out
@@ -765,9 +768,12 @@ def _split_bound(model: Model, held: "_HeldLP", lp: dict, bound: float, time_lim
             if left is not None and left <= 0.05:
                 return best
             obj, _ = held.solve_with_row(names, lo, up, left)
-            if obj is not None and not model.lp_optimal:
-                return best          # stopped early: a point, not a bound
-            sides.append(math.inf if obj is None else obj)
+            if obj is None and held.infeasible():
+                sides.append(math.inf)           # no plan on this side
+            elif obj is None or not model.lp_optimal:
+                return best          # stopped early: a point (or nothing), not a bound
+            else:
+                sides.append(obj)
         best = max(best, min(sides))
     return best
 
