@@ -86,7 +86,7 @@ def best_plan(prof: Profile, hw, budgets: Budgets, stream: str = "on",
     best = math.inf
     for cm in _models(prof, hw, budgets, stream, micro_batches):
         m = Model(cm)
-        best = min(best, _solve_each(m, cm, lambda: float(pulp.value(m.step_expr()))))
+        best = min(best, _solve_each(m, cm, lambda: m.ts * float(pulp.value(m.step_expr()))))
     return best
 
 

@@ -192,7 +192,7 @@ def _progress_line(elapsed: float, incumbent: float, gap: float) -> None:
     print(f"  solve: {elapsed:6.1f} s  incumbent {incumbent:.5f}  gap {gap:.2%}", file=sys.stderr)
 
 
-def _tail_progress(log_path: str, stop: threading.Event) -> None:
+def _tail_progress(log_path: str, stop: threading.Event, scale: float = 1.0) -> None:
     """Print elapsed time, incumbent and gap from CBC's log on stderr (TTY only)."""
     pos = 0
     while not stop.wait(1.0):
@@ -205,15 +205,16 @@ def _tail_progress(log_path: str, stop: threading.Event) -> None:
             continue
         for m in _CBC_PROGRESS.finditer(text):
             inc, bound = float(m.group(2)), float(m.group(3))
-            _progress_line(float(m.group(4)), inc, rel_gap(inc, bound))
+            _progress_line(float(m.group(4)), inc * scale, rel_gap(inc, bound))
 
 
 class _HighsCallback:
     """HiGHS's MIP interrupt callback: progress once a second (when asked) and a stop when
     the process was interrupted (HiGHS runs in this process: Ctrl-C waits for it otherwise)."""
 
-    def __init__(self, progress: bool):
+    def __init__(self, progress: bool, scale: float = 1.0):
         self.progress = progress
+        self.scale = scale              # the objective's unit in seconds (Model.ts)
         self.last = -1.0
         self.stop = False
 
@@ -229,7 +230,7 @@ class _HighsCallback:
         if t - self.last < 1.0 or not (math.isfinite(inc) and math.isfinite(bound)):
             return
         self.last = t
-        _progress_line(t, inc, rel_gap(inc, bound))
+        _progress_line(t, inc * self.scale, rel_gap(inc, bound))
 
 
 def _cbc_gap(log_path: str, objective: float, allowed: float) -> float | None:
@@ -286,7 +287,7 @@ def _sweep_solve_dirs() -> None:
 
 
 @contextlib.contextmanager
-def _solver_run(solver, time_limit, gap, warm, start, progress):
+def _solver_run(solver, time_limit, gap, warm, start, progress, scale: float = 1.0):
     """A solver and the run around it: its own temp directory, its children killed and the
     directory removed on every path (also SIGTERM, which ``plan`` unwinds like Ctrl-C; after
     a SIGKILL the next solve sweeps it); yields (pulp solver, CBC log path, HiGHS callback)."""
@@ -295,11 +296,12 @@ def _solver_run(solver, time_limit, gap, warm, start, progress):
     log_path = os.path.join(tmp, "cbc.log") if solver == "cbc" else None
     stop = threading.Event()
     th = None
-    callback = _HighsCallback(progress) if solver == "highs" else None
+    callback = _HighsCallback(progress, scale) if solver == "highs" else None
     try:
         if progress and solver == "cbc":
             open(log_path, "w").close()
-            th = threading.Thread(target=_tail_progress, args=(log_path, stop), daemon=True)
+            th = threading.Thread(target=_tail_progress, args=(log_path, stop, scale),
+                                  daemon=True)
             th.start()
         s = make_solver(solver, time_limit, gap, warm, tmp, log_path, callback, start)
         with _tracked_children():
@@ -438,7 +440,8 @@ def _run(model: Model, solver, time_limit, gap, warm=False, start=None, progress
     MIP of ``CHILD_MIN_BINARIES`` or more runs in a child process with a hard deadline
     (``_highs_in_child``); LPs, small MIPs and CBC (itself a child process) run as PuLP runs
     them."""
-    with _solver_run(solver, time_limit, gap, warm, start, progress) as (s, log_path, cb):
+    with _solver_run(solver, time_limit, gap, warm, start, progress,
+                     model.objective_value(1.0)) as (s, log_path, cb):
         t0 = time.perf_counter()
         bound = None
         try:
@@ -463,12 +466,12 @@ def _run(model: Model, solver, time_limit, gap, warm=False, start=None, progress
             return status, None, None
         if status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
             raise Infeasible(pulp.LpStatus[model.prob.status])
-        obj = float(pulp.value(model.prob.objective))
-        if solver == "cbc":
-            g = _cbc_gap(log_path, obj, gap)
+        raw = float(pulp.value(model.prob.objective))      # in the model's units, as the
+        if solver == "cbc":                                  # solvers' bounds are
+            g = _cbc_gap(log_path, raw, gap)
         else:
-            g = rel_gap(obj, bound) if bound is not None and math.isfinite(bound) else None
-        return status, obj, g
+            g = rel_gap(raw, bound) if bound is not None and math.isfinite(bound) else None
+        return status, model.objective_value(raw), g
 
 
 def _binaries(model: Model):
@@ -723,7 +726,8 @@ class _HeldLP:
         if not ok and info.primal_solution_status != 2:       # 2: a feasible point
             return None, None
         values = dict(zip(self.names, h.getSolution().col_value))
-        return float(info.objective_function_value) + self.constant, values
+        obj = float(info.objective_function_value) + self.constant
+        return self.model.objective_value(obj), values
 
     def infeasible(self) -> bool:
         """Whether the last ``solve`` proved its LP infeasible (not merely stopped)."""
@@ -874,7 +878,7 @@ def _polish(model: Model, held: "_HeldLP", lp: dict, values: dict, obj: float,
             h.run()
             info = h.getInfo()
             if info.primal_solution_status == 2:
-                got = float(info.objective_function_value) + held.constant
+                got = model.objective_value(float(info.objective_function_value) + held.constant)
                 if got < obj * (1 - POLISH_MIN_GAIN):
                     obj, values = got, dict(zip(held.names, h.getSolution().col_value))
                     tried = {w.start}     # the plan changed: every other window may pay again
