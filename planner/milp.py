@@ -436,7 +436,7 @@ class Model:
 
     def home_counts(self) -> list:
         """For each group g of alike units (``home_groups``) with a choice, and each home k:
-        the variables whose sum n_{g,k} = Σ_{j in g} h_{j,k} is a whole number in any plan
+        the variables whose sum n_{g,k} = Σ_{j in g} h_{k,j} is a whole number in any plan
         (``planner.solvers`` splits the relaxation on a fractional one)."""
         cm, out = self.cm, []
         for units in home_groups(cm):
