@@ -7,9 +7,9 @@ the cost model's memory per tier and stage and takes the cost model's stage dura
 objective. Symbols follow ``docs/formulation.md``; each constraint family is one method whose
 docstring holds its equation, and every row is named ``<family>_<index>`` (``mem_gpu_7``).
 
-Bytes enter the model in GB (1e9) and times in units of ``ts`` seconds (``time_unit``: the
-compute floor rounded to a power of two), so coefficients stay near 1 on any model; values
-leave it in seconds (``objective_value``, ``solution``).
+Bytes enter the model in GB (1e9) and times in seconds, or in units of ``ts`` seconds where
+the compute floor is under 0.1 s (``time_unit``), so coefficients stay near 1; values leave it
+in seconds (``objective_value``, ``solution``).
 """
 from __future__ import annotations
 
@@ -412,8 +412,8 @@ class Model:
         for r in ("d2h", "h2d", "duplex", "nvme", "host"):
             load = [t for s in L.pass_stages for t in cm.loads(s, v, False)[r]]
             if load:
-                self._c(lin([(self.T[s], 1.0) for s in L.pass_stages]) - lin(load, 1 / self.ts) >= 0,
-                        f"link_total_{r}")
+                total = lin([(self.T[s], 1.0) for s in L.pass_stages])
+                self._c(total - lin(load, 1 / self.ts) >= 0, f"link_total_{r}")
 
     def c_peak_knapsack(self):
         """Valid inequality over binaries alone (implied by mem_gpu at the first backward
