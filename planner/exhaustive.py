@@ -13,8 +13,6 @@ from __future__ import annotations
 import itertools
 import math
 
-import pulp
-
 from .costmodel import REC
 from .formats import Budgets, Profile, UnitKind
 from .milp import GB, Model, Options
@@ -86,7 +84,7 @@ def best_plan(prof: Profile, hw, budgets: Budgets, stream: str = "on",
     best = math.inf
     for cm in _models(prof, hw, budgets, stream, micro_batches):
         m = Model(cm)
-        best = min(best, _solve_each(m, cm, lambda: m.ts * float(pulp.value(m.step_expr()))))
+        best = min(best, _solve_each(m, cm, m.step_s))
     return best
 
 

@@ -507,8 +507,11 @@ class Model:
             layers.append(LayerDecision(u.name, act, ck, cm.homes[i][k]))
         shares = {key: val(x) for key, x in self.sv.items() if val(x) > SHARE_EPS}
         stage_s = [val(self.T[s]) * self.ts for s in cm.L.pass_stages] + [val(self.To) * self.ts]
-        return Solution(layers=layers, shares=shares,
-                        objective=float(pulp.value(self.step_expr())) * self.ts, stage_s=stage_s)
+        return Solution(layers=layers, shares=shares, objective=self.step_s(), stage_s=stage_s)
+
+    def step_s(self) -> float:
+        """The step of the solution held in the variables, in seconds."""
+        return float(pulp.value(self.step_expr())) * self.ts
 
 
 # below this compute floor (seconds) the model counts time in a smaller unit
@@ -555,10 +558,11 @@ def _opt_coefficients(cm: CostModel):
     return len(loads), coef, chain
 
 
-def home_groups(cm: CostModel) -> list:
+def home_groups(cm: CostModel, coefficients=None) -> list:
     """Units alike in every home (the same optimizer-phase seconds and the same bytes held on
-    each tier), as lists of unit indices: a model's blocks are usually one group."""
-    n, coef, chain = _opt_coefficients(cm)
+    each tier), as lists of unit indices: a model's blocks are usually one group.
+    ``coefficients``: ``_opt_coefficients(cm)`` where the caller has them already."""
+    n, coef, chain = coefficients or _opt_coefficients(cm)
     groups: dict = {}
     for j in range(cm.U):
         sig = tuple((tuple(coef.get((j, k), [0.0] * n)), chain.get((j, k), 0.0),
@@ -581,14 +585,15 @@ def opt_floor_int(cm: CostModel) -> float | None:
     if not highs.available():
         return None
     import highspy
-    nres, coef, chain = _opt_coefficients(cm)
+    coefficients = _opt_coefficients(cm)
+    nres, coef, chain = coefficients
     # in units of the largest coefficient: HiGHS' tolerances are absolute (1e-7 .. 1e-6), and
     # a phase of 10 us in seconds would sit inside them
     unit = max([c for v in coef.values() for c in v] + list(chain.values()) + [0.0])
     if unit <= 0:
         return None
     groups = {}                             # per-home coefficients -> how many units have them
-    for units in home_groups(cm):
+    for units in home_groups(cm, coefficients):
         j = units[0]
         sig = tuple((tuple(c / unit for c in coef.get((j, k), [0.0] * nres)),
                      chain.get((j, k), 0.0) / unit) for k in range(len(cm.homes[j])))

@@ -1027,9 +1027,13 @@ def _dive(model: Model, solver: str, time_limit, gap: float, incumbent: float | 
             if held is None:
                 obj, cur = _fixed_lp(model, solver, time_limit, fixed)
             elif obj is not None and (bound is None or rel_gap(obj, bound) > gap):
+                t_pol = time.perf_counter()
                 cur, obj = _polish_guarded(model, held, lp, cur, obj, bound, gap, polish_limit)
                 if bound is not None and rel_gap(obj, bound) > gap:
-                    bound = _split_bound(model, held, lp, bound, polish_limit)
+                    # within what the polish left of its share
+                    left = None if polish_limit is None else \
+                        polish_limit - (time.perf_counter() - t_pol)
+                    bound = _split_bound(model, held, lp, bound, left)
             if obj is not None:
                 return bound, cur, obj
     return bound, None, None
