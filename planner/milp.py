@@ -128,6 +128,7 @@ class Model:
         # beyond its time limit (handing the model over), and whether the last LP was optimal
         self.overrun_s = 0.0
         self.lp_optimal = False
+        self.rival = None           # a search the dive leaves to run beside the MIP's
         self.ts = time_unit(cm)
         self.v = _Vars(self)
         self._variables()

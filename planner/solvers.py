@@ -364,6 +364,40 @@ def _read_until(fd: int, deadline: float | None) -> bytes | None:
         chunks.append(chunk)
 
 
+def _spawn(fn) -> tuple[int, int]:
+    """``fn()`` in a forked child (``_child``): (its pid, the pipe it answers on)."""
+    r, w = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:                                    # the child
+        os.close(r)
+        _child(fn, w)
+    os.close(w)
+    return pid, r
+
+
+def _reap(pid: int, fd: int) -> None:
+    """Close the pipe of child ``pid`` and kill it (it may have finished: then only reaped)."""
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        os.waitpid(pid, 0)
+
+
+def _answer(data: bytes | None):
+    """What a child wrote (``_child``): its result; ``pulp.PulpSolverError`` if it failed."""
+    import pickle
+    try:
+        msg = pickle.loads(data)
+    except Exception:                               # noqa: BLE001 -- died mid-write
+        msg = ("failed", "the HiGHS process ended without an answer")
+    if msg[0] == "failed":
+        raise pulp.PulpSolverError(msg[1])
+    return msg[1]
+
+
 def _in_child(fn, hard_s: float | None):
     """``fn()`` run in a forked child that is killed after ``hard_s`` seconds: its (pickled)
     result, or ``None`` when the deadline killed it; ``pulp.PulpSolverError`` when it failed.
@@ -374,47 +408,72 @@ def _in_child(fn, hard_s: float | None):
     be killed: the caller then keeps the plan it already has. ``os.fork``, not
     ``multiprocessing``: this may run inside a pool's daemonic worker, which may not have
     multiprocessing children."""
-    import pickle
-    r, w = os.pipe()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:                                    # the child
-        os.close(r)
-        _child(fn, w)
-    os.close(w)
+    pid, r = _spawn(fn)
     data = None
     try:
-        deadline = None if hard_s is None else time.monotonic() + hard_s
-        data = _read_until(r, deadline)
+        data = _read_until(r, None if hard_s is None else time.monotonic() + hard_s)
     finally:
-        os.close(r)
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(OSError):
-            os.waitpid(pid, 0)
-    if data is None:
-        return None
+        _reap(pid, r)
+    return None if data is None else _answer(data)
+
+
+def _race(fn, rival, hard_s: float | None, wins):
+    """``fn()`` and ``rival()`` side by side, each in a forked child (``_in_child``'s rules):
+    (``fn``'s result or None, ``rival``'s or None). It ends when ``fn`` answers, at
+    ``hard_s``, or when ``rival`` answers with a result that ``wins(result)`` accepts (``fn``
+    is then killed). A rival that fails or answers nothing counts as None."""
+    import select
+    deadline = None if hard_s is None else time.monotonic() + hard_s
+    kids = {}
     try:
-        msg = pickle.loads(data)
-    except Exception:                               # noqa: BLE001 -- died mid-write
-        msg = ("failed", "the HiGHS process ended without an answer")
-    if msg[0] == "failed":
-        raise pulp.PulpSolverError(msg[1])
-    return msg[1]
+        for name, f in (("fn", fn), ("rival", rival)):
+            pid, r = _spawn(f)
+            kids[r] = (name, pid, [])
+        got = {}
+        while "fn" not in got:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            open_fds = [r for r, (name, _, _) in kids.items() if name not in got]
+            ready, _, _ = select.select(open_fds, [], [], wait)
+            if not ready:
+                break                                # the deadline
+            for r in ready:
+                name, _, chunks = kids[r]
+                chunk = os.read(r, 1 << 20)
+                if chunk:
+                    chunks.append(chunk)
+                    continue
+                if name == "fn":
+                    got["fn"] = _answer(b"".join(chunks))
+                else:
+                    try:
+                        got["rival"] = _answer(b"".join(chunks))
+                    except pulp.PulpSolverError:
+                        got["rival"] = None
+            if got.get("rival") is not None and wins(got["rival"]):
+                break
+    finally:
+        for r, (_, pid, _) in kids.items():
+            _reap(pid, r)
+    return got.get("fn"), got.get("rival")
 
 
 def _highs_in_child(model: Model, s, time_limit: float | None):
     """Run HiGHS on the MIP in a forked child (``_in_child``) with a hard deadline
     (``hard_deadline``); its dual bound, or ``None`` with the status 'no solution' when the
-    deadline killed it."""
+    deadline killed it. With a ``model.rival`` (``_Rival``, left by the dive) the rival's
+    search runs beside it (``_race``) and its plan is taken where it wins or is better."""
     def run():
         model.prob.solve(s)
         bound = float(model.prob.solverModel.getInfo().mip_dual_bound)
         return (model.prob.status, model.prob.sol_status,
                 {v.name: v.varValue for v in model.prob.variables()}, bound)
-    got = _in_child(run, None if time_limit is None
-                    else hard_deadline(time_limit, model.overrun_s))
+    hard = None if time_limit is None else hard_deadline(time_limit, model.overrun_s)
+    rival, model.rival = model.rival, None          # a rival runs beside one search only
+    if rival is None:
+        got = _in_child(run, hard)
+    else:
+        got, other = _race(run, lambda: rival.search(time_limit), hard, rival.wins)
+        got = rival.merge(model, got, other)
     if got is None:
         model.prob.status = pulp.LpStatusNotSolved
         model.prob.sol_status = pulp.LpSolutionNoSolutionFound
@@ -823,95 +882,201 @@ POLISH_MIN_GAIN = 1e-4
 POLISH_BARREN_RUN = 6
 
 
+class _SubMIP:
+    """The held instance as a MIP over the model's binaries, for searches in a neighbourhood
+    of a plan: ``run`` holds every binary outside ``free`` at the plan's value and solves
+    the rest, the plan as its start. A context: on leaving, the instance is the dive's LP
+    again."""
+
+    def __init__(self, model: Model, held: "_HeldLP", gap: float):
+        np, hs = held.np, held.hs
+        self.model, self.held = model, held
+        groups = _groups(model)
+        self.cols = [[held.col[v.name] for _, items in groups[i] for _, v in items]
+                     for i in range(model.cm.U)]
+        self.ints = np.array(sorted(c for cs in self.cols for c in cs), np.int32)
+        self.every = np.arange(len(held.names), dtype=np.int32)
+        self.gap = gap
+        self.target = None          # seconds: a plan this fast ends a run (``_rins``)
+
+    def __enter__(self):
+        np, hs, h = self.held.np, self.held.hs, self.held.h
+        h.changeColsIntegrality(len(self.ints), self.ints,
+                                np.full(len(self.ints), hs.HighsVarType.kInteger))
+        h.setOptionValue("solver", "choose")
+        # a neighbourhood's search stops well inside the gap asked of the whole plan; without
+        # HiGHS's own neighbourhood searches (RINS, RENS), which in a window of ~40 binaries
+        # took 0.56 of its 0.86 s and ran it past its time limit
+        h.setOptionValue("mip_rel_gap", max(1e-4, self.gap / 4))
+        h.setOptionValue("mip_heuristic_run_rins", False)
+        h.setOptionValue("mip_heuristic_run_rens", False)
+        h.cbMipInterrupt.subscribe(self._reached)
+        return self
+
+    def __exit__(self, *exc):
+        np, hs, h, held = self.held.np, self.held.hs, self.held.h, self.held
+        h.cbMipInterrupt.unsubscribe(self._reached)
+        h.changeColsIntegrality(len(self.ints), self.ints,
+                                np.full(len(self.ints), hs.HighsVarType.kContinuous))
+        h.changeColsBounds(len(self.every), self.every, held.lo, held.up)
+        h.setOptionValue("mip_heuristic_run_rins", True)
+        h.setOptionValue("mip_heuristic_run_rens", True)
+        held.fixed = {}
+
+    def _reached(self, event) -> None:
+        if self.target is None:
+            return
+        inc = float(event.data_out.mip_primal_bound)
+        if math.isfinite(inc) and self.model.objective_value(inc + self.held.constant) \
+                <= self.target:
+            event.interrupt()
+
+    def run(self, values: dict, free, time_limit: float):
+        """(objective, values) of the best plan found with the binaries in ``free`` (column
+        indices) open, or None when the search found none."""
+        held, hs, h = self.held, self.held.hs, self.held.h
+        lo, up = held.lo.copy(), held.up.copy()
+        free = set(free)
+        for c in self.ints:
+            if c not in free:
+                lo[c] = up[c] = round(values[held.names[c]])
+        h.changeColsBounds(len(self.every), self.every, lo, up)
+        sol = hs.HighsSolution()
+        sol.col_value = [float(values[n]) for n in held.names]
+        sol.value_valid = True
+        h.setSolution(sol)
+        h.setOptionValue("time_limit", h.getRunTime() + time_limit)
+        h.run()
+        info = h.getInfo()
+        if info.primal_solution_status != 2:
+            return None
+        got = self.model.objective_value(float(info.objective_function_value) + held.constant)
+        return got, dict(zip(held.names, h.getSolution().col_value))
+
+
 def _polish(model: Model, held: "_HeldLP", lp: dict, values: dict, obj: float,
             bound: float | None, gap: float, time_limit):
     """Large-neighbourhood search from the dive's plan: all but a window of units held at the
-    plan's choices, the MIP over the window solved (in the held HiGHS instance, binaries made
-    integer again, the plan as its start), windows taken worst first (``_windows``) until
-    the plan is within ``gap`` of ``bound``, ``POLISH_BARREN_RUN`` windows in a row (or a
-    pass over the chain) improve nothing, or the time is up. Returns (values, objective) of the best plan. Why: the dive rounds where the
-    relaxation spreads a choice over many units, and a rounding that overloads one stage's
-    link costs a percent or more; re-deciding a few units around that stage together
-    recovers it, in a fraction of what the whole MIP's search takes to find the same plan."""
-    np, hs, h = held.np, held.hs, held.h
+    plan's choices, the MIP over the window solved (``_SubMIP``), windows taken worst first
+    (``_windows``) until the plan is within ``gap`` of ``bound``, ``POLISH_BARREN_RUN``
+    windows in a row (or a pass over the chain) improve nothing, or the time is up. Returns (values, objective) of the best plan. Why: the
+    dive rounds where the relaxation spreads a choice over many units, and a rounding that
+    overloads one stage's link costs a percent or more; re-deciding a few units around that
+    stage together recovers it, in a fraction of what the whole MIP's search takes to find
+    the same plan."""
     t0 = time.perf_counter()
     U = model.cm.U
-    groups = _groups(model)
-    cols = [[held.col[v.name] for _, items in groups[i] for _, v in items] for i in range(U)]
-    per_unit = max(1.0, sum(map(len, cols)) / max(1, U))
-    width = max(3, min(U, int(POLISH_BINARIES / per_unit)))
-    ints = np.array(sorted(c for cs in cols for c in cs), np.int32)
-    if not len(ints):
-        return values, obj
-    h.changeColsIntegrality(len(ints), ints, np.full(len(ints), hs.HighsVarType.kInteger))
-    h.setOptionValue("solver", "choose")
-    # a window's search stops well inside the gap asked of the whole plan; without HiGHS's
-    # own neighbourhood searches (RINS, RENS), which in a window of ~40 binaries took 0.56
-    # of its 0.86 s and ran it past its time limit
-    h.setOptionValue("mip_rel_gap", max(1e-4, gap / 4))
-    h.setOptionValue("mip_heuristic_run_rins", False)
-    h.setOptionValue("mip_heuristic_run_rens", False)
-    every = np.arange(len(held.names), dtype=np.int32)
-    tried: set = set()
-    dry = 0                     # windows tried since the last gain
-    # windows that gained nothing go after the others when the plan changes: they may pay
-    # again, but seldom do (gpt-like chains: the last units' windows ran to their limit after
-    # each gain elsewhere, 0.3-0.45 s each, for gains under POLISH_MIN_GAIN)
-    barren: set = set()
-    order = _windows(model, lp, values, width)      # again only when the plan changes
-    try:
+    with _SubMIP(model, held, gap) as sub:
+        if not len(sub.ints):
+            return values, obj
+        per_unit = max(1.0, len(sub.ints) / max(1, U))
+        width = max(3, min(U, int(POLISH_BINARIES / per_unit)))
+        tried: set = set()
+        dry = 0                     # windows tried since the last gain
+        # windows that gained nothing go after the others when the plan changes: they may
+        # pay again, but seldom do (gpt-like chains: the last units' windows ran to their
+        # limit after each gain elsewhere, 0.3-0.45 s each, for gains under POLISH_MIN_GAIN)
+        barren: set = set()
+        order = _windows(model, lp, values, width)      # again only when the plan changes
         while True:
             w = next((w for w in order if w.start not in tried), None)
-            if w is None:
-                break
             left = None if time_limit is None else time_limit - (time.perf_counter() - t0)
-            if ((bound is not None and rel_gap(obj, bound) <= gap)
+            if ((bound is not None and rel_gap(obj, bound) <= gap) or w is None
                     or (left is not None and left < 0.05) or dry >= POLISH_BARREN_RUN):
                 break
             tried.add(w.start)
             dry += 1
-            lo, up = held.lo.copy(), held.up.copy()
-            for i in range(U):
-                if i not in w:
-                    for c in cols[i]:
-                        lo[c] = up[c] = round(values[held.names[c]])
-            h.changeColsBounds(len(every), every, lo, up)
-            sol = hs.HighsSolution()
-            sol.col_value = [float(values[n]) for n in held.names]
-            sol.value_valid = True
-            h.setSolution(sol)
             per = POLISH_WINDOW_S if left is None else max(0.05, min(POLISH_WINDOW_S, left / 2))
-            h.setOptionValue("time_limit", h.getRunTime() + per)
-            h.run()
-            info = h.getInfo()
-            if info.primal_solution_status == 2:
-                got = model.objective_value(float(info.objective_function_value) + held.constant)
-                if got < obj * (1 - POLISH_MIN_GAIN):
-                    obj, values = got, dict(zip(held.names, h.getSolution().col_value))
-                    tried = {w.start}     # the plan changed: every other window may pay again
-                    dry = 0
-                    barren.discard(w.start)
-                    order = sorted(_windows(model, lp, values, width),
-                                   key=lambda x: x.start in barren)
-                    continue
+            got = sub.run(values, (c for i in w for c in sub.cols[i]), per)
+            if got is not None and got[0] < obj * (1 - POLISH_MIN_GAIN):
+                obj, values = got
+                tried = {w.start}     # the plan changed: every other window may pay again
+                dry = 0
+                barren.discard(w.start)
+                order = sorted(_windows(model, lp, values, width),
+                               key=lambda x: x.start in barren)
+                continue
             barren.add(w.start)
-    finally:
-        # the instance is an LP again, bounds as the dive left them
-        h.changeColsIntegrality(len(ints), ints, np.full(len(ints), hs.HighsVarType.kContinuous))
-        h.changeColsBounds(len(every), every, held.lo, held.up)
-        h.setOptionValue("mip_heuristic_run_rins", True)
-        h.setOptionValue("mip_heuristic_run_rens", True)
-        held.fixed = {}
     return values, obj
 
 
-def _polish_guarded(model: Model, held: "_HeldLP", lp: dict, values: dict, obj: float,
-                    bound, gap: float, time_limit):
-    """``_polish`` in a forked child with a hard deadline (``_in_child``) where the model is
-    big enough to run HiGHS MIPs there (``CHILD_MIN_BINARIES``): a window's search that runs
-    on past its limit is killed, and the dive's plan stands. Returns (values, objective)."""
+# a binary whose relaxed value is this far from the plan's counts as a disagreement (``_rins``)
+RINS_TOL = 0.01
+
+
+def _rins(model: Model, held: "_HeldLP", lp: dict, values: dict, obj: float, bound: float,
+          gap: float, time_limit):
+    """One search over the binaries where the plan and the relaxation ``lp`` disagree, all
+    the others held (relaxation-induced neighbourhood search, Danna, Rothberg & Le Pape 2005),
+    stopped as soon as a plan is within ``gap`` of ``bound``. Returns (values, objective).
+    Why: the plans the windows miss differ from the dive's all along the chain (gpt2-xl at
+    33.75G: 27 of 50 units, weights streamed for four blocks instead of one), and where the
+    relaxation is whole the two agree: the open part was 122-145 of 483 binaries, searched
+    in 0.9-4.8 s, where HiGHS's whole search took 8-20 s to find the same plans."""
+    with _SubMIP(model, held, gap) as sub:
+        free = [c for c in sub.ints
+                if abs(lp.get(held.names[c], 0.0) - round(values[held.names[c]])) > RINS_TOL]
+        if not free:
+            return values, obj
+        sub.target = bound / (1 - gap)
+        got = sub.run(values, free, math.inf if time_limit is None else time_limit)
+    if got is not None and got[0] < obj:
+        obj, values = got
+    return values, obj
+
+
+@dataclass
+class _Rival:
+    """A search to run beside HiGHS's (``_race``): ``_rins`` from the dive's plan. Why beside
+    and not before: where the dive's plan is within a hair of the best (gpt2-xl at 36.25G and
+    38.45G) the search spends 5-7 s proving the neighbourhood holds nothing better, while
+    HiGHS's search proves the bound in 1.3-12 s; where the plan is 0.5% off (33.75G, 35G)
+    the search finds a plan within the gap in 0.9-4.8 s and HiGHS's in 8-20 s."""
+
+    search: object                  # time_limit -> (values, objective in seconds)
+    bound: float                    # seconds: the dive's bound
+    gap: float
+    ts: float                       # the model's time unit
+
+    def wins(self, got) -> bool:
+        return rel_gap(got[1], self.bound) <= self.gap
+
+    def merge(self, model: Model, got, other):
+        """HiGHS's answer (status, solution status, values, dual bound), with the rival's
+        plan in it where that is better (or HiGHS has none); None when neither has a plan."""
+        if other is None:
+            return got
+        values, obj = other
+        if got is not None and got[1] in (pulp.LpSolutionOptimal,
+                                          pulp.LpSolutionIntegerFeasible):
+            mine = _objective_of(model, got[2])
+            if mine is not None and mine * self.ts <= obj:
+                return got
+            status, _, _, bound = got
+        else:
+            status, bound = pulp.LpStatusOptimal, -math.inf
+        bound = max(bound, self.bound / self.ts)        # both bound every plan
+        sol = pulp.LpSolutionOptimal if rel_gap(obj, bound * self.ts) <= self.gap \
+            else pulp.LpSolutionIntegerFeasible
+        return status, sol, values, bound
+
+
+def _objective_of(model: Model, values: dict) -> float | None:
+    """The objective, in the model's units, of the plan ``values`` holds."""
+    if any(values.get(v.name) is None for v in model.prob.objective):
+        return None
+    return float(sum(c * values[v.name] for v, c in model.prob.objective.items())
+                 + (model.prob.objective.constant or 0.0))
+
+
+def _guarded(search, model: Model, held: "_HeldLP", lp: dict, values: dict, obj: float,
+             bound, gap: float, time_limit):
+    """``search`` (``_polish`` or ``_rins``) in a forked child with a hard deadline
+    (``_in_child``) where the model is big enough to run HiGHS MIPs there
+    (``CHILD_MIN_BINARIES``): a search that runs on past its limit is killed, and the plan it
+    started from stands. Returns (values, objective)."""
     def run():
-        return _polish(model, held, lp, values, obj, bound, gap, time_limit)
+        return search(model, held, lp, values, obj, bound, gap, time_limit)
     if not (_fork_available() and _big_mip(model)):
         return run()
     hard = None if time_limit is None else time_limit + max(2.0, 0.1 * time_limit)
@@ -1036,12 +1201,19 @@ def _dive(model: Model, solver: str, time_limit, gap: float, incumbent: float | 
                 obj, cur = _fixed_lp(model, solver, time_limit, fixed)
             elif obj is not None and (bound is None or rel_gap(obj, bound) > gap):
                 t_pol = time.perf_counter()
-                cur, obj = _polish_guarded(model, held, lp, cur, obj, bound, gap, polish_limit)
-                if bound is not None and rel_gap(obj, bound) > gap:
-                    # within what the polish left of its share
-                    left = None if polish_limit is None else \
+
+                def left():              # of the polish's share
+                    return None if polish_limit is None else \
                         polish_limit - (time.perf_counter() - t_pol)
-                    bound = _split_bound(model, held, lp, bound, left)
+                cur, obj = _guarded(_polish, model, held, lp, cur, obj, bound, gap, left())
+                if bound is not None and rel_gap(obj, bound) > gap:
+                    bound = _split_bound(model, held, lp, bound, left())
+                if (bound is not None and rel_gap(obj, bound) > gap and _fork_available()
+                        and _big_mip(model)):
+                    plan, plan_obj, b = cur, obj, bound
+                    model.rival = _Rival(lambda limit: _rins(model, held, lp, plan, plan_obj,
+                                                             b, gap, limit),
+                                         bound, gap, model.ts)
             if obj is not None:
                 return bound, cur, obj
     return bound, None, None
@@ -1120,6 +1292,7 @@ def solve(model: Model, solver: str = "highs", time_limit: float | None = 60.0,
             status = "optimal" if st == pulp.LpSolutionOptimal else "feasible"
             if bound is not None and g is not None:
                 g = min(g, rel_gap(obj2, bound))
+    model.rival = None              # not run (no search followed the dive): let it go
     _settle(model, solver, left())
     sol = model.solution()
     return Outcome(solution=sol, solver=solver, status=status, gap=g,

@@ -311,6 +311,61 @@ def test_a_highs_search_past_its_deadline_is_killed_and_the_dives_plan_kept(monk
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the child run is Linux-only")
+def test_a_race_ends_with_the_search_or_a_winning_rival_and_leaves_no_process():
+    """``_race``: a rival whose answer wins ends it at once (the search, which would sleep a
+    minute, is killed); a rival that does not win is waited past; a search that answers
+    first ends it (the rival killed); a rival that fails counts as no answer."""
+    from planner import solvers
+
+    def slow(x):
+        def f():
+            time.sleep(60)
+            return x
+        return f
+
+    def fails():
+        raise RuntimeError("boom")
+    before = set(_live_children())
+    t0 = time.perf_counter()
+    assert solvers._race(slow("mip"), lambda: 1, 120, lambda r: r == 1) == (None, 1)
+    assert solvers._race(lambda: (time.sleep(0.5), "mip")[1], lambda: 2, 120,
+                         lambda r: r == 1) == ("mip", 2)
+    assert solvers._race(lambda: "mip", slow(1), 120, lambda r: True) == ("mip", None)
+    assert solvers._race(lambda: "mip", fails, 120, lambda r: True) == ("mip", None)
+    assert solvers._race(slow("mip"), slow(1), 0.5, lambda r: True) == (None, None)
+    assert time.perf_counter() - t0 < 10
+    assert set(_live_children()) <= before
+
+
+def test_a_rivals_plan_is_taken_where_it_is_better_and_its_bound_where_it_proves_the_gap():
+    """``_Rival.merge``: HiGHS's answer stands where its plan is at least as fast; the rival's
+    plan replaces it where faster or where HiGHS has none, 'optimal' only when within the
+    gap of the better of the two bounds."""
+    pytest.importorskip("highspy")
+    import pulp
+
+    from planner import solvers
+    hw = load_hardware("a100-80g")
+    prof = uniform_profile(6, hw, jitter=0.02)
+    m = Model(cost_model(prof, hw, Budgets(10**15, 10**15, 0)))
+    held = solvers._HeldLP(m)
+    bound, lp = held.solve(60, {})
+    poor = {v.name: int(c == "rg") for xs in m.xv for c, v in xs.items() if not isinstance(v, int)}
+    slow_s, slow = held.solve(60, poor)
+    assert slow_s > bound * 1.01
+    ts = m.ts
+    highs = (pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible, slow, bound / ts * 0.9)
+    r = solvers._Rival(None, bound, 0.005, ts)
+    assert r.wins((lp, bound)) and not r.wins((slow, slow_s))
+    assert r.merge(m, highs, None) is highs
+    assert r.merge(m, highs, (slow, slow_s * 1.001)) is highs
+    st, sol, values, b = r.merge(m, highs, (lp, bound))
+    assert values is lp and sol == pulp.LpSolutionOptimal and b == pytest.approx(bound / ts)
+    st, sol, values, b = r.merge(m, None, (slow, slow_s))
+    assert values is slow and sol == pulp.LpSolutionIntegerFeasible
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the child run is Linux-only")
 def test_a_highs_child_that_fails_is_a_solver_failure(monkeypatch):
     from planner import solvers
 
@@ -415,10 +470,14 @@ def test_the_relaxation_charges_a_whole_segment_rebuild():
     assert lp >= 0.985 * out.solution.objective, (lp, out.solution.objective)
 
 
-def test_polish_improves_a_poor_plan_and_leaves_the_held_lp_as_it_was(tmp_path):
-    """``_polish`` re-decides windows of units from a poor plan (every block recomputed, its
-    checkpoint kept): the plan it returns is faster, complete (its simulation is its objective, and it
-    fits), and the held instance is the same LP afterwards (same bound, nothing fixed)."""
+@pytest.mark.parametrize("search", ["_polish", "_rins"])
+def test_a_search_improves_a_poor_plan_and_leaves_the_held_lp_as_it_was(search):
+    """``_polish`` (windows of units) and ``_rins`` (the binaries where plan and relaxation
+    disagree) re-decide a poor plan (every block recomputed, its checkpoint kept): the plan
+    returned is faster, complete (its simulation is its objective, and it fits), and the held
+    instance is the same LP afterwards (same bound, nothing fixed). ``_rins`` stops at the
+    first plan within the gap of the bound: it finds one here, the relaxation being within
+    a fraction of a percent of the optimum on these chains."""
     pytest.importorskip("highspy")
     from planner import solvers
     from planner.budget import fraction_budget
@@ -431,8 +490,10 @@ def test_polish_improves_a_poor_plan_and_leaves_the_held_lp_as_it_was(tmp_path):
     fixed = {v.name: int(c == "rg") for xs in m.xv for c, v in xs.items() if not isinstance(v, int)}
     obj, values = held.solve(60, fixed)
     assert obj is not None and obj > bound * 1.002        # a poor plan, for the test to mean anything
-    got, new = solvers._polish(m, held, lp, values, obj, bound, 0.005, 10.0)
+    got, new = getattr(solvers, search)(m, held, lp, values, obj, bound, 0.005, 10.0)
     assert new < obj and new >= bound * (1 - 1e-9)
+    if search == "_rins":
+        assert solvers.rel_gap(new, bound) <= 0.005 + 1e-9, (new, bound)
     for v in m.prob.variables():
         v.varValue = got[v.name]
     sol = m.solution()
@@ -445,8 +506,8 @@ def test_polish_improves_a_poor_plan_and_leaves_the_held_lp_as_it_was(tmp_path):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the child run is Linux-only")
 def test_a_polish_past_its_deadline_is_killed_and_the_dives_plan_kept(monkeypatch):
-    """On a model big enough to polish in a child (``CHILD_MIN_BINARIES``), a window search
-    that never returns is killed at the hard deadline: the dive's plan comes back unchanged,
+    """On a model big enough to search in a child (``CHILD_MIN_BINARIES``), a search that
+    never returns is killed at the hard deadline: the dive's plan comes back unchanged,
     within the deadline, and no process is left."""
     pytest.importorskip("highspy")
     from planner import solvers
@@ -460,10 +521,9 @@ def test_a_polish_past_its_deadline_is_killed_and_the_dives_plan_kept(monkeypatc
     def hangs(*a, **k):
         while True:
             time.sleep(1)
-    monkeypatch.setattr(solvers, "_polish", hangs)
     before = set(_live_children())
     t0 = time.perf_counter()
-    got = solvers._polish_guarded(m, held, lp, dict(lp), bound * 1.1, bound, 0.005, 0.5)
+    got = solvers._guarded(hangs, m, held, lp, dict(lp), bound * 1.1, bound, 0.005, 0.5)
     took = time.perf_counter() - t0
     assert got[1] == bound * 1.1 and got[0] == lp
     assert took < 0.5 + 2.0 + 1.0, took
