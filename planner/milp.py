@@ -463,7 +463,7 @@ class Model:
     def home_counts(self) -> list:
         """For each group g of alike units (``home_groups``) with a choice, and each home k:
         the variables whose sum n_{g,k} = Σ_{j in g} h_{k,j} is a whole number in any plan
-        (``planner.solvers`` splits the relaxation on a fractional one)."""
+        (``planner.solvers`` branches the relaxation on a fractional one)."""
         cm, out = self.cm, []
         for units in home_groups(cm):
             if len(units) < 2 or len(cm.homes[units[0]]) < 2:
@@ -472,6 +472,21 @@ class Model:
                 hv = [self.v.h(j, k) for j in units]
                 if not any(isinstance(x, (int, float)) for x in hv):
                     out.append(hv)
+        return out
+
+    def counts(self) -> list:
+        """Sums of binaries that are whole numbers in any plan, for ``planner.solvers`` to
+        branch the relaxation on: the home counts (``home_counts``), for each activation
+        choice the number of units taking it, and the number of recompute segments."""
+        out = list(self.home_counts())
+        by_choice: dict = {}
+        for xs in self.xv:
+            for c, var in xs.items():
+                if not isinstance(var, (int, float)):
+                    by_choice.setdefault(c, []).append(var)
+        out += [vs for _, vs in sorted(by_choice.items()) if len(vs) > 1]
+        if len(self.ev) > 1:
+            out.append([self.ev[e] for e in sorted(self.ev)])
         return out
 
     # -- objective -----------------------------------------------------------------------------

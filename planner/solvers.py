@@ -368,14 +368,18 @@ def _read_until(fd: int, deadline: float | None) -> bytes | None:
         chunks.append(chunk)
 
 
-def _spawn(fn) -> tuple[int, int]:
-    """``fn()`` in a forked child (``_child``): (its pid, the pipe it answers on)."""
+def _spawn(fn, nice: int = 0) -> tuple[int, int]:
+    """``fn()`` in a forked child (``_child``) at ``nice`` more niceness: (its pid, the pipe
+    it answers on)."""
     r, w = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:                                    # the child
         os.close(r)
+        if nice:
+            with contextlib.suppress(OSError):
+                os.nice(nice)
         _child(fn, w)
     os.close(w)
     return pid, r
@@ -421,25 +425,38 @@ def _in_child(fn, hard_s: float | None):
     return None if data is None else _answer(data)
 
 
-def _race(fn, rival, hard_s: float | None, wins):
+# niceness added to the whole search in a ``_race``
+RACE_NICE = 10
+
+
+def _race(fn, rival, hard_s: float | None, wins, meanwhile=None):
     """``fn()`` and ``rival()`` side by side, each in a forked child (``_in_child``'s rules):
     (``fn``'s result or None, ``rival``'s or None). It ends when ``fn`` answers, at
     ``hard_s``, or when ``rival`` answers with a result that ``wins(result)`` accepts (``fn``
-    is then killed). A rival that fails or answers nothing counts as None."""
+    is then killed). A rival that fails or answers nothing counts as None.
+    ``meanwhile(poll)``, if given, runs in this process once both have started, calling
+    ``poll()`` between its steps (it reads what the children wrote; True: the race is
+    decided, stop); a result it returns that ``wins`` accepts is the rival's answer."""
     import select
     deadline = None if hard_s is None else time.monotonic() + hard_s
     kids = {}
     try:
-        for name, f in (("fn", fn), ("rival", rival)):
-            pid, r = _spawn(f)
+        # ``fn`` (the whole search, the slowest to decide in the cases that made the race)
+        # yields the CPU to the other two where cores are short: on two cores, with all
+        # three alike, gpt2-xl at 35G took 10.4 s, where the neighbourhood search alone
+        # decides in 4.8 s
+        for name, f, nice in (("fn", fn, RACE_NICE), ("rival", rival, 0)):
+            pid, r = _spawn(f, nice)
             kids[r] = (name, pid, [])
         got = {}
-        while "fn" not in got:
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        def decided() -> bool:
+            return "fn" in got or (got.get("rival") is not None and wins(got["rival"]))
+
+        def drain(wait) -> bool:
+            """Read what the children wrote within ``wait`` seconds; whether it is decided."""
             open_fds = [r for r, (name, _, _) in kids.items() if name not in got]
             ready, _, _ = select.select(open_fds, [], [], wait)
-            if not ready:
-                break                                # the deadline
             for r in ready:
                 name, _, chunks = kids[r]
                 chunk = os.read(r, 1 << 20)
@@ -453,8 +470,16 @@ def _race(fn, rival, hard_s: float | None, wins):
                         got["rival"] = _answer(b"".join(chunks))
                     except pulp.PulpSolverError:
                         got["rival"] = None
-            if got.get("rival") is not None and wins(got["rival"]):
-                break
+            return decided()
+        if meanwhile is not None:
+            early = meanwhile(lambda: drain(0.0))
+            if not decided() and early is not None and wins(early):
+                return got.get("fn"), early
+        while not decided():
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if wait == 0.0:
+                break                               # the deadline
+            drain(wait)
     finally:
         for r, (_, pid, _) in kids.items():
             _reap(pid, r)
@@ -480,7 +505,8 @@ def _highs_in_child(model: Model, s, time_limit: float | None):
         # of gpt2-xl's 11.6 s at 38.45G (the root's sub-MIPs) before its tree began; without
         # them that search proved the gap in 10.8 s of plan solve's 15.5
         s.neighbourhoods = False
-        got, other = _race(run, lambda: rival.search(time_limit), hard, rival.wins)
+        got, other = _race(run, lambda: rival.search(time_limit), hard, rival.wins,
+                           meanwhile=lambda poll: rival.prove(time_limit, poll))
         got = rival.merge(model, got, other)
     if got is None:
         model.prob.status = pulp.LpStatusNotSolved
@@ -800,52 +826,77 @@ class _HeldLP:
         """Whether the last ``solve`` proved its LP infeasible (not merely stopped)."""
         return self.h.getModelStatus() == self.hs.HighsModelStatus.kInfeasible
 
-    def solve_with_row(self, names: list, lo: float, up: float, time_limit):
-        """``solve`` with nothing fixed and one more row, lo <= Σ names <= up, taken out
-        again afterwards."""
+    def solve_with_rows(self, rows, time_limit):
+        """``solve`` with nothing fixed and more rows, each (names, lo, up): lo <= Σ names <=
+        up, taken out again afterwards."""
         np, h = self.np, self.h
-        ids = np.fromiter((self.col[n] for n in names), np.int32)
-        h.addRow(lo, up, len(ids), ids, np.ones(len(ids)))
+        for names, lo, up in rows:
+            ids = np.fromiter((self.col[n] for n in names), np.int32)
+            h.addRow(lo, up, len(ids), ids, np.ones(len(ids)))
         try:
             return self.solve(time_limit, {})
         finally:
-            h.deleteRows(1, np.array([h.getNumRow() - 1], np.int32))
+            n = h.getNumRow()
+            h.deleteRows(len(rows), np.arange(n - len(rows), n, dtype=np.int32))
 
 
-# counts a dive splits the relaxation on, most fractional first
-SPLITS = 2
+# LP re-solves the count bound may take: before the polish, and beside HiGHS's search
+# (``_Rival.prove``), where gpt2-xl at 38.45G needed 43 (1.8 s) to prove its plan within 0.5%
+COUNT_LPS_FIRST = 6
+COUNT_LPS = 96
 
 
-def _split_bound(model: Model, held: "_HeldLP", lp: dict, bound: float, time_limit) -> float:
-    """A bound above the relaxation's: every plan puts a whole number of a group's alike
-    units at each home (``Model.home_counts``), so where the relaxation's count n is
-    fractional, min(LP with n <= floor(n), LP with n >= ceil(n)) bounds every plan too. Tried
-    on the ``SPLITS`` most fractional counts, keeping the best. Why: on gpt2-xl's joint model
-    at a quarter of its activations the relaxation put 3.74 blocks' optimizer steps on the
-    host, a plan 3 (more recompute: +0.09%) or 4 (a longer optimizer phase); the split bound
-    proves the dive's plan within 0.5%, where HiGHS's search took 20 s."""
+def _count_bound(model: Model, held: "_HeldLP", lp: dict, bound: float, target: float,
+                 time_limit, max_lps: int = COUNT_LPS, stop=None, counts=None) -> float:
+    """A bound above the relaxation's, by branch and bound on counts: every sum of binaries
+    (``Model.counts``: the units at a home in a group of alike units, the units taking an
+    activation choice, the recompute segments) is a whole number in any plan, so a region
+    whose relaxed count n is fractional splits into n <= floor(n) and n >= ceil(n), each
+    bounded by its own relaxation (rows added to the held instance). The region with the
+    lowest bound is split first (on its most fractional count); the least bound over the open
+    regions bounds every plan (``counts``: lists of variables, by default ``Model.counts``).
+    Stops when that reaches ``target``, after ``max_lps`` LPs, at
+    the time limit, when ``stop()`` says so, or at a region whose counts are all whole. A side proven infeasible
+    holds no plan; a side the time limit stopped ends the search (a point is not a bound).
+
+    Why: on gpt2-xl's joint model the relaxation is ~0.6% below the best plans because it
+    spreads whole decisions (3.74 blocks' optimizer state on the host, 3.86 blocks
+    recomputed where plans recompute 5); HiGHS's cuts did not raise it at all, and its tree
+    took 200 nodes (7-12 s). At 38.45G 43 LPs here (1.8 s) prove the plan within 0.5%."""
+    import heapq
     t0 = time.perf_counter()
-    counts = []
-    for hv in model.home_counts():
-        n = sum(lp.get(v.name, 0.0) for v in hv)
-        f = n - math.floor(n)
-        if 1e-6 < f < 1 - 1e-6:
-            counts.append((abs(f - 0.5), n, [v.name for v in hv]))
+    counts = [[v.name for v in vs] for vs in (model.counts() if counts is None else counts)]
+    heap = [(bound, 0, (), lp)]
+    lps, tick = 0, 1
     best = bound
-    for _, n, names in sorted(counts)[:SPLITS]:
-        sides = []
+    while heap:
+        b, _, rows, values = heap[0]
+        best = max(bound, b)
+        left = None if time_limit is None else time_limit - (time.perf_counter() - t0)
+        if (b >= target or lps + 2 > max_lps or (left is not None and left <= 0.05)
+                or (stop is not None and stop())):
+            return best
+        pick = None
+        for names in counts:
+            n = sum(values.get(x, 0.0) for x in names)
+            f = n - math.floor(n)
+            if 1e-6 < f < 1 - 1e-6 and (pick is None or abs(f - 0.5) < pick[0]):
+                pick = (abs(f - 0.5), n, names)
+        if pick is None:
+            return best              # whole in every count: this region's bound is the bound
+        _, n, names = pick
+        heapq.heappop(heap)
         for lo, up in ((0.0, float(math.floor(n))), (float(math.ceil(n)), float(len(names)))):
             left = None if time_limit is None else time_limit - (time.perf_counter() - t0)
-            if left is not None and left <= 0.05:
-                return best
-            obj, _ = held.solve_with_row(names, lo, up, left)
+            side = rows + ((names, lo, up),)
+            obj, got = held.solve_with_rows(side, left)
+            lps += 1
             if obj is None and held.infeasible():
-                sides.append(math.inf)           # no plan on this side
-            elif obj is None or not model.lp_optimal:
-                return best          # stopped early: a point (or nothing), not a bound
-            else:
-                sides.append(obj)
-        best = max(best, min(sides))
+                continue                        # no plan on this side
+            if obj is None or not model.lp_optimal:
+                return best          # stopped early: the region split still bounds at b
+            heapq.heappush(heap, (obj, tick, side, got))
+            tick += 1
     return best
 
 
@@ -1035,19 +1086,31 @@ def _rins(model: Model, held: "_HeldLP", lp: dict, values: dict, obj: float, bou
 
 @dataclass
 class _Rival:
-    """A search to run beside HiGHS's (``_race``): ``_rins`` from the dive's plan. Why beside
-    and not before: where the dive's plan is within a hair of the best (gpt2-xl at 36.25G and
-    38.45G) the search spends 5-7 s proving the neighbourhood holds nothing better, while
-    HiGHS's search proves the bound in 1.3-12 s; where the plan is 0.5% off (33.75G, 35G)
-    the search finds a plan within the gap in 0.9-4.8 s and HiGHS's in 8-20 s."""
+    """What runs beside HiGHS's search (``_race``): ``_rins`` from the dive's plan in a child,
+    and ``_count_bound`` in this process meanwhile. Why beside and not before: where the
+    dive's plan is 0.5% off the best (gpt2-xl at 33.75G, 35G) the neighbourhood search finds
+    a plan within the gap in 0.9-4.8 s, and no bound can prove the dive's; where the plan is
+    already within a hair of the best (36.25G, 38.45G) the neighbourhood search spends 5-7 s
+    finding nothing, and the count bound proves the plan (1.8 s at 38.45G). Either one
+    deciding ends HiGHS's search."""
 
     search: object                  # time_limit -> (values, objective in seconds)
-    bound: float                    # seconds: the dive's bound
+    bound: float                    # seconds: the best bound known
     gap: float
     ts: float                       # the model's time unit
+    raise_bound: object = None      # time_limit -> a bound (seconds) at least ``bound``
+    plan: tuple = None              # (values, objective in seconds): the dive's plan
 
     def wins(self, got) -> bool:
         return rel_gap(got[1], self.bound) <= self.gap
+
+    def prove(self, time_limit, stop=None):
+        """Raise the bound (``raise_bound``, until ``stop()``); the dive's plan when that
+        proves it within the gap, else None."""
+        if self.raise_bound is None or self.plan is None:
+            return None
+        self.bound = max(self.bound, self.raise_bound(time_limit, stop))
+        return self.plan if self.wins(self.plan) else None
 
     def merge(self, model: Model, got, other):
         """HiGHS's answer (status, solution status, values, dual bound), with the rival's
@@ -1146,7 +1209,7 @@ def _dive(model: Model, solver: str, time_limit, gap: float, incumbent: float | 
     relaxation is within a fraction of a percent of the optimum, and what the MILP solvers
     lack is a good first plan (gpt2-xl at 30G: HiGHS's root bound is 0.2% below the optimum,
     but it finds that plan after 28 s). With HiGHS, a plan not within ``gap`` of the bound
-    has the bound raised (``_split_bound``), then is polished (``_polish``), both within
+    has the bound raised (``_count_bound``), then is polished (``_polish``), both within
     ``polish_limit`` seconds; one still not within the gap leaves ``model.rival`` (``_rins``
     from it) to race HiGHS's search. Returns (bound, values of the plan, its objective)."""
     t0 = time.perf_counter()
@@ -1214,11 +1277,12 @@ def _dive(model: Model, solver: str, time_limit, gap: float, incumbent: float | 
                 def left():              # of the polish's share
                     return None if polish_limit is None else \
                         polish_limit - (time.perf_counter() - t_pol)
-                # the split bound first: a few LPs (0.1-0.4 s on gpt2-xl), after which the
-                # polish has less to find (gpt2-xl at a quarter of its activations: polish
-                # 0.58 s -> 0.16 s, plan solve 3.2 s -> 2.8 s)
+                # the count bound first, on the home counts, a few LPs (0.1-0.4 s on
+                # gpt2-xl), after which the polish has less to find (gpt2-xl at a quarter of
+                # its activations: polish 0.58 s -> 0.16 s, plan solve 3.2 s -> 2.8 s)
                 if bound is not None:
-                    bound = _split_bound(model, held, lp, bound, left())
+                    bound = _count_bound(model, held, lp, bound, obj * (1 - gap), left(),
+                                         COUNT_LPS_FIRST, counts=model.home_counts())
                 if bound is None or rel_gap(obj, bound) > gap:
                     cur, obj = _guarded(_polish, model, held, lp, cur, obj, bound, gap, left())
                 if (bound is not None and rel_gap(obj, bound) > gap and _fork_available()
@@ -1226,7 +1290,11 @@ def _dive(model: Model, solver: str, time_limit, gap: float, incumbent: float | 
                     plan, plan_obj, b = cur, obj, bound
                     model.rival = _Rival(lambda limit: _rins(model, held, lp, plan, plan_obj,
                                                              b, gap, limit),
-                                         bound, gap, model.ts)
+                                         bound, gap, model.ts,
+                                         lambda limit, stop: _count_bound(
+                                             model, held, lp, b, plan_obj * (1 - gap), limit,
+                                             stop=stop),
+                                         (plan, plan_obj))
             if obj is not None:
                 return bound, cur, obj
     return bound, None, None

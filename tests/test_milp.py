@@ -1,5 +1,6 @@
 """The MILP and ``plan solve``'s strategies: a written plan's objective is its simulated step,
 it fits, it is never slower than a baseline that fits, and more budget never makes it slower."""
+import math
 import os
 import random
 import sys
@@ -314,7 +315,8 @@ def test_a_highs_search_past_its_deadline_is_killed_and_the_dives_plan_kept(monk
 def test_a_race_ends_with_the_search_or_a_winning_rival_and_leaves_no_process():
     """``_race``: a rival whose answer wins ends it at once (the search, which would sleep a
     minute, is killed); a rival that does not win is waited past; a search that answers
-    first ends it (the rival killed); a rival that fails counts as no answer."""
+    first ends it (the rival killed); a rival that fails counts as no answer; what runs
+    meanwhile in this process decides it with a winning result, or stops when told."""
     from planner import solvers
 
     def slow(x):
@@ -333,6 +335,17 @@ def test_a_race_ends_with_the_search_or_a_winning_rival_and_leaves_no_process():
     assert solvers._race(lambda: "mip", slow(1), 120, lambda r: True) == ("mip", None)
     assert solvers._race(lambda: "mip", fails, 120, lambda r: True) == ("mip", None)
     assert solvers._race(slow("mip"), slow(1), 0.5, lambda r: True) == (None, None)
+    # meanwhile: a winning result of its own ends the race; its poll tells it when the
+    # search has answered
+    assert solvers._race(slow("mip"), slow(1), 120, lambda r: r == 3,
+                         meanwhile=lambda poll: 3) == (None, 3)
+
+    def until_decided(poll):
+        while not poll():
+            time.sleep(0.01)
+        return 4
+    assert solvers._race(lambda: "mip", slow(1), 120, lambda r: True,
+                         meanwhile=until_decided) == ("mip", None)
     assert time.perf_counter() - t0 < 10
     assert set(_live_children()) <= before
 
@@ -572,10 +585,12 @@ def test_the_integer_optimizer_floor_lies_between_the_relaxation_and_every_whole
     assert raised, "no profile where whole units raise the floor above the fractional split"
 
 
-def test_the_split_bound_lies_between_the_relaxation_and_the_optimum():
-    """``_split_bound`` splits the relaxation on a fractional count of alike blocks at one
-    home: its bound is at least the relaxation's and at most the optimum (HiGHS to a gap of
-    1e-9), and above the relaxation where the relaxation spreads a home over the blocks."""
+@pytest.mark.parametrize("which", ["homes", "all"])
+def test_the_count_bound_lies_between_the_relaxation_and_the_optimum(which):
+    """``_count_bound`` branches the relaxation on whole counts (of alike blocks at one home;
+    with "all" also of units per activation choice and of segments): its bound is at least
+    the relaxation's and at most the optimum (HiGHS to a gap of 1e-9), and above the
+    relaxation where the relaxation spreads a home over the blocks."""
     pytest.importorskip("highspy")
     from planner import solvers
     from planner.budget import fraction_budget
@@ -593,13 +608,14 @@ def test_the_split_bound_lies_between_the_relaxation_and_the_optimum():
         held = solvers._HeldLP(m)
         lp, values = held.solve(None, {})
         assert m.home_counts(), "alike blocks form no group"
-        split = solvers._split_bound(m, held, values, lp, None)
+        counts = m.home_counts() if which == "homes" else None
+        split = solvers._count_bound(m, held, values, lp, math.inf, None, 48, counts=counts)
         # the optimum from HiGHS's own search alone (solvers.solve would stop at the split)
         status, opt, _ = solvers._run(Model(cm), "highs", 120, 1e-9)
         assert status == 1, status
         assert lp * (1 - 1e-9) <= split <= opt * (1 + 1e-7), (r, lp, split, opt)
         raised += split > lp * (1 + 1e-6)
-    assert raised, "the split raised no bound"
+    assert raised, "the count bound raised no bound"
 
 
 def test_a_step_of_microseconds_keeps_its_promises():
