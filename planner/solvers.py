@@ -866,11 +866,12 @@ def _count_bound(model: Model, held: "_HeldLP", lp: dict, bound: float, target: 
     activation choice, the recompute segments) is a whole number in any plan, so a region
     whose relaxed count n is fractional splits into n <= floor(n) and n >= ceil(n), each
     bounded by its own relaxation (rows added to the held instance). The region with the
-    lowest bound is split first (on its most fractional count); the least bound over the open
-    regions bounds every plan (``counts``: lists of variables, by default ``Model.counts``).
-    Stops when that reaches ``target``, after ``max_lps`` LPs, at
-    the time limit, when ``stop()`` says so, or at a region whose counts are all whole. A side proven infeasible
-    holds no plan; a side the time limit stopped ends the search (a point is not a bound).
+    lowest bound is split first (strong branching over its ``STRONG`` most fractional
+    counts); the least bound over the open regions bounds every plan (``counts``: lists of
+    variables, by default ``Model.counts``). Stops when that reaches ``target``, after
+    ``max_lps`` LPs, at the time limit, when ``stop()`` says so, or at a region whose counts
+    are all whole. A side proven infeasible holds no plan; a side the time limit stopped ends
+    the search (a point is not a bound).
 
     Why: on gpt2-xl's joint model the relaxation is ~0.6% below the best plans because it
     spreads whole decisions (3.74 blocks' optimizer state on the host, 3.86 blocks
