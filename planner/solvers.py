@@ -1115,7 +1115,7 @@ class _Rival:
     dive's plan is 0.5% off the best (gpt2-xl at 33.75G, 35G) the neighbourhood search finds
     a plan within the gap in 0.9-4.8 s, and no bound can prove the dive's; where the plan is
     already within a hair of the best (36.25G, 38.45G) the neighbourhood search spends 5-7 s
-    finding nothing, and the count bound proves the plan (1.8 s at 38.45G). Either one
+    finding nothing, and the count bound proves the plan (1.4 s at 38.45G). Either one
     deciding ends HiGHS's search."""
 
     search: object                  # time_limit -> (values, objective in seconds)
