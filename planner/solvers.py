@@ -797,10 +797,7 @@ class _HeldLP:
         (None, None) when that is infeasible or the time limit left no point; sets
         ``model.lp_optimal``."""
         np, h = self.np, self.h
-        gone = [self.col[k] for k in self.fixed if k not in fixed]
-        if gone:
-            ids = np.array(gone, np.int32)
-            h.changeColsBounds(len(ids), ids, self.lo[ids], self.up[ids])
+        self._release([k for k in self.fixed if k not in fixed])
         new = {k: v for k, v in fixed.items() if self.fixed.get(k) != v}
         if new:
             ids = np.fromiter((self.col[k] for k in new), np.int32)
@@ -826,6 +823,12 @@ class _HeldLP:
             self.root_basis = h.getBasis()
         return self.model.objective_value(obj), values
 
+    def _release(self, names) -> None:
+        """Give the binaries ``names`` their own bounds again (no longer fixed)."""
+        if names:
+            ids = self.np.fromiter((self.col[k] for k in names), self.np.int32)
+            self.h.changeColsBounds(len(ids), ids, self.lo[ids], self.up[ids])
+
     def infeasible(self) -> bool:
         """Whether the last ``solve`` proved its LP infeasible (not merely stopped)."""
         return self.h.getModelStatus() == self.hs.HighsModelStatus.kInfeasible
@@ -837,8 +840,7 @@ class _HeldLP:
         if self.fixed and self.root_basis is not None:
             # from the relaxation's own basis, not from the last dive's, every binary fixed
             # (gpt2-xl: the first count LP after a dive took 0.2 s)
-            ids = np.fromiter((self.col[k] for k in self.fixed), np.int32)
-            h.changeColsBounds(len(ids), ids, self.lo[ids], self.up[ids])
+            self._release(list(self.fixed))
             self.fixed = {}
             h.setBasis(self.root_basis)
         for names, lo, up in rows:
@@ -905,7 +907,8 @@ def _count_bound(model: Model, held: "_HeldLP", lp: dict, bound: float, target: 
         pick = None
         for _, n, names in sorted(fractional)[:STRONG]:
             sides = []
-            for lo, up in ((0.0, float(math.floor(n))), (float(math.ceil(n)), float(len(names)))):
+            for lo, up in ((0.0, float(math.floor(n))),
+                           (float(math.ceil(n)), float(len(names)))):
                 left = None if time_limit is None else time_limit - (time.perf_counter() - t0)
                 side = rows + ((names, lo, up),)
                 obj, got = held.solve_with_rows(side, left)
@@ -1042,11 +1045,11 @@ def _polish(model: Model, held: "_HeldLP", lp: dict, values: dict, obj: float,
     """Large-neighbourhood search from the dive's plan: all but a window of units held at the
     plan's choices, the MIP over the window solved (``_SubMIP``), windows taken worst first
     (``_windows``) until the plan is within ``gap`` of ``bound``, ``POLISH_BARREN_RUN``
-    windows in a row (or a pass over the chain) improve nothing, or the time is up. Returns (values, objective) of the best plan. Why: the
-    dive rounds where the relaxation spreads a choice over many units, and a rounding that
-    overloads one stage's link costs a percent or more; re-deciding a few units around that
-    stage together recovers it, in a fraction of what the whole MIP's search takes to find
-    the same plan."""
+    windows in a row (or a pass over the chain) improve nothing, or the time is up. Returns
+    (values, objective) of the best plan. Why: the dive rounds where the relaxation spreads a
+    choice over many units, and a rounding that overloads one stage's link costs a percent or
+    more; re-deciding a few units around that stage together recovers it, in a fraction of
+    what the whole MIP's search takes to find the same plan."""
     t0 = time.perf_counter()
     U = model.cm.U
     with _SubMIP(model, held, gap) as sub:
@@ -1166,7 +1169,7 @@ def _objective_of(model: Model, values: dict) -> float | None:
 
 def _guarded(search, model: Model, held: "_HeldLP", lp: dict, values: dict, obj: float,
              bound, gap: float, time_limit):
-    """``search`` (``_polish`` or ``_rins``) in a forked child with a hard deadline
+    """``search`` (``_polish``) in a forked child with a hard deadline
     (``_in_child``) where the model is big enough to run HiGHS MIPs there
     (``CHILD_MIN_BINARIES``): a search that runs on past its limit is killed, and the plan it
     started from stands. Returns (values, objective)."""
@@ -1235,7 +1238,8 @@ def _dive(model: Model, solver: str, time_limit, gap: float, incumbent: float | 
     but it finds that plan after 28 s). With HiGHS, a plan not within ``gap`` of the bound
     has the bound raised (``_count_bound``), then is polished (``_polish``), both within
     ``polish_limit`` seconds; one still not within the gap leaves ``model.rival`` (``_rins``
-    from it) to race HiGHS's search. Returns (bound, values of the plan, its objective)."""
+    from it, the count bound on every count) to race HiGHS's search. Returns (bound, values
+    of the plan, its objective)."""
     t0 = time.perf_counter()
 
     def over():
