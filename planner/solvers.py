@@ -429,11 +429,12 @@ def _in_child(fn, hard_s: float | None):
 RACE_NICE = 10
 
 
-def _race(fn, rival, hard_s: float | None, wins, meanwhile=None):
-    """``fn()`` and ``rival()`` side by side, each in a forked child (``_in_child``'s rules):
-    (``fn``'s result or None, ``rival``'s or None). It ends when ``fn`` answers, at
-    ``hard_s``, or when ``rival`` answers with a result that ``wins(result)`` accepts (``fn``
-    is then killed). A rival that fails or answers nothing counts as None.
+def _race(fn, rival, hard_s: float | None, wins, meanwhile=None, nice: int = RACE_NICE):
+    """``fn()`` and ``rival()`` side by side, each in a forked child (``_in_child``'s rules;
+    ``fn``'s niceness raised by ``nice``): (``fn``'s result or None, ``rival``'s or None). It
+    ends when ``fn`` answers, at ``hard_s``, or when ``rival`` answers with a result that
+    ``wins(result)`` accepts (``fn`` is then killed). A rival that fails or answers nothing
+    counts as None; ``rival`` may be None (``fn`` alone, against ``meanwhile``).
     ``meanwhile(poll)``, if given, runs in this process once both have started, calling
     ``poll()`` between its steps (it reads what the children wrote; True: the race is
     decided, stop); a result it returns that ``wins`` accepts is the rival's answer."""
@@ -445,32 +446,38 @@ def _race(fn, rival, hard_s: float | None, wins, meanwhile=None):
         # yields the CPU to the other two where cores are short: on two cores, with all
         # three alike, gpt2-xl at 35G took 10.4 s, where the neighbourhood search alone
         # decides in 4.8 s
-        for name, f, nice in (("fn", fn, RACE_NICE), ("rival", rival, 0)):
-            pid, r = _spawn(f, nice)
-            kids[r] = (name, pid, [])
+        for name, f, up in (("fn", fn, nice), ("rival", rival, 0)):
+            if f is not None:
+                pid, r = _spawn(f, up)
+                kids[r] = (name, pid, [])
         got = {}
 
         def decided() -> bool:
             return "fn" in got or (got.get("rival") is not None and wins(got["rival"]))
 
         def drain(wait) -> bool:
-            """Read what the children wrote within ``wait`` seconds; whether it is decided."""
-            open_fds = [r for r, (name, _, _) in kids.items() if name not in got]
-            ready, _, _ = select.select(open_fds, [], [], wait)
-            for r in ready:
-                name, _, chunks = kids[r]
-                chunk = os.read(r, 1 << 20)
-                if chunk:
-                    chunks.append(chunk)
-                    continue
-                if name == "fn":
-                    got["fn"] = _answer(b"".join(chunks))
-                else:
-                    try:
-                        got["rival"] = _answer(b"".join(chunks))
-                    except pulp.PulpSolverError:
-                        got["rival"] = None
-            return decided()
+            """Read what the children wrote within ``wait`` seconds, and all they write on
+            meanwhile (an answer is bigger than the pipe's buffer: one read per poll left
+            the count bound running 0.7 s past the polish's answer); whether it is decided."""
+            while True:
+                open_fds = [r for r, (name, _, _) in kids.items() if name not in got]
+                ready, _, _ = select.select(open_fds, [], [], wait)
+                if not ready:
+                    return decided()
+                wait = 0.0
+                for r in ready:
+                    name, _, chunks = kids[r]
+                    chunk = os.read(r, 1 << 20)
+                    if chunk:
+                        chunks.append(chunk)
+                        continue
+                    if name == "fn":
+                        got["fn"] = _answer(b"".join(chunks))
+                    else:
+                        try:
+                            got["rival"] = _answer(b"".join(chunks))
+                        except pulp.PulpSolverError:
+                            got["rival"] = None
         if meanwhile is not None:
             early = meanwhile(lambda: drain(0.0))
             if not decided() and early is not None and wins(early):
@@ -833,28 +840,39 @@ class _HeldLP:
         """Whether the last ``solve`` proved its LP infeasible (not merely stopped)."""
         return self.h.getModelStatus() == self.hs.HighsModelStatus.kInfeasible
 
-    def solve_with_rows(self, rows, time_limit):
+    def solve_with_rows(self, rows, time_limit, basis=None):
         """``solve`` with nothing fixed and more rows, each (names, lo, up): lo <= Σ names <=
-        up, taken out again afterwards."""
+        up, taken out again afterwards; started from ``basis`` (one this returned for the
+        rows but the last, the last row then basic), else from the relaxation's. Returns
+        (objective, values, basis)."""
         np, h = self.np, self.h
-        if self.fixed and self.root_basis is not None:
-            # from the relaxation's own basis, not from the last dive's, every binary fixed
-            # (gpt2-xl: the first count LP after a dive took 0.2 s)
+        if self.fixed:
             self._release(list(self.fixed))
             self.fixed = {}
-            h.setBasis(self.root_basis)
+        start = basis if basis is not None else self.root_basis
         for names, lo, up in rows:
             ids = np.fromiter((self.col[n] for n in names), np.int32)
             h.addRow(lo, up, len(ids), ids, np.ones(len(ids)))
+        if start is not None:
+            # from the parent region's basis, not from whichever region was solved last (the
+            # rows it was solved with taken out again, its basis is no longer one)
+            b = self.hs.HighsBasis()
+            b.col_status = list(start.col_status)
+            b.row_status = list(start.row_status) + [self.hs.HighsBasisStatus.kBasic] * (
+                h.getNumRow() - len(start.row_status))
+            b.valid = True
+            h.setBasis(b)
         try:
-            return self.solve(time_limit, {})
+            obj, values = self.solve(time_limit, {})
+            return obj, values, (h.getBasis() if obj is not None else None)
         finally:
             n = h.getNumRow()
             h.deleteRows(len(rows), np.arange(n - len(rows), n, dtype=np.int32))
 
 
 # LP re-solves the count bound may take: before the polish (one split), and beside HiGHS's
-# search (``_Rival.prove``), where gpt2-xl at 38.45G proved its plan within 0.5% in 1.4 s
+# search (``_Rival.prove``) and beside the polish, where gpt2-xl at 38.45G proves its plan
+# within 0.5% in 0.5 s
 COUNT_LPS_FIRST = 4
 COUNT_LPS = 96
 # counts tried per split (strong branching), most fractional first
@@ -878,15 +896,16 @@ def _count_bound(model: Model, held: "_HeldLP", lp: dict, bound: float, target: 
     Why: on gpt2-xl's joint model the relaxation is ~0.6% below the best plans because it
     spreads whole decisions (3.74 blocks' optimizer state on the host, 3.86 blocks
     recomputed where plans recompute 5); HiGHS's cuts did not raise it at all, and its tree
-    took 200 nodes (7-12 s). At 38.45G this proves the plan within 0.5% in 1.4 s."""
+    took 200 nodes (7-12 s). At 38.45G this proves the plan within 0.5% in 0.5 s (1.3 s with
+    each LP started from the last region's basis, not its parent's)."""
     import heapq
     t0 = time.perf_counter()
     counts = [[v.name for v in vs] for vs in (model.counts() if counts is None else counts)]
-    heap = [(bound, 0, (), lp)]
+    heap = [(bound, 0, (), lp, None)]
     lps, tick = 0, 1
     best = bound
     while heap:
-        b, _, rows, values = heap[0]
+        b, _, rows, values, basis = heap[0]
         best = max(bound, b)
         left = None if time_limit is None else time_limit - (time.perf_counter() - t0)
         if (b >= target or lps + 2 * STRONG > max_lps or (left is not None and left <= 0.05)
@@ -910,19 +929,21 @@ def _count_bound(model: Model, held: "_HeldLP", lp: dict, bound: float, target: 
             for lo, up in ((0.0, float(math.floor(n))),
                            (float(math.ceil(n)), float(len(names)))):
                 left = None if time_limit is None else time_limit - (time.perf_counter() - t0)
+                if stop is not None and stop():
+                    return best          # asked between LPs too: a split takes four (0.4 s)
                 side = rows + ((names, lo, up),)
-                obj, got = held.solve_with_rows(side, left)
+                obj, got, got_basis = held.solve_with_rows(side, left, basis)
                 lps += 1
                 if obj is None and held.infeasible():
                     continue                    # no plan on this side
                 if obj is None or not model.lp_optimal:
                     return best      # stopped early: the region split still bounds at b
-                sides.append((obj, side, got))
-            weaker = min((o for o, _, _ in sides), default=math.inf)
+                sides.append((obj, side, got, got_basis))
+            weaker = min((o for o, _, _, _ in sides), default=math.inf)
             if pick is None or weaker > pick[0]:
                 pick = (weaker, sides)
-        for obj, side, got in pick[1]:
-            heapq.heappush(heap, (obj, tick, side, got))
+        for obj, side, got, got_basis in pick[1]:
+            heapq.heappush(heap, (obj, tick, side, got, got_basis))
             tick += 1
     return best
 
@@ -1118,8 +1139,9 @@ class _Rival:
     dive's plan is 0.5% off the best (gpt2-xl at 33.75G, 35G) the neighbourhood search finds
     a plan within the gap in 0.9-4.8 s, and no bound can prove the dive's; where the plan is
     already within a hair of the best (36.25G, 38.45G) the neighbourhood search spends 5-7 s
-    finding nothing, and the count bound proves the plan (1.4 s at 38.45G). Either one
-    deciding ends HiGHS's search."""
+    finding nothing, and the count bound proves the plan (0.5 s at 38.45G). Either one
+    deciding ends HiGHS's search. The dive uses one without a ``search`` beside its polish:
+    ``prove`` only."""
 
     search: object                  # time_limit -> (values, objective in seconds)
     bound: float                    # seconds: the best bound known
@@ -1168,18 +1190,25 @@ def _objective_of(model: Model, values: dict) -> float | None:
 
 
 def _guarded(search, model: Model, held: "_HeldLP", lp: dict, values: dict, obj: float,
-             bound, gap: float, time_limit):
+             bound, gap: float, time_limit, prove=None):
     """``search`` (``_polish``) in a forked child with a hard deadline
     (``_in_child``) where the model is big enough to run HiGHS MIPs there
     (``CHILD_MIN_BINARIES``): a search that runs on past its limit is killed, and the plan it
-    started from stands. Returns (values, objective)."""
+    started from stands. ``prove(time_limit, poll)`` (``_Rival.prove``: the count bound), if
+    given, runs in this process meanwhile (``_race``); when it proves the plan within the gap
+    first, the search is killed. Returns (values, objective)."""
     def run():
         return search(model, held, lp, values, obj, bound, gap, time_limit)
     if not (_fork_available() and _big_mip(model)):
         return run()
     hard = None if time_limit is None else time_limit + max(2.0, 0.1 * time_limit)
     try:
-        got = _in_child(run, hard)
+        if prove is None:
+            got = _in_child(run, hard)
+        else:
+            got, proven = _race(run, None, hard, lambda plan: plan is not None,
+                                meanwhile=lambda poll: prove(time_limit, poll), nice=0)
+            got = proven if got is None else got
     except pulp.PulpSolverError:
         got = None
     return (values, obj) if got is None else got
@@ -1312,7 +1341,19 @@ def _dive(model: Model, solver: str, time_limit, gap: float, incumbent: float | 
                     bound = _count_bound(model, held, lp, bound, obj * (1 - gap), left(),
                                          COUNT_LPS_FIRST, counts=model.home_counts())
                 if bound is None or rel_gap(obj, bound) > gap:
-                    cur, obj = _guarded(_polish, model, held, lp, cur, obj, bound, gap, left())
+                    # the count bound on every count beside the polish: where the dive's plan
+                    # is already within a hair of the best, it proves it while the polish
+                    # finds nothing (gpt2-xl at 38.45G: 0.5 s, where the polish took 1.8 s
+                    # and the count bound after it 0.5 s more)
+                    proof = None if bound is None else _Rival(
+                        None, bound, gap, model.ts,
+                        lambda limit, stop, b=bound, o=obj: _count_bound(
+                            model, held, lp, b, o * (1 - gap), limit, stop=stop),
+                        (cur, obj))
+                    cur, obj = _guarded(_polish, model, held, lp, cur, obj, bound, gap, left(),
+                                        prove=None if proof is None else proof.prove)
+                    if proof is not None:
+                        bound = proof.bound
                 if (bound is not None and rel_gap(obj, bound) > gap and _fork_available()
                         and _big_mip(model)):
                     plan, plan_obj, b = cur, obj, bound

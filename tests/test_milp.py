@@ -346,6 +346,13 @@ def test_a_race_ends_with_the_search_or_a_winning_rival_and_leaves_no_process():
         return 4
     assert solvers._race(lambda: "mip", slow(1), 120, lambda r: True,
                          meanwhile=until_decided) == ("mip", None)
+    # no rival: the search against what runs meanwhile; an answer many times the pipe's
+    # buffer comes back whole
+    assert solvers._race(slow("mip"), None, 120, lambda r: r == 5,
+                         meanwhile=lambda poll: 5, nice=0) == (None, 5)
+    big = "x" * (3 << 20)
+    assert solvers._race(lambda: big, None, 120, lambda r: True,
+                         meanwhile=until_decided, nice=0) == (big, None)
     assert time.perf_counter() - t0 < 10
     assert set(_live_children()) <= before
 
@@ -540,6 +547,44 @@ def test_a_polish_past_its_deadline_is_killed_and_the_dives_plan_kept(monkeypatc
     took = time.perf_counter() - t0
     assert got[1] == bound * 1.1 and got[0] == lp
     assert took < 0.5 + 2.0 + 1.0, took
+    assert set(_live_children()) <= before
+
+
+def test_a_proof_beside_the_polish_ends_it_or_waits_for_it():
+    """``_guarded`` with ``prove`` (the count bound, in this process): a proof of the dive's
+    plan kills a polish that would run on and returns that plan at once; a proof that
+    fails waits for the polish, whose plan comes back; no process is left."""
+    pytest.importorskip("highspy")
+    from planner import solvers
+    hw = load_hardware("h200")
+    prof = uniform_profile(16, hw, jitter=0.02, seed=16)
+    m = Model(cost_model(prof, hw, Budgets(10**15, 10**15, 0), allow_streaming=False))
+    assert solvers._big_mip(m)
+    held = solvers._HeldLP(m)
+    bound, lp = held.solve(60, {})
+    plan = (dict(lp), bound * 1.1)
+
+    def hangs(*a, **k):
+        while True:
+            time.sleep(1)
+
+    def better(model, held, lp, values, obj, *rest):
+        time.sleep(0.3)
+        return values, obj * 0.95
+    before = set(_live_children())
+    t0 = time.perf_counter()
+    got = solvers._guarded(hangs, m, held, lp, *plan, bound, 0.005, 30,
+                           prove=lambda limit, poll: plan)
+    assert got == plan and time.perf_counter() - t0 < 5
+    polls = []
+
+    def fails(limit, poll):
+        while not poll():
+            polls.append(1)
+            time.sleep(0.01)
+        return None
+    got = solvers._guarded(better, m, held, lp, *plan, bound, 0.005, 30, prove=fails)
+    assert got[1] == pytest.approx(plan[1] * 0.95) and polls
     assert set(_live_children()) <= before
 
 
