@@ -188,12 +188,26 @@ class OutOfTime(KeyboardInterrupt):
     never caught as bad input on the way."""
 
 
+# Signals that arrived during this command. A C extension can swallow the exception a
+# handler raises: Ctrl-C while highspy's pybind11 layer converted an argument came out as
+# "TypeError: addRow(): incompatible function arguments" and a traceback (plan solve on
+# gpt2-xl, SIGINT at 0.8 s). ``main`` reports an error that follows a signal as the signal.
+_caught: list = []
+
+
+def _raise_interrupted(signum, frame):
+    _caught.append(KeyboardInterrupt())
+    raise _caught[-1]
+
+
 def _raise_terminated(signum, frame):
-    raise Terminated(signum)
+    _caught.append(Terminated(signum))
+    raise _caught[-1]
 
 
 def _raise_out_of_time(signum, frame):
-    raise OutOfTime()
+    _caught.append(OutOfTime())
+    raise _caught[-1]
 
 
 # The backstop's slack over --time-limit: what writing the plan and exiting may take after
@@ -210,6 +224,8 @@ def _signals(args):
     if main_thread:
         for sig in (signal.SIGTERM, signal.SIGHUP):
             saved[sig] = signal.signal(sig, _raise_terminated)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            saved[signal.SIGINT] = signal.signal(signal.SIGINT, _raise_interrupted)
     limit = getattr(args, "time_limit", None) if getattr(args, "verb", None) == "solve" else None
     timer = main_thread and isinstance(limit, (int, float)) and math.isfinite(limit) and 0 < limit <= 1e7
     if timer:
@@ -238,10 +254,25 @@ def _quiet_encoding_errors() -> None:
             stream.reconfigure(errors="backslashreplace")
 
 
+def _stopped(e: KeyboardInterrupt, args) -> int:
+    """Report a signal (or the --time-limit backstop) that ended the command; its exit code."""
+    if isinstance(e, OutOfTime):
+        print(f"plan: error: plan solve ran past its --time-limit of {args.time_limit:g} s "
+              f"(+{BACKSTOP_GRACE_S:g} s to write the plan) and was stopped, nothing written; "
+              "raise --time-limit", file=sys.stderr)
+        return 3
+    if isinstance(e, Terminated):
+        print(f"plan: terminated by {signal.Signals(e.signum).name}", file=sys.stderr)
+        return 128 + e.signum
+    print("plan: interrupted", file=sys.stderr)
+    return 130
+
+
 def main(argv=None) -> int:
     _quiet_encoding_errors()
     parser = build_parser()
     args = None
+    _caught.clear()
     try:
         args = parser.parse_args(argv)
         if not args.verb:
@@ -251,25 +282,22 @@ def main(argv=None) -> int:
             check_outputs(args)
             return _dispatch(args)
     except UserError as e:
+        if _caught:
+            return _stopped(_caught[0], args)
         print(f"plan: error: {_one_line(str(e))}", file=sys.stderr)
         return e.exit_code
-    except OutOfTime:
-        print(f"plan: error: plan solve ran past its --time-limit of {args.time_limit:g} s "
-              f"(+{BACKSTOP_GRACE_S:g} s to write the plan) and was stopped, nothing written; "
-              "raise --time-limit", file=sys.stderr)
-        return 3
-    except Terminated as e:
-        print(f"plan: terminated by {signal.Signals(e.signum).name}", file=sys.stderr)
-        return 128 + e.signum
-    except KeyboardInterrupt:
-        print("plan: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        return _stopped(e, args)
     except BrokenPipeError:
         # stdout closed early (plan inspect | head): not an error; keep Python from
         # complaining again when it flushes stdout at exit.
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except Exception:
+        if _caught:             # the signal's own exception was swallowed on its way up
+            return _stopped(_caught[0], args)
+        raise
 
 
 if __name__ == "__main__":

@@ -354,3 +354,35 @@ def test_sigkilled_solve_takes_its_solver_along_and_is_swept(cbc_profile, files,
                        env=dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(_tmp(tmp_path))))
     assert r.returncode == 0, r.stderr
     assert not any(p.exists() for p in stale)
+
+
+@pytest.mark.parametrize("sig,code,says", [(signal.SIGINT, 130, "plan: interrupted"),
+                                           (signal.SIGTERM, 143, "plan: terminated by SIGTERM")])
+def test_a_signal_whose_exception_an_extension_swallows_is_still_reported_as_the_signal(
+        monkeypatch, capsys, sig, code, says):
+    """A C extension can turn the exception a signal handler raises into one of its own
+    (Ctrl-C during highspy's argument conversion came out as a TypeError and a traceback):
+    ``main`` reports what follows a signal as the signal, with its exit code. An error with
+    no signal before it is not hidden."""
+    from planner import cli
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT is not Python's default handler here")
+
+    def swallowed(args):
+        try:
+            os.kill(os.getpid(), sig)
+            time.sleep(5)                  # the handler raises here
+        except KeyboardInterrupt:
+            pass
+        raise TypeError("addRow(): incompatible function arguments")
+    monkeypatch.setattr(cli, "_dispatch", swallowed)
+    assert cli.main(["inspect", "nothing.json"]) == code
+    err = capsys.readouterr().err
+    assert err.strip() == says, err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    def broken(args):
+        raise TypeError("a real bug")
+    monkeypatch.setattr(cli, "_dispatch", broken)
+    with pytest.raises(TypeError, match="a real bug"):
+        cli.main(["inspect", "nothing.json"])
