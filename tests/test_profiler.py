@@ -274,6 +274,17 @@ class IntOut(nn.Module):
 
 def intout(b, s):
     return IntOut(), (torch.randn(b, 4),)
+
+SEEN = []
+
+def born(b, s):
+    SEEN.append(torch.empty(1).device.type)
+    return mixed(b, s)
+
+def reads_a_value(b, s):            # as a factory that loads a checkpoint would: not on meta
+    SEEN.append(torch.empty(1).device.type)
+    assert torch.ones(1).item() == 1
+    return mixed(b, s)
 '''
 
 
@@ -302,6 +313,19 @@ def test_factory_float_inputs_follow_dtype(factories, device, dtype, size):
     assert block.saved_bytes == 2 * 96 * size
     # embedding's input: x (96 elements at `size`) + ids (6 x 8 B) + mask (6 x 1 B)
     assert prof.layers[0].input_bytes == 96 * size + 6 * 8 + 6
+
+
+@pytest.mark.parametrize("fn,seen", [("born", ["meta"]), ("reads_a_value", ["meta", "cpu"])])
+def test_a_factory_builds_on_meta_when_the_profile_is_on_meta(factories, fn, seen):
+    """With --device meta the factory runs under torch.device("meta"): a model built the usual
+    way allocates nothing (MixtralConfig()'s 187 GB had the OOM killer end the profile). One
+    that cannot run there runs again as it is; on cpu it runs as it is."""
+    import tp_factories
+    prof = profile_model(f"tp_factories:{fn}", 2, 3, device="meta", hardware=CPU, repeats=1)
+    assert tp_factories.SEEN == seen and prof.layers[1].saved_bytes == 2 * 96 * 4
+    tp_factories.SEEN.clear()
+    profile_model(f"tp_factories:{fn}", 2, 3, device="cpu", hardware=CPU, repeats=1)
+    assert tp_factories.SEEN == ["cpu"]
 
 
 @pytest.mark.parametrize("fn,needle", [
