@@ -561,8 +561,10 @@ def _user_code(name: str, what: str, fn, *args, meta: bool = False):
         raise
     except Exception as e:   # noqa: BLE001 -- the model is user code
         msg = (str(e).strip().splitlines() or [""])[0][:200]
-        hint = ("fix the model, or profile it with --device cpu if it only fails on meta"
-                if meta else "fix the model or its inputs")
+        # another dtype too: some of torch's meta kernels take fewer dtypes than the real
+        # ones (grouped_mm: bf16 only, which stops transformers' Mixtral in fp32)
+        hint = ("fix the model, or if it only fails on meta profile it with --device cpu or "
+                "another --dtype" if meta else "fix the model or its inputs")
         raise UserError(f"model '{name}': its {what} raised {type(e).__name__}: {msg}; {hint}"
                         ) from None
 
