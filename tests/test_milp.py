@@ -524,11 +524,9 @@ def test_a_search_improves_a_poor_plan_and_leaves_the_held_lp_as_it_was(search):
     assert again == pytest.approx(bound, rel=1e-9) and held.fixed == {}
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the child run is Linux-only")
-def test_a_polish_past_its_deadline_is_killed_and_the_dives_plan_kept(monkeypatch):
-    """On a model big enough to search in a child (``CHILD_MIN_BINARIES``), a search that
-    never returns is killed at the hard deadline: the dive's plan comes back unchanged,
-    within the deadline, and no process is left."""
+def _big_relaxation():
+    """A model big enough to search in a child (``CHILD_MIN_BINARIES``), its relaxation held:
+    (model, held instance, bound, relaxed values)."""
     pytest.importorskip("highspy")
     from planner import solvers
     hw = load_hardware("h200")
@@ -537,43 +535,45 @@ def test_a_polish_past_its_deadline_is_killed_and_the_dives_plan_kept(monkeypatc
     assert solvers._big_mip(m)
     held = solvers._HeldLP(m)
     bound, lp = held.solve(60, {})
+    return m, held, bound, lp
 
-    def hangs(*a, **k):
-        while True:
-            time.sleep(1)
+
+def _hangs(*a, **k):
+    while True:
+        time.sleep(1)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the child run is Linux-only")
+def test_a_polish_past_its_deadline_is_killed_and_the_dives_plan_kept(monkeypatch):
+    """On a model big enough to search in a child (``CHILD_MIN_BINARIES``), a search that
+    never returns is killed at the hard deadline: the dive's plan comes back unchanged,
+    within the deadline, and no process is left."""
+    from planner import solvers
+    m, held, bound, lp = _big_relaxation()
     before = set(_live_children())
     t0 = time.perf_counter()
-    got = solvers._guarded(hangs, m, held, lp, dict(lp), bound * 1.1, bound, 0.005, 0.5)
+    got = solvers._guarded(_hangs, m, held, lp, dict(lp), bound * 1.1, bound, 0.005, 0.5)
     took = time.perf_counter() - t0
     assert got[1] == bound * 1.1 and got[0] == lp
     assert took < 0.5 + 2.0 + 1.0, took
     assert set(_live_children()) <= before
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the child run is Linux-only")
 def test_a_proof_beside_the_polish_ends_it_or_waits_for_it():
     """``_guarded`` with ``prove`` (the count bound, in this process): a proof of the dive's
     plan kills a polish that would run on and returns that plan at once; a proof that
     fails waits for the polish, whose plan comes back; no process is left."""
-    pytest.importorskip("highspy")
     from planner import solvers
-    hw = load_hardware("h200")
-    prof = uniform_profile(16, hw, jitter=0.02, seed=16)
-    m = Model(cost_model(prof, hw, Budgets(10**15, 10**15, 0), allow_streaming=False))
-    assert solvers._big_mip(m)
-    held = solvers._HeldLP(m)
-    bound, lp = held.solve(60, {})
+    m, held, bound, lp = _big_relaxation()
     plan = (dict(lp), bound * 1.1)
-
-    def hangs(*a, **k):
-        while True:
-            time.sleep(1)
 
     def better(model, held, lp, values, obj, *rest):
         time.sleep(0.3)
         return values, obj * 0.95
     before = set(_live_children())
     t0 = time.perf_counter()
-    got = solvers._guarded(hangs, m, held, lp, *plan, bound, 0.005, 30,
+    got = solvers._guarded(_hangs, m, held, lp, *plan, bound, 0.005, 30,
                            prove=lambda limit, poll: plan)
     assert got == plan and time.perf_counter() - t0 < 5
     polls = []
