@@ -498,16 +498,17 @@ class CostModel:
         unit makes and later units read (rotary tables, masks, an encoder's output) lives from
         its producer's forward to the backward of its last reader, wherever that reader sits in
         the list; its size is the largest any reader reports. A shared tensor without a named
-        producer is taken to come from the first unit."""
+        producer is taken to come from the first unit; one a unit's own prologue made lives
+        from that unit's forward to the backward of its last reader."""
         L = self.L
         idx = {x.name: i for i, x in enumerate(self.units)}
         g = nx.DiGraph()
         g.add_nodes_from(idx)
         for x in self.units:
             if x.shared_saved_bytes > 0:
+                # p may be x itself (its prologue made them): alive from its own forward to
+                # its backward, a self-loop; skipped before, which left them uncounted
                 p = x.shared_from if x.shared_from is not None else self.units[0].name
-                if p == x.name:
-                    continue
                 old = g.edges[p, x.name]["bytes"] if g.has_edge(p, x.name) else 0
                 g.add_edge(p, x.name, bytes=max(old, x.shared_saved_bytes))
         out = [0] * (2 * self.U + 1)

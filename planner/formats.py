@@ -761,7 +761,8 @@ def check_model_section(m: dict, where: str, fix: str) -> None:
 
 def check_units(units: list, where: str, fix: str) -> None:
     """Units in order (embedding, blocks, head), names unique, ``shared_from`` and
-    ``tied_to`` naming other units (a shared tensor's producer runs earlier)."""
+    ``tied_to`` naming other units (a shared tensor's producer runs earlier, or is the unit
+    itself)."""
     if len(units) < 2:
         raise UserError(f"{where} has {len(units)} unit(s); a model has at least an embedding "
                         f"and a head; {fix}")
@@ -777,9 +778,11 @@ def check_units(units: list, where: str, fix: str) -> None:
             raise UserError(f"{where}: unit name {u.name!r} appears twice; {fix}")
         index[u.name] = i
     for i, u in enumerate(units):
-        if u.shared_from is not None and (u.shared_from not in index or index[u.shared_from] >= i):
+        # the unit itself may be the producer: its prologue (code between the blocks) made
+        # the tensors (Jamba's attention layers between its Mamba blocks)
+        if u.shared_from is not None and (u.shared_from not in index or index[u.shared_from] > i):
             raise UserError(f"{where}: unit {u.name!r} reads a shared tensor from "
-                            f"{u.shared_from!r}, which is not an earlier unit; {fix}")
+                            f"{u.shared_from!r}, which is neither it nor an earlier unit; {fix}")
         for t in u.tied_to:
             if t not in index or t == u.name:
                 raise UserError(f"{where}: unit {u.name!r} is tied to {t!r}, which is not "

@@ -409,7 +409,7 @@ def _structural(draw, obj: dict, fmt: str, odd_only: bool = False) -> tuple[str 
     units_key = "layers" if fmt == "profile" else "units"
     units = obj[units_key]
     n = len(units)
-    ops = ["head_first", "swap_ends", "dup_name", "shared_self", "shared_later", "shared_missing",
+    ops = ["head_first", "swap_ends", "dup_name", "shared_later", "shared_missing",
            "tied_missing", "blocks_only", "one_unit", "no_units", "shared_gt_saved", "kind_swap",
            "swap_blocks", "rename_all", "drop_optional", "extra_field"]
     if fmt == "plan":
@@ -440,10 +440,6 @@ def _structural(draw, obj: dict, fmt: str, odd_only: bool = False) -> tuple[str 
             L[b]["name"] = L[a]["name"]
         both(dn)
         return "a duplicate unit name", op
-    if op == "shared_self":
-        i = draw(st.sampled_from(blocks))
-        units[i]["shared_from"] = units[i]["name"]
-        return "shared_from naming itself", op
     if op == "shared_later":
         i = draw(st.sampled_from(blocks[:-1] or blocks))
         units[i]["shared_from"] = units[-1]["name"]

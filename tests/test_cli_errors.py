@@ -144,7 +144,7 @@ def _swap_ends(key):
 
 @pytest.mark.parametrize("case", [
     "invalid-utf8", "deep-nesting", "huge-size", "long-path", "long-name", "fifo", "dev-zero",
-    "event-unit-missing", "shared-from-later", "shared-from-self", "head-first-profile",
+    "event-unit-missing", "shared-from-later", "head-first-profile",
     "head-first-plan", "duplicate-blocks", "blocks-only", "zero-and-huge-times",
     "hw-nan", "hw-inf", "hw-negative", "hw-wrong-type", "hw-tiny-bandwidth", "hw-alias",
     "diff-inconsistent", "nan-literal", "huge-int-field", "policy-newline",
@@ -168,10 +168,8 @@ def test_issue_11_inputs_exit_2_with_one_line(files, case, tmp_path):
         "event-unit-missing": lambda: (["simulate", str(_edit(plan, t / "p.json", lambda x: x[
             "schedule"]["compute"][0].update(units=["no.such"], id="F:no.such")))], "no.such"),
         "shared-from-later": lambda: (["solve", str(_edit(prof, t / "p.json", lambda x: x[
-            "layers"][1].update(shared_from="head"))), "--gpu-mem=80G"], "not an earlier unit"),
-        "shared-from-self": lambda: (["solve", str(_edit(prof, t / "p.json", lambda x: x[
-            "layers"][2].update(shared_from=x["layers"][2]["name"]))), "--gpu-mem=80G"],
-            "not an earlier unit"),
+            "layers"][1].update(shared_from="head"))), "--gpu-mem=80G"],
+            "neither it nor an earlier unit"),
         "head-first-profile": lambda: (["solve", str(_edit(prof, t / "p.json",
                                                            _swap_ends("layers"))),
                                         "--gpu-mem=80G"], "embedding, then blocks"),

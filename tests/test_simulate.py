@@ -224,3 +224,34 @@ def test_simulate_cli_json(tmp_path):
     for k in ("step_s", "compute_s", "peak_gpu_bytes", "peak_cpu_bytes", "peak_nvme_bytes", "fits"):
         assert k in d
     assert d["step_s"] == plan.predicted.step_s and d["fits"] is True
+
+
+def test_shared_tensors_a_units_own_prologue_made_are_held_from_its_forward_to_its_backward(
+        tmp_path):
+    """Code between two blocks is the later block's prologue; what it saves is kept by
+    reference, so the profile names the block itself as the producer (Jamba's attention
+    layers between its Mamba blocks). Such a profile loads, and the cost model holds those
+    bytes from the block's forward to its backward, nowhere else (it skipped them before)."""
+    from planner.formats import load_profile, write_json_atomic
+    from planner.hardware import load_hardware
+    from planner.plans import cost_model
+    hw = load_hardware("a100-80g")
+    prof = uniform_profile(4, hw)
+    j, S = 2, 300_000_000
+    layers = list(prof.layers)
+    layers[j] = dataclasses.replace(layers[j], saved_bytes=layers[j].saved_bytes + S,
+                                    shared_saved_bytes=S, shared_from=layers[j].name)
+    path = tmp_path / "p.json"
+    write_json_atomic(path, dataclasses.replace(prof, layers=layers).to_dict())
+    loaded = load_profile(str(path))
+    assert loaded.layers[j].shared_from == layers[j].name
+    budgets = Budgets(10**12, 10**12, 0)
+    before, after = cost_model(prof, hw, budgets), cost_model(loaded, hw, budgets)
+    L = after.L
+    assert [a - b for a, b in zip(after.shared, before.shared)] == [
+        S if L.fwd(j) <= s <= L.bwd(j) else 0 for s in range(len(after.shared))]
+    # the simulator charges them too: keep-all's peak rises by S
+    peaks = [plan_and_sim(p, None, hw, budgets, "keep-all",
+                          baseline_layers("keep-all", p.layers, hw))[1].peak_gpu_bytes
+             for p in (prof, loaded)]
+    assert peaks[1] - peaks[0] == S
