@@ -117,6 +117,17 @@ def mistral(batch: int, seq: int, n_layer: int = 2):
                    bos_token_id=1, eos_token_id=2)
 
 
+def jamba(batch: int, seq: int, n_layer: int = 4):
+    """JambaForCausalLM: Mamba layers with an attention layer among them (here the third of
+    four), two classes of layer in one list; dense MLPs (one expert)."""
+    from transformers import JambaConfig, JambaForCausalLM
+    return _causal(JambaConfig, JambaForCausalLM, batch, seq, hidden_size=HIDDEN,
+                   intermediate_size=FFN, num_hidden_layers=n_layer, num_attention_heads=HEADS,
+                   num_key_value_heads=2, num_experts=1, attn_layer_period=n_layer,
+                   attn_layer_offset=2, mamba_d_state=8, mamba_expand=2, mamba_dt_rank=8,
+                   use_mamba_kernels=False, attention_dropout=P)
+
+
 def qwen2(batch: int, seq: int, n_layer: int = 2):
     """Qwen2ForCausalLM: QKV biases, grouped-query attention, attention dropout 0.1."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -263,4 +274,4 @@ def available(name: str) -> bool:
 
 
 ZOO = ("gpt2", "llama", "mistral", "qwen2", "phi", "gpt_neox", "opt", "falcon", "gemma",
-       "nanochat", "bert", "t5", "vit")
+       "nanochat", "jamba", "bert", "t5", "vit")

@@ -41,6 +41,10 @@ STACK_SHARE = 0.9
 # Runs holding less than this share of the heaviest run's FLOPs are not blocks (a pair of
 # Linear layers in a classifier head, a run of parameterless Dropouts).
 MIN_RUN_SHARE = 0.05
+# Items of another class between two runs of one container's items join them when each is fed
+# by the one before and holds at least this share of the lightest member's weight (Jamba: an
+# attention layer after every seven Mamba layers, all in model.layers; a norm does not).
+BRIDGE_SHARE = 0.2
 
 
 def _nn():
@@ -352,12 +356,12 @@ class _Detector:
             return c.flops
         return sum(p.numel() for p in c.module.parameters())
 
-    def _link(self, a: Call, b: Call, strong: bool) -> bool:
-        """``b`` continues a run ending with ``a``: same class, distinct modules, (strong: in
-        the same container,) and ``b`` is fed by ``a`` — its hidden state is ``a``'s output,
-        or at least not ``a``'s input (parallel projections such as q/k/v share their input)
-        and has the shape of ``a``'s output."""
-        if type(a.module) is not type(b.module) or a.module is b.module:
+    def _link(self, a: Call, b: Call, strong: bool, any_class: bool = False) -> bool:
+        """``b`` continues a run ending with ``a``: same class (unless ``any_class``), distinct
+        modules, (strong: in the same container,) and ``b`` is fed by ``a`` — its hidden state
+        is ``a``'s output, or at least not ``a``'s input (parallel projections such as q/k/v
+        share their input) and has the shape of ``a``'s output."""
+        if (type(a.module) is not type(b.module) and not any_class) or a.module is b.module:
             return False
         if strong and (self.container[a.idx] is None
                        or self.container[a.idx] != self.container[b.idx]):
@@ -381,7 +385,40 @@ class _Detector:
             cur = [b]
         if len(cur) >= 2:
             out.append(cur)
-        return out
+        return self._bridge(kids, out) if strong else out
+
+    def _bridge(self, kids: list[int], runs: list[list[int]]) -> list[list[int]]:
+        """Runs of one container's items with items of other classes between them are one
+        stack: what lies between joins them when each item there is of the same container,
+        fed by the one before (``_link`` with any class), and holds at least
+        ``BRIDGE_SHARE`` of the lightest member's weight. Why: Jamba's model.layers holds
+        Mamba layers with an attention layer after every seven; the attention layers were
+        left between the runs as prologues, neither recomputed nor offloaded. A lone item of
+        a run's class joins the same way."""
+        pos = {k: i for i, k in enumerate(kids)}
+        # a lone item of a run's class in the run's container may join across them too (a
+        # Mamba layer after the attention layer that follows a run)
+        kinds = {(self.container[r[0]], type(self.calls[r[0]].module)) for r in runs}
+        inside = {x for r in runs for x in r}
+        lone = [[k] for k in kids if k not in inside
+                and (self.container[k], type(self.calls[k].module)) in kinds]
+        runs = sorted(runs + lone, key=lambda r: pos[r[0]])
+        out = runs[:1]
+        for r in runs[1:]:
+            prev = out[-1]
+            between = kids[pos[prev[-1]] + 1:pos[r[0]]]
+            chain = [prev[-1], *between, r[0]]
+            light = min(self.weight(x) for x in prev + r)
+            if (all(self.container[x] == self.container[prev[-1]] for x in between)
+                    and all(self._link(self.calls[a], self.calls[b], True, any_class=True)
+                            for a, b in zip(chain, chain[1:]))
+                    and all(self.weight(x) >= BRIDGE_SHARE * light for x in between)
+                    and len({id(self.calls[x].module) for x in prev + between + r})
+                    == len(prev) + len(between) + len(r)):
+                out[-1] = prev + between + r
+            else:
+                out.append(r)
+        return [r for r in out if len(r) >= 2]
 
     def select(self, kids: list[int], strong: bool) -> list[list[int]]:
         """Runs of blocks among the calls ``kids`` (siblings, in order) and below them."""

@@ -75,6 +75,21 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def _in_memory_order(t: torch.Tensor):
+    """(a contiguous tensor of ``t``'s elements, the permutation that gives ``t``'s layout
+    back, or None). A non-contiguous saved tensor (a transposed view, a slice) is kept with
+    its dimensions in their order in memory, not in their logical order: made plainly
+    contiguous, it came back with another layout, backward kernels summed in another order,
+    and Jamba's gradients differed from plain PyTorch's by 1e-8 under offload. A dense
+    permuted view comes back with its own strides, without a copy."""
+    if t.is_contiguous() or t.dim() < 2:
+        return (t if t.is_contiguous() else t.contiguous()), None
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+    src = t.permute(order).contiguous()
+    back = [order.index(d) for d in range(t.dim())]
+    return src, (None if order == sorted(order) else back)
+
+
 class Mover:
     """Everything that moves bytes: side streams, the NVMe store, the counters."""
 
@@ -107,11 +122,14 @@ class Mover:
 class Slot:
     """One saved tensor of a group."""
 
-    __slots__ = ("shape", "dtype", "nbytes", "offset", "src", "sent", "disk", "host", "out",
-                 "got", "ready", "refs", "read")
+    __slots__ = ("shape", "perm", "dtype", "nbytes", "offset", "src", "sent", "disk", "host",
+                 "out", "got", "ready", "refs", "read")
 
-    def __init__(self, t: torch.Tensor, offset: int):
+    def __init__(self, t: torch.Tensor, offset: int, perm=None):
+        # ``t`` is contiguous; ``perm``: the saved tensor is ``t.permute(perm)`` (its
+        # dimensions in their order in memory; ``_in_memory_order``)
         self.shape, self.dtype = t.shape, t.dtype
+        self.perm = perm
         self.nbytes = t.numel() * t.element_size()
         self.offset = offset
         self.src = t              # the device tensor, until its last byte has left
@@ -123,6 +141,11 @@ class Slot:
         self.ready = None         # CUDA event: the last copy into ``out`` has been issued
         self.refs = 0
         self.read = 0             # bytes read back from the file (checksums: verified when all)
+
+    def tensor(self, flat: torch.Tensor) -> torch.Tensor:
+        """The saved tensor from ``flat`` (its elements, of its dtype, in the order kept)."""
+        t = flat.view(self.shape)
+        return t if self.perm is None else t.permute(self.perm)
 
 
 class Group:
@@ -148,10 +171,8 @@ class Group:
 
     # -- registration (while the unit's forward saves tensors)
     def put(self, t: torch.Tensor) -> Slot:
-        src = t.detach()
-        if not src.is_contiguous():
-            src = src.contiguous()
-        s = Slot(src, self.size)
+        src, perm = _in_memory_order(t.detach())
+        s = Slot(src, self.size, perm)
         self.size += s.nbytes
         self.slots.append(s)
         self.m.counters.add("act", s.nbytes)
@@ -296,11 +317,11 @@ class Group:
     def get(self, s: Slot) -> torch.Tensor:
         """The slot's tensor on the device, whole; fetches what has not come back yet."""
         if s.src is not None and s.got == 0:  # it never fully left: no round trip needed
-            return s.src
+            return s.tensor(s.src)
         t0 = time.perf_counter()
         self.wait()
         if s.src is not None:
-            return s.src
+            return s.tensor(s.src)
         if s.got < s.nbytes:
             missing = [(s, 0, s.nbytes)] if s.out is None else [(s, s.got, s.nbytes)]
             if self.m.cuda and self.tier == "cpu":
@@ -313,7 +334,7 @@ class Group:
             cur = torch.cuda.current_stream(self.m.device)
             cur.wait_event(s.ready)
             out.record_stream(cur)
-        return out.view(s.dtype).view(s.shape)
+        return s.tensor(out.view(s.dtype))
 
     def _read_sync(self, parts):
         f = self.m.nvme_store().submit(self._read, parts)

@@ -63,8 +63,43 @@ class Shared(nn.Module):
 X = (torch.randn(2, 4, zm.D),)
 
 
+class Mixer(nn.Module):
+    """Another class of layer, as heavy as a Block (Jamba's attention among its Mamba
+    layers)."""
+
+    def __init__(self, d=zm.D):
+        super().__init__()
+        self.mix = nn.Linear(d, d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.out(torch.tanh(self.mix(x)))
+
+
+class Hybrid(nn.Module):
+    """One list of layers: three Blocks, a Mixer, three Blocks, a LayerNorm, two Blocks, a
+    Mixer at the end. The Mixer between runs is a block; the norm (a sliver of the FLOPs)
+    and a Mixer after the last run are not."""
+
+    def __init__(self):
+        super().__init__()
+        B = zm.Block
+        self.layers = nn.ModuleList([B(), B(), B(), Mixer(), B(), B(), B(), nn.LayerNorm(zm.D),
+                                     B(), B(), Mixer()])
+        self.out = nn.Linear(zm.D, 1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x).sum()
+
+
 def test_a_container_that_never_runs_is_never_a_block():
     assert detect(Spare(), X) == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+def test_layers_of_another_class_between_runs_of_one_list_are_blocks_too():
+    assert detect(Hybrid(), X) == [f"layers.{i}" for i in range(7)] + ["layers.8", "layers.9"]
 
 
 def test_blocks_need_no_container():

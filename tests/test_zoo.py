@@ -42,6 +42,7 @@ EXPECTED = {
     "falcon": (2, "transformer.h.0", "transformer.h.1"),
     "gemma": (2, "model.layers.0", "model.layers.1"),
     "nanochat": (2, "model.layers.0", "model.layers.1"),
+    "jamba": (4, "model.layers.0", "model.layers.3"),
     "bert": (2, "bert.encoder.layer.0", "bert.encoder.layer.1"),
     "t5": (4, "encoder.block.0", "decoder.block.1"),
     "vit": (2, "vit.layers.0", "vit.layers.1"),
