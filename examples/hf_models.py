@@ -119,13 +119,14 @@ def mistral(batch: int, seq: int, n_layer: int = 2):
 
 def jamba(batch: int, seq: int, n_layer: int = 4):
     """JambaForCausalLM: Mamba layers with an attention layer among them (here the third of
-    four), two classes of layer in one list; dense MLPs (one expert)."""
+    four), two classes of layer in one list. Dense feed-forwards (one expert): transformers
+    runs experts through torch's grouped_mm, whose meta kernel takes bf16 only, and the zoo
+    profiles fp32 on meta too (the library's 16 experts: docs/runtime.md, "Layout")."""
     from transformers import JambaConfig, JambaForCausalLM
     return _causal(JambaConfig, JambaForCausalLM, batch, seq, hidden_size=HIDDEN,
                    intermediate_size=FFN, num_hidden_layers=n_layer, num_attention_heads=HEADS,
                    num_key_value_heads=2, num_experts=1, attn_layer_period=n_layer,
-                   attn_layer_offset=2, mamba_d_state=8, mamba_expand=2, mamba_dt_rank=8,
-                   use_mamba_kernels=False, attention_dropout=P)
+                   attn_layer_offset=2, mamba_d_state=8, mamba_dt_rank=8, attention_dropout=P)
 
 
 def qwen2(batch: int, seq: int, n_layer: int = 2):

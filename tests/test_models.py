@@ -123,7 +123,9 @@ ZOO_SET = {"vocab_size", "hidden_size", "n_embd", "d_model", "d_kv", "d_ff", "he
            "max_position_embeddings", "n_positions", "image_size", "patch_size",
            "pooler_output_size", "attention_dropout", "hidden_dropout", "resid_pdrop",
            "embd_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob",
-           "bos_token_id", "eos_token_id", "decoder_start_token_id", "id2label", "label2id"}
+           "bos_token_id", "eos_token_id", "decoder_start_token_id", "id2label", "label2id",
+           "mamba_d_state", "mamba_dt_rank", "attn_layer_period", "attn_layer_offset",
+           "num_experts"}     # Jamba: experts need bf16 on meta (examples/hf_models.py)
 
 
 def test_zoo_factories_keep_the_librarys_defaults():
