@@ -36,9 +36,32 @@ def _register():
 _register()
 
 
+def _grouped_mm(a, b, out) -> int:
+    """Grouped matmul (``aten._grouped_mm``: a mixture of experts' feed-forwards): tokens
+    (T, K) x experts (G, K, N) -> (T, N), each token through one expert; batched (G, M, K) x
+    (G, K, N); or (M, K) x (K, N) with K split into groups -> (G, M, N)."""
+    if a.dim() == 2 and b.dim() == 2:
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    return 2 * out.numel() * a.shape[-1]
+
+
+# Ops flop_counter has no formula for, by name (some exist only once a library registers
+# them). Without them a mixture of experts counted 0 FLOPs in its experts: Mixtral's block
+# 47 GFLOP of at least 404 (attention only), so estimated times were far too short.
+_BY_NAME = {
+    "aten::_grouped_mm": lambda args, out: _grouped_mm(args[0], args[1], out),
+    # transformers' own op where torch's grouped_mm cannot run (a loop of mm inside)
+    "transformers::grouped_mm_fallback": lambda args, out: _grouped_mm(args[0], args[1], out),
+    # its backward: the input's and the weights' gradients, two matmuls of the forward's size
+    "transformers::grouped_mm_fallback_backward":
+        lambda args, out: 2 * _grouped_mm(args[0], args[1], out[0]),
+}
+
+
 def op_flops(func, args, kwargs, out) -> int:
     """FLOPs of one aten call, by the formulas of ``torch.utils.flop_counter`` (0 if none)."""
     formula = fc.flop_registry.get(func._overloadpacket)
     if formula is None:
-        return 0
+        named = _BY_NAME.get(getattr(func._overloadpacket, "_qualified_op_name", ""))
+        return 0 if named is None else int(named(args, out))
     return int(formula(*args, **(kwargs or {}), out_val=out))

@@ -116,7 +116,7 @@ class _TargetAttention(TorchFunctionMode):
             return func(*args, **kwargs)
         q, k, v, mask, p, causal, scale, gqa = _sdpa_args(*args, **kwargs)
         if self.target == "cuda":
-            kind = self._cuda_choice(q, k, mask)
+            kind = self._cuda_choice(q, k, v, mask)
         else:
             kind = self._cpu_choice(q, k, v, mask, p, causal, scale, gqa)
         self.kernels.add(kind)
@@ -126,12 +126,16 @@ class _TargetAttention(TorchFunctionMode):
             return self._call(kind, q, k, v, mask, p, causal, scale, gqa)
 
     @staticmethod
-    def _cuda_choice(q, k, mask) -> str:
-        # FlashAttention-2 takes fp16/bf16, head dims up to 256 (multiples of 8) and no explicit
-        # mask; otherwise PyTorch uses the memory-efficient kernel (xFormers), which takes fp32
-        # and additive masks. Both save O(s) bytes (output and log-sum-exp), never s^2.
+    def _cuda_choice(q, k, v, mask) -> str:
+        # FlashAttention-2 takes fp16/bf16, one head dim for query, key and value, up to 256
+        # (multiples of 8), and no explicit mask; otherwise PyTorch uses the memory-efficient
+        # kernel (xFormers), which takes fp32, additive masks and a value head dim of its own
+        # (DeepSeek-V3: 192 for query and key, 128 for value; emulated as flash on meta it
+        # gave a 192-wide output and the model's forward failed). Both save O(s) bytes (output
+        # and log-sum-exp), never s^2.
         d = q.shape[-1]
-        if q.dtype in (torch.float16, torch.bfloat16) and d <= 256 and d % 8 == 0 and mask is None:
+        if (q.dtype in (torch.float16, torch.bfloat16) and d <= 256 and d % 8 == 0
+                and mask is None and k.shape[-1] == d and v.shape[-1] == d):
             return "flash"
         return "efficient"
 

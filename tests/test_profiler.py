@@ -380,3 +380,34 @@ def test_adamw_pure_profile_has_no_master():
     assert pure.model["bytes_per_param"] == 8 and mixed.model["bytes_per_param"] == 16
     assert all(u.master_bytes == 0 for u in pure.layers)
     assert sum(u.master_bytes for u in mixed.layers) > 0
+
+
+def test_a_mixture_of_experts_counts_its_experts_flops():
+    """transformers runs experts through ``aten._grouped_mm``, for which flop_counter has no
+    formula: Mixtral's block counted 47 GFLOP of at least 404 (its attention alone), so
+    estimated times were far too short. A tiny Mixtral's block now counts at least its
+    top-2 experts' matmuls forward, and its backward about twice that."""
+    tf = pytest.importorskip("transformers")
+    cfg = tf.MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           num_local_experts=8, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = tf.MixtralForCausalLM(cfg)
+    ids = torch.randint(0, 256, (2, 16))
+    prof = profile_module(model, (ids,), name="mixtral", hardware=CPU, timing="estimate",
+                          batch=2, seq=16)
+    block = prof.layers[1]
+    experts = 2 * 32 * 2 * 3 * 64 * 128         # tokens x top-2 x (gate, up, down) matmuls
+    assert block.fwd_flops >= experts
+    assert 1.8 * block.fwd_flops <= block.bwd_flops <= 2.2 * block.fwd_flops
+
+
+@pytest.mark.parametrize("v_dim,kind", [(192, "flash"), (128, "efficient")])
+def test_flash_is_assumed_only_where_query_key_and_value_share_a_head_dim(v_dim, kind):
+    """DeepSeek-V3's attention has 192-wide queries and keys and 128-wide values; flash
+    (which needs one head dim) emulated on meta gave a 192-wide output and the model's
+    forward failed, blamed on the model."""
+    from planner.profiler import _TargetAttention
+    q = torch.empty(1, 4, 8, 192, dtype=torch.bfloat16, device="meta")
+    v = torch.empty(1, 4, 8, v_dim, dtype=torch.bfloat16, device="meta")
+    assert _TargetAttention._cuda_choice(q, q, v, None) == kind
