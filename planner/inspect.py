@@ -15,7 +15,7 @@ from collections import Counter
 
 from .errors import UserError
 from .formats import Plan, Profile, load_any
-from .sizes import fmt_bytes, fmt_seconds
+from .sizes import fmt_bytes, fmt_rate, fmt_seconds
 from .table import stage_table, unit_table
 
 LINK_NAMES = {"d2h": "D2H", "h2d": "H2D", "duplex": "PCIe both ways", "nvme": "NVMe",
@@ -90,8 +90,8 @@ def render(plan: Plan, sim, source: str, report=None) -> str:
              ""]
     ratio = sim.step_s / sim.compute_s if sim.compute_s else float("nan")
     lines.append(f"step time {fmt_seconds(sim.step_s)} predicted vs {fmt_seconds(sim.compute_s)} "
-                 f"compute-only ({ratio:.3f}x), {sim.flops / sim.step_s / 1e12 if sim.step_s else 0:.1f} "
-                 f"TFLOP/s; pass {fmt_seconds(sim.pass_s)}, optimizer phase "
+                 f"compute-only ({ratio:.3f}x), {fmt_rate(sim.flops, sim.step_s)}; "
+                 f"pass {fmt_seconds(sim.pass_s)}, optimizer phase "
                  f"{fmt_seconds(sim.optimizer_s)}")
     br = time_breakdown(plan, sim)
     extra = sim.step_s - sim.compute_s

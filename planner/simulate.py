@@ -20,7 +20,7 @@ from .errors import UserError
 from .events import Op, Stream
 from .formats import Plan, Tier
 from .schedule import build_schedule, event_ids, segments, shares_of
-from .sizes import fmt_bytes, fmt_seconds
+from .sizes import fmt_bytes, fmt_rate, fmt_seconds
 
 
 class PlanInconsistent(UserError):
@@ -298,7 +298,7 @@ def format_summary(plan: Plan, r: SimResult, source: str = "plan") -> str:
     lines.append(f"  pass {fmt_seconds(r.pass_s)}"
                  + (f" (later passes {fmt_seconds(r.rest_pass_s)})" if r.rest_pass_s != r.pass_s else "")
                  + f"   optimizer phase {fmt_seconds(r.optimizer_s)}   "
-                 f"{r.flops / r.step_s / 1e12 if r.step_s else 0:.1f} TFLOP/s")
+                 f"{fmt_rate(r.flops, r.step_s)}")
     for tier in TIERS:
         peak, budget = getattr(r, f"peak_{tier}_bytes"), r.budgets[f"{tier}_bytes"]
         ok = "ok" if peak <= budget else "OVER"

@@ -37,7 +37,7 @@ from .formats import (Activation, Budgets, Home, LayerDecision, Plan, Policy, Pr
                       SolverRecord, Tier, load_profile, write_json_atomic)
 from .milp import GB, Model, Options
 from .plans import cost_model, plan_and_sim
-from .sizes import fmt_bytes, fmt_seconds, parse_size
+from .sizes import fmt_bytes, fmt_rate, fmt_seconds, parse_size
 
 STREAM_MODES = ("auto", "on", "off")
 # The MILP's rows bound memory in GB with the solvers' feasibility tolerance (1e-6 on the row,
@@ -531,7 +531,7 @@ def summary_line(plan: Plan) -> str:
         tail += (f"; per rank of {plan.world_size} ({plan.engine}, {plan.ranks_per_node} per "
                  "node; host and NVMe budgets per node)")
     return (f"{plan.policy} ({plan.solver.origin}): step {fmt_seconds(p.step_s)} = {ratio:.3f}x "
-            f"compute-only ({fmt_seconds(p.compute_s)}), {p.tflops:.1f} TFLOP/s; peaks GPU "
+            f"compute-only ({fmt_seconds(p.compute_s)}), {fmt_rate(p.flops, p.step_s)}; peaks GPU "
             f"{fmt_bytes(p.peak_gpu_bytes)} / {fmt_bytes(b.gpu_bytes)}, host "
             f"{fmt_bytes(p.peak_cpu_bytes)} / {fmt_bytes(b.cpu_bytes)}, NVMe "
             f"{fmt_bytes(p.peak_nvme_bytes)} / {fmt_bytes(b.nvme_bytes)}{tail}")
