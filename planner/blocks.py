@@ -390,35 +390,45 @@ class _Detector:
     def _bridge(self, kids: list[int], runs: list[list[int]]) -> list[list[int]]:
         """Runs of one container's items with items of other classes between them are one
         stack: what lies between joins them when each item there is of the same container,
-        fed by the one before (``_link`` with any class), and holds at least
-        ``BRIDGE_SHARE`` of the lightest member's weight. Why: Jamba's model.layers holds
+        in no other run, fed by the one before (``_link`` with any class), and holds at least
+        ``BRIDGE_SHARE`` of the lightest member of the runs. Why: Jamba's model.layers holds
         Mamba layers with an attention layer after every seven; the attention layers were
         left between the runs as prologues, neither recomputed nor offloaded. A lone item of
-        a run's class joins the same way."""
+        a run's class joins the same way. Runs of containers are left as they are:
+        torchvision's Swin lists Sequential stages with a PatchMerging between each two, and
+        bridged they became one run that ``_expand`` could not split (8 coarse units where
+        each stage's blocks were units)."""
         pos = {k: i for i, k in enumerate(kids)}
-        # a lone item of a run's class in the run's container may join across them too (a
-        # Mamba layer after the attention layer that follows a run)
-        kinds = {(self.container[r[0]], type(self.calls[r[0]].module)) for r in runs}
+        bridging = [r for r in runs
+                    if not isinstance(self.calls[r[0]].module, _container_types())]
+        if not bridging:
+            return runs
+        fixed = [r for r in runs if not any(r is b for b in bridging)]
+        kinds = {(self.container[r[0]], type(self.calls[r[0]].module)) for r in bridging}
         inside = {x for r in runs for x in r}
+        # a lone item of a run's class in the run's container (a Mamba layer after the
+        # attention layer that follows a run)
         lone = [[k] for k in kids if k not in inside
                 and (self.container[k], type(self.calls[k].module)) in kinds]
-        runs = sorted(runs + lone, key=lambda r: pos[r[0]])
-        out = runs[:1]
-        for r in runs[1:]:
+        members = {x for r in bridging + lone for x in r}
+        cands = sorted(bridging + lone, key=lambda r: pos[r[0]])
+        out = cands[:1]
+        for r in cands[1:]:
             prev = out[-1]
             between = kids[pos[prev[-1]] + 1:pos[r[0]]]
             chain = [prev[-1], *between, r[0]]
-            light = min(self.weight(x) for x in prev + r)
-            if (all(self.container[x] == self.container[prev[-1]] for x in between)
+            light = min(self.weight(x) for x in prev + r if x in members)
+            merged = prev + between + r
+            if (light > 0 and not inside.intersection(between)
+                    and all(self.container[x] == self.container[prev[-1]] for x in between)
                     and all(self._link(self.calls[a], self.calls[b], True, any_class=True)
                             for a, b in zip(chain, chain[1:]))
                     and all(self.weight(x) >= BRIDGE_SHARE * light for x in between)
-                    and len({id(self.calls[x].module) for x in prev + between + r})
-                    == len(prev) + len(between) + len(r)):
-                out[-1] = prev + between + r
+                    and len({id(self.calls[x].module) for x in merged}) == len(merged)):
+                out[-1] = merged
             else:
                 out.append(r)
-        return [r for r in out if len(r) >= 2]
+        return sorted([r for r in out if len(r) >= 2] + fixed, key=lambda r: pos[r[0]])
 
     def select(self, kids: list[int], strong: bool) -> list[list[int]]:
         """Runs of blocks among the calls ``kids`` (siblings, in order) and below them."""

@@ -287,7 +287,7 @@ def main(argv=None) -> int:
         print(f"plan: error: {_one_line(str(e))}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt as e:
-        return _stopped(e, args)
+        return _stopped(_caught[0] if _caught else e, args)
     except BrokenPipeError:
         # stdout closed early (plan inspect | head): not an error; keep Python from
         # complaining again when it flushes stdout at exit.

@@ -52,9 +52,10 @@ _BY_NAME = {
     "aten::_grouped_mm": lambda args, out: _grouped_mm(args[0], args[1], out),
     # transformers' own op where torch's grouped_mm cannot run (a loop of mm inside)
     "transformers::grouped_mm_fallback": lambda args, out: _grouped_mm(args[0], args[1], out),
-    # its backward: the input's and the weights' gradients, two matmuls of the forward's size
+    # its backward (input, weight, offs, grad_output): the input's and the weights'
+    # gradients, two matmuls of the forward's size (the forward's output is grad_output's)
     "transformers::grouped_mm_fallback_backward":
-        lambda args, out: 2 * _grouped_mm(args[0], args[1], out[0]),
+        lambda args, out: 2 * _grouped_mm(args[0], args[1], args[3]),
 }
 
 

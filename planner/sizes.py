@@ -87,4 +87,4 @@ def fmt_rate(flops, seconds) -> str:
     """Achieved arithmetic rate (``12.2 TFLOP/s``; GFLOP/s below one TFLOP/s, where a CPU
     host's plans printed "0.0 TFLOP/s")."""
     r = flops / seconds if seconds else 0.0
-    return f"{r / 1e12:.1f} TFLOP/s" if r >= 1e12 or r == 0 else f"{r / 1e9:.1f} GFLOP/s"
+    return f"{r / 1e12:.1f} TFLOP/s" if r >= 0.9995e12 or r == 0 else f"{r / 1e9:.1f} GFLOP/s"

@@ -850,24 +850,25 @@ class _HeldLP:
             self._release(list(self.fixed))
             self.fixed = {}
         start = basis if basis is not None else self.root_basis
-        for names, lo, up in rows:
-            ids = np.fromiter((self.col[n] for n in names), np.int32)
-            h.addRow(lo, up, len(ids), ids, np.ones(len(ids)))
-        if start is not None:
-            # from the parent region's basis, not from whichever region was solved last (the
-            # rows it was solved with taken out again, its basis is no longer one)
-            b = self.hs.HighsBasis()
-            b.col_status = list(start.col_status)
-            b.row_status = list(start.row_status) + [self.hs.HighsBasisStatus.kBasic] * (
-                h.getNumRow() - len(start.row_status))
-            b.valid = True
-            h.setBasis(b)
         try:
+            for names, lo, up in rows:
+                ids = np.fromiter((self.col[n] for n in names), np.int32)
+                h.addRow(lo, up, len(ids), ids, np.ones(len(ids)))
+            if start is not None:
+                # from the parent region's basis, not from whichever region was solved last
+                # (the rows it was solved with taken out again, its basis is no longer one)
+                b = self.hs.HighsBasis()
+                b.col_status = list(start.col_status)
+                b.row_status = list(start.row_status) + [self.hs.HighsBasisStatus.kBasic] * (
+                    h.getNumRow() - len(start.row_status))
+                b.valid = True
+                h.setBasis(b)
             obj, values = self.solve(time_limit, {})
             return obj, values, (h.getBasis() if obj is not None else None)
         finally:
-            n = h.getNumRow()
-            h.deleteRows(len(rows), np.arange(n - len(rows), n, dtype=np.int32))
+            n = h.getNumRow()            # every row past the model's, however this ended
+            if n > self.rows:
+                h.deleteRows(n - self.rows, np.arange(self.rows, n, dtype=np.int32))
 
 
 # LP re-solves the count bound may take: before the polish (one split), and beside HiGHS's

@@ -102,6 +102,46 @@ def test_layers_of_another_class_between_runs_of_one_list_are_blocks_too():
     assert detect(Hybrid(), X) == [f"layers.{i}" for i in range(7)] + ["layers.8", "layers.9"]
 
 
+class _Merge(nn.Module):
+    """A Swin patch merging: halves the width and height, doubles the channels."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.norm, self.reduce = nn.LayerNorm(4 * d), nn.Linear(4 * d, 2 * d, bias=False)
+
+    def forward(self, x):
+        x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]],
+                      -1)
+        return self.reduce(self.norm(x))
+
+
+class SwinLike(nn.Module):
+    """torchvision's Swin layout: ``features`` lists a Sequential patch embedding, then
+    Sequential stages of blocks with a patch merging between each two. The later stages'
+    blocks are units, not the stages bridged into one run by the mergings (a review found
+    8 coarse units)."""
+
+    def __init__(self, d=8, depths=(2, 2, 4)):
+        super().__init__()
+        layers = [nn.Sequential(nn.Linear(3, d), nn.LayerNorm(d))]
+        for i, n in enumerate(depths):
+            layers.append(nn.Sequential(*[zm.Block(d, 4 * d) for _ in range(n)]))
+            if i < len(depths) - 1:
+                layers.append(_Merge(d))
+                d *= 2
+        self.features = nn.Sequential(*layers)
+        self.out = nn.Linear(d, 1)
+
+    def forward(self, x):
+        return self.out(self.features(x)).sum()
+
+
+def test_stages_of_blocks_between_mergings_give_their_blocks():
+    names = detect(SwinLike(), (torch.randn(2, 8, 8, 3),))
+    assert names[-6:] == ["features.3.0", "features.3.1", "features.5.0", "features.5.1",
+                          "features.5.2", "features.5.3"]
+
+
 def test_blocks_need_no_container():
     assert detect(Attrs(), X) == ["first", "second", "third"]
 

@@ -411,3 +411,17 @@ def test_flash_is_assumed_only_where_query_key_and_value_share_a_head_dim(v_dim,
     q = torch.empty(1, 4, 8, 192, dtype=torch.bfloat16, device="meta")
     v = torch.empty(1, 4, 8, v_dim, dtype=torch.bfloat16, device="meta")
     assert _TargetAttention._cuda_choice(q, q, v, None) == kind
+
+
+def test_grouped_matmul_flops_in_every_layout():
+    """``planner.flops``'s grouped matmul: tokens through one expert each (2D x 3D), batched
+    (3D x 3D), groups along K (2D x 2D), and transformers' fallback backward (two matmuls
+    of the forward's size; a review found it used the input gradient's shape for N)."""
+    from planner.flops import _BY_NAME, _grouped_mm
+    S, K, N, G = 64, 32, 96, 4
+    e = torch.empty
+    assert _grouped_mm(e(S, K), e(G, K, N), e(S, N)) == 2 * S * K * N
+    assert _grouped_mm(e(G, S, K), e(G, K, N), e(G, S, N)) == 2 * G * S * K * N
+    assert _grouped_mm(e(S, K), e(K, N), e(G, S, N)) == 2 * S * K * N
+    backward = _BY_NAME["transformers::grouped_mm_fallback_backward"]
+    assert backward((e(S, K), e(G, K, N), e(G), e(S, N)), (e(S, K), e(G, K, N))) == 4 * S * K * N
