@@ -10,6 +10,8 @@ exactly the formulas ``FlopCounterMode`` would.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils import flop_counter as fc
 
@@ -31,31 +33,41 @@ def _register():
             # The CPU flash backward recomputes the score matrix like the CUDA one, so it costs
             # the same five matmuls flop_counter charges the CUDA kernels.
             return fc.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+    # Without this a mixture of experts counted 0 FLOPs in its experts: Mixtral's block 47
+    # GFLOP of 408 (its attention alone), so estimated times were far too short.
+    grouped = getattr(aten, "_grouped_mm", None)
+    if grouped is not None and grouped not in fc.flop_registry:
+        @fc.register_flop_formula(grouped)
+        def _grouped_fwd(a_shape, b_shape, *args, out_shape=None, **kw):
+            return _grouped_mm(a_shape, b_shape, out_shape)
 
 
 _register()
 
 
 def _grouped_mm(a, b, out) -> int:
-    """Grouped matmul (``aten._grouped_mm``: a mixture of experts' feed-forwards): tokens
-    (T, K) x experts (G, K, N) -> (T, N), each token through one expert; batched (G, M, K) x
-    (G, K, N); or (M, K) x (K, N) with K split into groups -> (G, M, N)."""
-    if a.dim() == 2 and b.dim() == 2:
-        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
-    return 2 * out.numel() * a.shape[-1]
+    """FLOPs of a grouped matmul, from the shapes of its operands and output (how a mixture
+    of experts runs its feed-forwards): tokens (T, K) x experts (G, K, N) -> (T, N), each
+    token through one expert; batched (G, M, K) x (G, K, N); or (M, K) x (K, N) with K split
+    into groups -> (G, M, N)."""
+    if len(a) == 2 and len(b) == 2:
+        return 2 * a[0] * a[1] * b[1]
+    return 2 * math.prod(out) * a[-1]
 
 
-# Ops flop_counter has no formula for, by name (some exist only once a library registers
-# them). Without them a mixture of experts counted 0 FLOPs in its experts: Mixtral's block
-# 47 GFLOP of at least 404 (attention only), so estimated times were far too short.
+def _shape(t):
+    return tuple(t.shape)
+
+
+# transformers' own grouped matmul (where torch's cannot run) and its backward, by name: they
+# exist only once transformers registers them, so they cannot join flop_counter's table here
 _BY_NAME = {
-    "aten::_grouped_mm": lambda args, out: _grouped_mm(args[0], args[1], out),
-    # transformers' own op where torch's grouped_mm cannot run (a loop of mm inside)
-    "transformers::grouped_mm_fallback": lambda args, out: _grouped_mm(args[0], args[1], out),
-    # its backward (input, weight, offs, grad_output): the input's and the weights'
-    # gradients, two matmuls of the forward's size (the forward's output is grad_output's)
+    "transformers::grouped_mm_fallback":
+        lambda args, out: _grouped_mm(_shape(args[0]), _shape(args[1]), _shape(out)),
+    # (input, weight, offs, grad_output): the input's and the weights' gradients, two matmuls
+    # of the forward's size (the forward's output is grad_output's)
     "transformers::grouped_mm_fallback_backward":
-        lambda args, out: 2 * _grouped_mm(args[0], args[1], args[3]),
+        lambda args, out: 2 * _grouped_mm(_shape(args[0]), _shape(args[1]), _shape(args[3])),
 }
 
 

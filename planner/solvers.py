@@ -352,22 +352,6 @@ def _child(fn, fd: int) -> None:
         os._exit(0)
 
 
-def _read_until(fd: int, deadline: float | None) -> bytes | None:
-    """Everything written to pipe ``fd`` until its writer closes it; ``None`` when the
-    deadline (``time.monotonic()``) comes first."""
-    import select
-    chunks = []
-    while True:
-        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ready, _, _ = select.select([fd], [], [], wait)
-        if not ready:
-            return None
-        chunk = os.read(fd, 1 << 20)
-        if not chunk:
-            return b"".join(chunks)
-        chunks.append(chunk)
-
-
 def _spawn(fn, nice: int = 0) -> tuple[int, int]:
     """``fn()`` in a forked child (``_child``) at ``nice`` more niceness: (its pid, the pipe
     it answers on)."""
@@ -416,13 +400,7 @@ def _in_child(fn, hard_s: float | None):
     be killed: the caller then keeps the plan it already has. ``os.fork``, not
     ``multiprocessing``: this may run inside a pool's daemonic worker, which may not have
     multiprocessing children."""
-    pid, r = _spawn(fn)
-    data = None
-    try:
-        data = _read_until(r, None if hard_s is None else time.monotonic() + hard_s)
-    finally:
-        _reap(pid, r)
-    return None if data is None else _answer(data)
+    return _race(fn, None, hard_s, lambda _: False, nice=0)[0]
 
 
 # niceness added to the whole search in a ``_race``
@@ -1220,13 +1198,10 @@ def _guarded(search, model: Model, held: "_HeldLP", lp: dict, values: dict, obj:
     if not (_fork_available() and _big_mip(model)):
         return run()
     hard = None if time_limit is None else time_limit + max(2.0, 0.1 * time_limit)
+    meanwhile = None if prove is None else (lambda poll: prove(time_limit, poll))
     try:
-        if prove is None:
-            got = _in_child(run, hard)
-        else:
-            got, proven = _race(run, None, hard, lambda plan: plan is not None,
-                                meanwhile=lambda poll: prove(time_limit, poll), nice=0)
-            got = proven if got is None else got
+        got, proven = _race(run, None, hard, lambda plan: plan is not None, meanwhile, nice=0)
+        got = proven if got is None else got
     except pulp.PulpSolverError:
         got = None
     return (values, obj) if got is None else got
@@ -1352,6 +1327,10 @@ def _dive(model: Model, solver: str, time_limit, gap: float, incumbent: float | 
                 def left():              # of the polish's share
                     return None if polish_limit is None else \
                         polish_limit - (time.perf_counter() - t_pol)
+
+                def count_bound(b, o):   # on every count, from bound b, to prove plan o
+                    return lambda limit, stop: _count_bound(model, held, lp, b, o * (1 - gap),
+                                                            limit, stop=stop)
                 # the count bound first, on the home counts, a few LPs (0.1-0.4 s on
                 # gpt2-xl), after which the polish has less to find (gpt2-xl at a quarter of
                 # its activations: polish 0.58 s -> 0.16 s, plan solve 3.2 s -> 2.8 s)
@@ -1364,10 +1343,7 @@ def _dive(model: Model, solver: str, time_limit, gap: float, incumbent: float | 
                     # finds nothing (gpt2-xl at 38.45G: 0.5 s, where the polish took 1.8 s
                     # and the count bound after it 0.5 s more)
                     proof = None if bound is None else _Rival(
-                        None, bound, gap, model.ts,
-                        lambda limit, stop, b=bound, o=obj: _count_bound(
-                            model, held, lp, b, o * (1 - gap), limit, stop=stop),
-                        (cur, obj))
+                        None, bound, gap, model.ts, count_bound(bound, obj), (cur, obj))
                     cur, obj = _guarded(_polish, model, held, lp, cur, obj, bound, gap, left(),
                                         prove=None if proof is None else proof.prove)
                     if proof is not None:
@@ -1377,10 +1353,7 @@ def _dive(model: Model, solver: str, time_limit, gap: float, incumbent: float | 
                     plan, plan_obj, b = cur, obj, bound
                     model.rival = _Rival(lambda limit: _rins(model, held, lp, plan, plan_obj,
                                                              b, gap, limit),
-                                         bound, gap, model.ts,
-                                         lambda limit, stop: _count_bound(
-                                             model, held, lp, b, plan_obj * (1 - gap), limit,
-                                             stop=stop),
+                                         bound, gap, model.ts, count_bound(b, plan_obj),
                                          (plan, plan_obj))
             if obj is not None:
                 return bound, cur, obj

@@ -420,8 +420,8 @@ def test_grouped_matmul_flops_in_every_layout():
     from planner.flops import _BY_NAME, _grouped_mm
     S, K, N, G = 64, 32, 96, 4
     e = torch.empty
-    assert _grouped_mm(e(S, K), e(G, K, N), e(S, N)) == 2 * S * K * N
-    assert _grouped_mm(e(G, S, K), e(G, K, N), e(G, S, N)) == 2 * G * S * K * N
-    assert _grouped_mm(e(S, K), e(K, N), e(G, S, N)) == 2 * S * K * N
+    assert _grouped_mm((S, K), (G, K, N), (S, N)) == 2 * S * K * N
+    assert _grouped_mm((G, S, K), (G, K, N), (G, S, N)) == 2 * G * S * K * N
+    assert _grouped_mm((S, K), (K, N), (G, S, N)) == 2 * S * K * N
     backward = _BY_NAME["transformers::grouped_mm_fallback_backward"]
     assert backward((e(S, K), e(G, K, N), e(G), e(S, N)), (e(S, K), e(G, K, N))) == 4 * S * K * N
