@@ -89,21 +89,27 @@ def test_a_measured_profile_records_its_spread_and_repeats():
 
 
 def test_a_busy_core_makes_the_profile_say_its_timings_are_unreliable(capsys, tmp_path):
-    """gpt-tiny at batch 8, sequence 128, profiled while another process keeps one core busy:
-    the profile is marked unreliable and the CLI says why on stderr (exit 0)."""
+    """gpt-tiny at batch 8, sequence 128, profiled while other processes keep every core busy:
+    the profile is marked unreliable and the CLI says why on stderr (exit 0). One busy loop per
+    core, each running before the profile starts: a single loop that was still starting, or that
+    the scheduler starved beside our threads, once left too little load to see (CI, stop 22)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count())      # no idle core for the busy loop to use
-    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    torch.set_num_threads(os.cpu_count())      # no idle core for the busy loops to use
+    hogs = [subprocess.Popen([sys.executable, "-c", "print('up', flush=True)\nwhile True: pass"],
+                             stdout=subprocess.PIPE, text=True) for _ in range(os.cpu_count())]
     try:
+        assert all(h.stdout.readline() == "up\n" for h in hogs)
         out = tmp_path / "p.json"
         assert main(["profile", "gpt-tiny", "--batch", "8", "--seq", "128", "--dtype", "fp32",
                      "--device", "cpu", "--repeats", "2", "-o", str(out)]) == 0
     finally:
-        hog.kill()
-        hog.wait()
+        for h in hogs:
+            h.kill()
+            h.wait()
+            h.stdout.close()
         torch.set_num_threads(threads)
     err = capsys.readouterr().err
-    assert "plan: warning: timings unreliable: other processes used" in err
+    assert "plan: warning: timings unreliable: other processes used" in err, err
     from planner.formats import load_profile
     q = load_profile(out).model["timing_quality"]
     assert q["other_load_cpus"] >= P.LOAD_CPUS and not q["reliable"]
