@@ -236,6 +236,30 @@ def meta_scalar(func, args):
     return None
 
 
+def run_op(func, args, kwargs):
+    """``func(*args, **kwargs)``, also where torch's meta kernel takes fewer dtypes than the
+    real ones.
+
+    NB: the meta kernel of ``aten._grouped_mm`` (how transformers runs a mixture of experts)
+    takes bf16 only, as the CUDA kernel does; the CPU kernel also takes fp32 and fp16, so a
+    Mixtral built as ``from_config`` gives it (fp32) could not be profiled on meta. Such a
+    call runs on bf16 stand-ins and its output comes back in the dtype asked for: the same
+    shape, and a meta tensor has no values to round.
+    """
+    import torch
+    grouped = getattr(torch.ops.aten, "_grouped_mm", None)
+    if grouped is not None and func is grouped.default and len(args) >= 2 \
+            and args[0].device.type == "meta" and args[0].dtype != torch.bfloat16 \
+            and args[0].is_floating_point() and args[1].dtype == args[0].dtype:
+        dtype = kwargs.get("out_dtype") or args[0].dtype
+        args = [a.to(torch.bfloat16) if i in (0, 1, 3) and isinstance(a, torch.Tensor) else a
+                for i, a in enumerate(args)]
+        kwargs = {k: v.to(torch.bfloat16) if k == "bias" and isinstance(v, torch.Tensor)
+                  else v for k, v in kwargs.items() if k != "out_dtype"}
+        return func(*args, **kwargs).to(dtype)
+    return func(*args, **kwargs)
+
+
 # ----------------------------------------------------------------------------- the call tree
 
 @dataclasses.dataclass(eq=False)
@@ -296,7 +320,7 @@ def trace_calls(model, run) -> list[Call]:
             v = meta_scalar(func, args)
             if v is not None:
                 return v
-            out = func(*args, **kwargs)
+            out = run_op(func, args, kwargs)
             if stack:
                 calls[stack[-1]].flops += op_flops(func, args, kwargs, out)
             return out

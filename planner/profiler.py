@@ -50,7 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .blocks import (StateSnapshot, detect_blocks, hidden_location, hidden_of, identity_hash,
-                     input_table, meta_scalar, param_table, same_tensor, state_tensor_bytes,
+                     input_table, meta_scalar, param_table, run_op, same_tensor, state_tensor_bytes,
                      structure_hash)
 from .errors import UserError
 from .flops import op_flops
@@ -268,7 +268,7 @@ class _Tracker(TorchDispatchMode):
         value = meta_scalar(func, args)     # a meta tensor asked for a Python number
         if value is not None:
             return value
-        out = func(*args, **kwargs)
+        out = run_op(func, args, kwargs)    # on meta, also in dtypes its meta kernel refuses
         if self.cpu_on_meta and func is aten.native_layer_norm.default \
                 and args[0].dtype in (torch.float16, torch.bfloat16):
             # The meta kernel returns mean/rstd in fp32, as the CUDA kernel does; the CPU
@@ -566,7 +566,7 @@ def _user_code(name: str, what: str, fn, *args, meta: bool = False):
     except Exception as e:   # noqa: BLE001 -- the model is user code
         msg = (str(e).strip().splitlines() or [""])[0][:200]
         # another dtype too: some of torch's meta kernels take fewer dtypes than the real
-        # ones (grouped_mm: bf16 only, which stops transformers' Mixtral in fp32)
+        # ones (grouped_mm's is run on stand-ins, see blocks.run_op; others may be so too)
         hint = ("fix the model, or if it only fails on meta profile it with --device cpu or "
                 "another --dtype" if meta else "fix the model or its inputs")
         raise UserError(f"model '{name}': its {what} raised {type(e).__name__}: {msg}; {hint}"

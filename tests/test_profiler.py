@@ -1,5 +1,6 @@
 """The profiler: exact FLOPs and bytes, meta == cpu, saved bytes against saved_tensors_hooks,
 static state, dedup of identical blocks, the CLI's errors."""
+import dataclasses
 import json
 import resource
 import subprocess
@@ -400,6 +401,29 @@ def test_a_mixture_of_experts_counts_its_experts_flops():
     experts = 2 * 32 * 2 * 3 * 64 * 128         # tokens x top-2 x (gate, up, down) matmuls
     assert block.fwd_flops >= experts
     assert 1.8 * block.fwd_flops <= block.bwd_flops <= 2.2 * block.fwd_flops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_mixture_of_experts_in_fp32_profiles_on_meta_as_on_the_cpu(dtype):
+    """torch's meta kernel of ``aten._grouped_mm`` takes bf16 only (the CPU kernel also fp32
+    and fp16), so a Mixtral as from_config builds it (fp32) could not be profiled on meta. On
+    meta it now runs on bf16 stand-ins: every unit's bytes and FLOPs are those of the same model
+    profiled on the CPU."""
+    tf = pytest.importorskip("transformers")
+    cfg = tf.MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           num_local_experts=8, num_experts_per_tok=2)
+    profiles = []
+    for device in ("cpu", "meta"):
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = tf.MixtralForCausalLM(cfg).to(dtype)
+        ids = torch.randint(0, 256, (2, 16), device=device)
+        profiles.append(profile_module(model, (ids,), name="mixtral", hardware=CPU,
+                                       timing="estimate", batch=2, seq=16))
+    cpu, meta = ([dataclasses.replace(u, fwd_s=0.0, bwd_s=0.0) for u in p.layers]
+                 for p in profiles)
+    assert meta == cpu and meta[1].fwd_flops > 0 and meta[1].saved_bytes > 0
 
 
 @pytest.mark.parametrize("v_dim,kind", [(192, "flash"), (128, "efficient")])
