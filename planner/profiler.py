@@ -457,23 +457,46 @@ class _Repeats:
         return all(_spread(xs) <= STABLE_SPREAD for xs in lists if xs)
 
 
+PROC_STAT = "/proc/stat"
+
+
+def usable_cpus() -> set[int]:
+    """The CPUs this process may run on (``os.cpu_count()`` counts the whole machine's)."""
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return set(range(os.cpu_count() or 1))
+
+
 class _LoadMeter:
     """CPU time other processes used (and the hypervisor stole) while we measured, in CPUs:
-    /proc/stat's busy time of every CPU less this process's own. ``None`` where /proc/stat
-    cannot be read."""
+    /proc/stat's busy time of the CPUs this process may run on, less this process's own.
+    ``None`` where /proc/stat cannot be read."""
 
     def __init__(self):
         self.start = self._read()
 
     @staticmethod
     def _read():
+        # Only the CPUs this process may run on (taskset, a container's cpuset): others' work
+        # elsewhere does not touch our timings.
+        # Where /proc/stat has no line per CPU, its first line (all CPUs) is used.
+        mine = {f"cpu{i}" for i in usable_cpus()}
+        busy = {}
         try:
-            with open("/proc/stat") as f:
-                fields = f.readline().split()[1:]
-        except OSError:
+            with open(PROC_STAT) as f:
+                for line in f:
+                    fields = line.split()
+                    if fields and (fields[0] in mine or fields[0] == "cpu"):
+                        # user nice system idle iowait irq softirq steal (guest is inside user)
+                        busy[fields[0]] = sum(int(x) for i, x in enumerate(fields[1:9])
+                                              if i not in (3, 4))
+        except (OSError, ValueError):
             return None
-        # user nice system idle iowait irq softirq steal (guest time is inside user)
-        busy = sum(int(x) for i, x in enumerate(fields[:8]) if i not in (3, 4))
+        total = busy.pop("cpu", None)
+        busy = sum(busy.values()) if busy else total
+        if busy is None:
+            return None
         t = os.times()
         return busy / os.sysconf("SC_CLK_TCK"), t.user + t.system, time.perf_counter()
 
@@ -1121,7 +1144,7 @@ def _timing_quality(records, spreads, ratios, repeats, load, threads=None) -> di
             and f * secs[n][0] + b * secs[n][1] >= WIDE_SHARE * step]
     odd = {n: [round(m, 2), round(f, 2)] for n, (m, f) in ratios.items()
            if not f / RATIO_FACTOR <= m <= f * RATIO_FACTOR}
-    cpus = os.cpu_count() or 1
+    cpus = len(usable_cpus())
     threads = threads or torch.get_num_threads()
     idle = max(0, cpus - threads)          # cores our threads leave to others
     warnings = []

@@ -44,6 +44,27 @@ def test_load_meter_counts_other_processes(monkeypatch):
     assert P._LoadMeter().other_cpus() is None
 
 
+def test_load_meter_reads_only_the_cpus_this_process_may_use(monkeypatch, tmp_path):
+    """Under taskset or a container's cpuset, work on the machine's other CPUs does not touch
+    our timings: only the lines of the CPUs in our affinity count (the first line, all CPUs,
+    where /proc/stat has no line per CPU)."""
+    stat = tmp_path / "stat"
+    #           user nice system idle iowait irq softirq steal guest
+    stat.write_text("cpu  700 0 0 9 9 0 0 0 0\n"
+                    "cpu0 100 0 10 9 9 0 0 1 0\n"
+                    "cpu1 500 0 0 9 9 0 0 0 0\n"
+                    "cpu2 80 0 0 9 9 5 4 0 0\n"
+                    "intr 123 4 5\n")
+    monkeypatch.setattr(P, "PROC_STAT", str(stat))
+    monkeypatch.setattr(P, "usable_cpus", lambda: {0, 2})
+    tick = os.sysconf("SC_CLK_TCK")
+    assert P._LoadMeter._read()[0] == pytest.approx((111 + 89) / tick)
+    stat.write_text("cpu  700 0 0 9 9 0 0 0 0\n")
+    assert P._LoadMeter._read()[0] == pytest.approx(700 / tick)
+    stat.write_text("intr 123 4 5\n")
+    assert P._LoadMeter._read() is None
+
+
 def _rec(name, fwd_s, bwd_s, fwd_flops=0, bwd_flops=0, samples=5):
     return UnitRecord(name=name, kind="block", param_bytes=0, grad_bytes=0, optimizer_bytes=0,
                       input_bytes=0, output_bytes=0, saved_bytes=0, workspace_bytes=0,
@@ -52,7 +73,7 @@ def _rec(name, fwd_s, bwd_s, fwd_flops=0, bwd_flops=0, samples=5):
 
 
 def test_quality_names_the_units_that_matter(monkeypatch):
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(P, "usable_cpus", lambda: {0, 1})
     recs = [_rec("a", 1.0, 2.0), _rec("b", 0.01, 0.02), _rec("c", 1.0, 2.0)]
     spreads = {"a": [0.40, 0.0], "b": [0.9, 0.9], "c": [0.05, 0.05]}
     q = P._timing_quality(recs, spreads, {}, 5, load=0.0, threads=2)
@@ -94,9 +115,10 @@ def test_a_busy_core_makes_the_profile_say_its_timings_are_unreliable(capsys, tm
     core, each running before the profile starts: a single loop that was still starting, or that
     the scheduler starved beside our threads, once left too little load to see (CI, stop 22)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count())      # no idle core for the busy loops to use
+    cpus = len(P.usable_cpus())
+    torch.set_num_threads(cpus)                # no idle core for the busy loops to use
     hogs = [subprocess.Popen([sys.executable, "-c", "print('up', flush=True)\nwhile True: pass"],
-                             stdout=subprocess.PIPE, text=True) for _ in range(os.cpu_count())]
+                             stdout=subprocess.PIPE, text=True) for _ in range(cpus)]
     try:
         assert all(h.stdout.readline() == "up\n" for h in hogs)
         out = tmp_path / "p.json"
