@@ -133,23 +133,38 @@ class StateSnapshot:
     by reference with their version counter), and ``restore()`` puts them back. A tensor inside
     such an object that was written in place (a preallocated static cache) cannot be put back:
     ``changed_in_place()`` names it. Modules, classes and plain values are left alone.
+
+    With ``module`` (the block about to run), its submodules' plain tensor attributes (neither
+    parameters nor buffers) are state too: RecurrentGemma's recurrent layer starts from
+    ``self.recurrent_states`` and leaves its final state there (``use_cache``, the default),
+    so a replay started from the state the forward left, took another path and saved 82
+    tensors where the forward saved 81. Attributes that are tensors or None are kept by
+    reference; ``restore()`` puts them back and drops tensor attributes added since.
     """
 
     MAX_DEPTH = 6   # DynamicCache -> layers list -> DynamicLayer -> keys: depth 3
 
-    def __init__(self, args=(), kwargs=None):
+    def __init__(self, args=(), kwargs=None, module=None):
         self.objects: list = []    # (obj, dict copy)
         self.lists: list = []      # (list, items)
         self.dicts: list = []      # (dict, items)
         self.tensors: list = []    # (path, tensor, version) of tensors inside state objects
+        self.attrs: list = []      # (module, {name: tensor or None}) of the block's modules
         seen: set = set()
         for i, a in enumerate(args):
             self._visit(a, f"argument {i}", 0, seen, top=True)
         for k, v in (kwargs or {}).items():
             self._visit(v, f"argument '{k}'", 0, seen, top=True)
+        if module is not None:
+            for name, m in module.named_modules():
+                d = _attributes(m)
+                if d:
+                    self.attrs.append((m, d))
+                    self.tensors += [(f"attribute {'.'.join(filter(None, (name, k)))}", t,
+                                      t._version) for k, t in d.items() if t is not None]
 
     def __bool__(self):
-        return bool(self.objects or self.lists or self.dicts)
+        return bool(self.objects or self.lists or self.dicts or self.attrs)
 
     def _visit(self, x, path, depth, seen, top=False):
         if _is_tensor(x):
@@ -181,6 +196,7 @@ class StateSnapshot:
         snap.objects = [(o, dict(vars(o))) for o, _ in self.objects]
         snap.lists = [(lst, list(lst)) for lst, _ in self.lists]
         snap.dicts = [(d, dict(d)) for d, _ in self.dicts]
+        snap.attrs = [(m, _attributes(m)) for m, _ in self.attrs]
         return snap
 
     def restore(self) -> None:
@@ -193,6 +209,11 @@ class StateSnapshot:
         for dct, items in self.dicts:
             dct.clear()
             dct.update(items)
+        for m, d in self.attrs:
+            state = vars(m)
+            for k in [k for k, v in state.items() if _is_tensor(v) and k not in d]:
+                del state[k]
+            state.update(d)
 
     def changed_in_place(self) -> str | None:
         """The path of the first tensor inside a state object written in place since the
@@ -201,6 +222,12 @@ class StateSnapshot:
             if t._version != v:
                 return path
         return None
+
+
+def _attributes(m) -> dict:
+    """A module's plain attributes that are tensors or None (its parameters and buffers live
+    in ``_parameters`` and ``_buffers``, not here)."""
+    return {k: v for k, v in vars(m).items() if v is None or _is_tensor(v)}
 
 
 def state_tensor_bytes(args, kwargs) -> int:

@@ -72,7 +72,7 @@ class CallState:
 
     def __init__(self, name: str, block: torch.nn.Module, args, kwargs, loc=None):
         self.name = name
-        self.before = StateSnapshot(args, kwargs)
+        self.before = StateSnapshot(args, kwargs, module=block)
         self.block = block
         # Its side arguments (masks, position tensors) with their version counters: one written
         # in place after the forward would make the replay compute something else.

@@ -261,6 +261,38 @@ def test_state_snapshot_puts_caches_back():
     assert snap.changed_in_place() == "argument 'cache' (Cache) (Layer)"
 
 
+class Recurrent(nn.Module):
+    """Starts from ``self.state`` and leaves its final state there, as RecurrentGemma's RG-LRU
+    does with use_cache on."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.state = torch.zeros(4)
+
+    def forward(self, x):
+        y = self.lin(x) + self.state
+        self.state = y.detach()[-1]
+        self.extra = y.detach()
+        return y
+
+
+def test_state_snapshot_puts_a_blocks_tensor_attributes_back():
+    block = nn.Sequential(Recurrent())
+    first = block[0].state
+    snap = StateSnapshot((torch.ones(2, 4),), {}, module=block)
+    block(torch.ones(2, 4))
+    later = snap.now()
+    snap.restore()                          # as before the forward: the state it started from
+    assert block[0].state is first and not hasattr(block[0], "extra")
+    assert "weight" in block[0].lin._parameters     # parameters are not attributes
+    later.restore()                         # as the forward left it
+    assert block[0].state is not first and block[0].extra.shape == (2, 4)
+    assert snap.changed_in_place() is None
+    first.add_(1)                           # written in place: cannot be put back
+    assert snap.changed_in_place() == "attribute 0.state"
+
+
 def test_input_table_names_positional_inputs_by_the_signature():
     model, inputs = zm.raw_mlp(2, 8)
     got = input_table(model.forward, (inputs["x"],), {"target": inputs["target"]})

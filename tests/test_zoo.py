@@ -43,6 +43,7 @@ EXPECTED = {
     "gemma": (2, "model.layers.0", "model.layers.1"),
     "nanochat": (2, "model.layers.0", "model.layers.1"),
     "jamba": (4, "model.layers.0", "model.layers.3"),
+    "recurrent_gemma": (3, "model.layers.0", "model.layers.2"),
     "bert": (2, "bert.encoder.layer.0", "bert.encoder.layer.1"),
     "t5": (4, "encoder.block.0", "decoder.block.1"),
     "vit": (2, "vit.layers.0", "vit.layers.1"),
@@ -206,9 +207,13 @@ def test_meta_and_cpu_profiles_agree_on_every_byte(name):
     assert [u.name for u in got.layers] == [u.name for u in cpu.layers]
     for a, b in zip(got.layers, cpu.layers):
         for f in ("param_bytes", "grad_bytes", "optimizer_bytes", "input_bytes", "output_bytes",
-                  "saved_bytes", "shared_saved_bytes", "workspace_bytes", "fwd_flops",
-                  "bwd_flops", "shared_from", "tied_to"):
+                  "saved_bytes", "shared_saved_bytes", "fwd_flops", "bwd_flops", "shared_from",
+                  "tied_to"):
             assert getattr(a, f) == getattr(b, f), (a.name, f)
+        # NB: a constant the model makes on the CPU and moves to its device is copied on meta
+        # (as on a GPU) and not on the CPU: RecurrentGemma's attention layer moves an int64
+        # scalar, 8 bytes of workspace on meta only.
+        assert 0 <= a.workspace_bytes - b.workspace_bytes <= 64, (a.name, "workspace_bytes")
     for k in ("blocks", "params", "inputs", "identity", "chain_breaks", "inplace_input"):
         assert got.model[k] == cpu.model[k], k
 
