@@ -732,7 +732,7 @@ def _profile(model, inputs, blockset, *, name, who, hardware, dtype, optimizer, 
                 kinds[key] = bname
                 rep_of[bname] = bname
                 note(index + 1, bname)
-                snap = StateSnapshot(args, kwargs)
+                snap = StateSnapshot(args, kwargs, module=block)
                 out, mutated, needs_grad[key] = _profile_isolated(
                     u, orig, args, kwargs, loc, tracker, device, timing)
                 if mutated:
@@ -913,8 +913,9 @@ def _time_block(u: _Unit, fn, args, kwargs, loc, snap, device, repeats, timing):
     """Forward and backward seconds of one block: a warm-up, then repeats until stable.
 
     Runs outside every profiling mode, so the instrumentation costs nothing here. Before each
-    run the state objects among its arguments (a key/value cache) are put back as the block
-    first found them, so every repeat does the same work.
+    run the state objects among its arguments (a key/value cache) and its modules' tensor
+    attributes (a recurrent state) are put back as the block first found them, so every
+    repeat does the same work.
     """
     def once():
         snap.restore()
