@@ -45,6 +45,11 @@ MIN_RUN_SHARE = 0.05
 # by the one before and holds at least this share of the lightest member's weight (Jamba: an
 # attention layer after every seven Mamba layers, all in model.layers; a norm does not).
 BRIDGE_SHARE = 0.2
+# Items of one class that occur at least twice in a container, outside every run, are members
+# of a stack to bridge when each holds at least this share of the container's heaviest item
+# (Zamba2 with a hybrid layer after every Mamba layer: a Mamba layer holds 19% of a hybrid's
+# FLOPs at hidden 64); a norm or an activation holds well under 1%.
+REPEAT_SHARE = 0.05
 
 
 def _nn():
@@ -441,22 +446,25 @@ class _Detector:
     def _bridge(self, kids: list[int], runs: list[list[int]]) -> list[list[int]]:
         """Runs of one container's items with items of other classes between them are one
         stack: what lies between joins them when each item there is of the same container,
-        in no other run, fed by the one before (``_link`` with any class), and holds at least
+        in no other run, not itself a container (a stage of blocks is expanded, not bridged
+        over), fed by the one before (``_link`` with any class), and holds at least
         ``BRIDGE_SHARE`` of the lightest member of the runs. Why: Jamba's model.layers holds
         Mamba layers with an attention layer after every seven; the attention layers were
         left between the runs as prologues, neither recomputed nor offloaded. A lone item of
-        a run's class joins the same way. Runs of containers are left as they are:
+        a run's class joins the same way, and so do the items of a class repeated in the
+        container (``_repeated``), where classes alternate and there is no run to bridge. Runs of containers are left as they are:
         torchvision's Swin lists Sequential stages with a PatchMerging between each two, and
         bridged they became one run that ``_expand`` could not split (8 coarse units where
         each stage's blocks were units)."""
         pos = {k: i for i, k in enumerate(kids)}
         bridging = [r for r in runs
                     if not isinstance(self.calls[r[0]].module, _container_types())]
-        if not bridging:
-            return runs
         fixed = [r for r in runs if not any(r is b for b in bridging)]
         kinds = {(self.container[r[0]], type(self.calls[r[0]].module)) for r in bridging}
         inside = {x for r in runs for x in r}
+        kinds |= self._repeated(kids, inside)
+        if not kinds:
+            return runs
         # a lone item of a run's class in the run's container (a Mamba layer after the
         # attention layer that follows a run)
         lone = [[k] for k in kids if k not in inside
@@ -472,6 +480,8 @@ class _Detector:
             merged = prev + between + r
             if (light > 0 and not inside.intersection(between)
                     and all(self.container[x] == self.container[prev[-1]] for x in between)
+                    and not any(isinstance(self.calls[x].module, _container_types())
+                                for x in between)
                     and all(self._link(self.calls[a], self.calls[b], True, any_class=True)
                             for a, b in zip(chain, chain[1:]))
                     and all(self.weight(x) >= BRIDGE_SHARE * light for x in between)
@@ -480,6 +490,28 @@ class _Detector:
             else:
                 out.append(r)
         return sorted([r for r in out if len(r) >= 2] + fixed, key=lambda r: pos[r[0]])
+
+    def _repeated(self, kids: list[int], inside: set) -> set:
+        """(container, class) of items outside every run that occur at least twice in one
+        container, each holding at least ``REPEAT_SHARE`` of that container's heaviest item:
+        a stack whose classes alternate has no run of one class to bridge (Zamba2 with a
+        hybrid layer after every Mamba layer: its blocks were the LoRA adapters inside the
+        shared transformer). A norm or activation between Linears is too light to count."""
+        items: dict = {}
+        for k in kids:
+            if self.container[k] is not None and \
+                    not isinstance(self.calls[k].module, _container_types()):
+                items.setdefault(self.container[k], []).append(k)
+        out = set()
+        for cont, ks in items.items():
+            heavy = max(self.weight(k) for k in ks)
+            by_class: dict = {}
+            for k in ks:
+                if k not in inside:
+                    by_class.setdefault(type(self.calls[k].module), []).append(k)
+            out |= {(cont, cls) for cls, got in by_class.items() if len(got) >= 2 and heavy > 0
+                    and all(self.weight(k) >= REPEAT_SHARE * heavy for k in got)}
+        return out
 
     def select(self, kids: list[int], strong: bool) -> list[list[int]]:
         """Runs of blocks among the calls ``kids`` (siblings, in order) and below them."""

@@ -78,8 +78,8 @@ class Mixer(nn.Module):
 
 class Hybrid(nn.Module):
     """One list of layers: three Blocks, a Mixer, three Blocks, a LayerNorm, two Blocks, a
-    Mixer at the end. The Mixer between runs is a block; the norm (a sliver of the FLOPs)
-    and a Mixer after the last run are not."""
+    Mixer at the end. The Mixers are blocks (a class repeated in the list, each as heavy as a
+    Block, fed by the layer before); the norm (a sliver of the FLOPs) is not."""
 
     def __init__(self):
         super().__init__()
@@ -99,7 +99,29 @@ def test_a_container_that_never_runs_is_never_a_block():
 
 
 def test_layers_of_another_class_between_runs_of_one_list_are_blocks_too():
-    assert detect(Hybrid(), X) == [f"layers.{i}" for i in range(7)] + ["layers.8", "layers.9"]
+    assert detect(Hybrid(), X) == [f"layers.{i}" for i in range(7)] + ["layers.8", "layers.9",
+                                                                          "layers.10"]
+
+
+class Alternating(nn.Module):
+    """Zamba2 with a hybrid layer after every Mamba layer: classes alternate, so no two
+    neighbours share one and there is no run to bridge; its blocks were the small adapters
+    inside the shared layer."""
+
+    def __init__(self):
+        super().__init__()
+        B = zm.Block
+        self.layers = nn.ModuleList([B(), Mixer(), B(), Mixer(), B(), Mixer()])
+        self.out = nn.Linear(zm.D, 1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x).sum()
+
+
+def test_layers_whose_classes_alternate_are_blocks():
+    assert detect(Alternating(), X) == [f"layers.{i}" for i in range(6)]
 
 
 class _Merge(nn.Module):
