@@ -46,15 +46,20 @@ def binding(plan: Plan, sim) -> list[str]:
         peak, budget = getattr(sim, f"peak_{tier}_bytes"), plan.budgets.of(tier)
         if not budget:
             continue
-        share = peak / budget
+        # the GPU budget keeps the spec's reserve free: the plan has the rest
+        reserve = int((plan.hardware or {}).get("reserved_bytes") or 0) if tier == "gpu" else 0
+        usable = max(1, budget - reserve)
+        share = peak / usable
+        of = fmt_bytes(budget) + (f" less the spec's reserve {fmt_bytes(reserve)}" if reserve
+                                  else "")
         name = {"gpu": "GPU", "cpu": "host", "nvme": "NVMe"}[tier]
         if share >= 0.99:
-            at = [r for r in sim.stages if r.memory[tier] >= 0.99 * budget]
-            lines.append(f"{name} memory binds: peak {fmt_bytes(peak)} of {fmt_bytes(budget)} "
+            at = [r for r in sim.stages if r.memory[tier] >= 0.99 * usable]
+            lines.append(f"{name} memory binds: peak {fmt_bytes(peak)} of {of} "
                          f"(in {len(at)} stage(s), first {at[0].phase} of {at[0].unit or '-'})")
         elif tier == "gpu":
             lines.append(f"GPU memory does not bind: peak {fmt_bytes(peak)} is {share:.0%} of "
-                         f"{fmt_bytes(budget)}")
+                         f"{of}")
     by = Counter(r.bound for r in sim.stages if r.bound != "compute" and r.phase != "optimizer")
     for res, n in by.most_common():
         lines.append(f"{LINK_NAMES.get(res, res)} sets the duration of {n} stage(s)")

@@ -1,5 +1,6 @@
 """``plan inspect``: per-unit table, where the time above compute-only goes, binding
 constraints, --json, --plot, --report, a profile, and bad input."""
+import dataclasses
 import json
 
 import pytest
@@ -109,6 +110,26 @@ def test_binding_constraints():
     sim = simulate(roomy)
     assert binding(roomy, sim)[0] == (f"GPU memory does not bind: peak {fmt_bytes(sim.peak_gpu_bytes)}"
                                       f" is {sim.peak_gpu_bytes / (80 * GIB):.0%} of 80.00 GiB")
+
+
+def test_binding_counts_the_specs_reserve():
+    """Every GPU budget keeps the spec's reserve free: a plan whose peak fills the rest binds,
+    though its peak is under 99% of the budget itself (on cpu-host, whose reserve is 1 MiB,
+    inspect said 'does not bind: 46%' at --gpu-mem 1.9M). Here a spec with a 20 GiB
+    reserve."""
+    spec = dataclasses.replace(load_hardware("a100-80g"), reserved_bytes=20 * GIB)
+    prof = uniform_profile(N_BLOCKS, spec)
+    layers = _plan({}).layers
+    peak = make_plan(prof, None, spec, Budgets(80 * GIB, 0, 0), "optimal",
+                     layers).predicted.peak_gpu_bytes
+    tight = make_plan(prof, None, spec, Budgets(peak + 20 * GIB, 0, 0), "optimal", layers)
+    assert peak < 0.99 * (peak + 20 * GIB)
+    line = binding(tight, simulate(tight))[0]
+    assert line.startswith("GPU memory binds") and "less the spec's reserve 20.00 GiB" in line
+    roomy = make_plan(prof, None, spec, Budgets(80 * GIB, 0, 0), "optimal", layers)
+    assert binding(roomy, simulate(roomy))[0] == (
+        f"GPU memory does not bind: peak {fmt_bytes(peak)} is {peak / (60 * GIB):.0%} of "
+        "80.00 GiB less the spec's reserve 20.00 GiB")
 
 
 def test_streamed_units_show_their_homes_and_traffic():
