@@ -243,6 +243,29 @@ def t5(batch: int, seq: int, n_layer: int = 2):
     return _seeded(build, make)
 
 
+def whisper(batch: int, seq: int, n_layer: int = 2):
+    """WhisperForConditionalGeneration: a speech encoder (two convolutions, then ``n_layer``
+    blocks, fixed sinusoidal positions that take no gradient) and a decoder of ``n_layer``
+    blocks; dropout 0.1. Inputs: ``input_features`` [batch, 8 mel bins, 2 * seq] (the
+    convolutions halve it to seq positions) and ``labels`` [batch, seq // 2]."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+    mel = 8
+
+    def build():
+        return WhisperForConditionalGeneration(WhisperConfig(
+            vocab_size=VOCAB, num_mel_bins=mel, d_model=HIDDEN, encoder_layers=n_layer,
+            decoder_layers=n_layer, encoder_attention_heads=HEADS, decoder_attention_heads=HEADS,
+            encoder_ffn_dim=FFN, decoder_ffn_dim=FFN, max_source_positions=seq,
+            max_target_positions=max(256, seq), dropout=P, attention_dropout=P,
+            pad_token_id=VOCAB - 1, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1,
+            decoder_start_token_id=VOCAB - 2))
+
+    def make():
+        return {"input_features": torch.randn(batch, mel, 2 * seq),
+                "labels": torch.randint(0, VOCAB - 2, (batch, t5_lengths(seq)))}
+    return _seeded(build, make)
+
+
 def vit_side(seq: int, patch: int = 4) -> int:
     """Image side for about ``seq`` patches of ``patch`` pixels: the ViT factory's image is
     ``patch * round(sqrt(seq))`` pixels square."""
@@ -287,4 +310,4 @@ def available(name: str) -> bool:
 
 
 ZOO = ("gpt2", "llama", "mistral", "qwen2", "phi", "gpt_neox", "opt", "falcon", "gemma",
-       "nanochat", "jamba", "recurrent_gemma", "bert", "t5", "vit")
+       "nanochat", "jamba", "recurrent_gemma", "bert", "t5", "whisper", "vit")

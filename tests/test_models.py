@@ -127,7 +127,11 @@ ZOO_SET = {"vocab_size", "hidden_size", "n_embd", "d_model", "d_kv", "d_ff", "he
            "mamba_d_state", "mamba_dt_rank", "attn_layer_period", "attn_layer_offset",
            "num_experts",     # Jamba: one expert (examples/hf_models.py says why)
            # RecurrentGemma's sizes, and an init scale it derives from the layer count
-           "lru_width", "attention_window_size", "final_w_init_variance_scale"}
+           "lru_width", "attention_window_size", "final_w_init_variance_scale",
+           # Whisper's sizes (encoder and decoder apart), dropout, and its padding token
+           "num_mel_bins", "encoder_layers", "decoder_layers", "encoder_attention_heads",
+           "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim",
+           "max_source_positions", "max_target_positions", "dropout", "pad_token_id"}
 
 
 def test_zoo_factories_keep_the_librarys_defaults():
