@@ -119,14 +119,14 @@ def mistral(batch: int, seq: int, n_layer: int = 2):
 
 def jamba(batch: int, seq: int, n_layer: int = 4):
     """JambaForCausalLM: Mamba layers with an attention layer among them (here the third of
-    four), two classes of layer in one list. Dense feed-forwards (one expert): with the
-    library's 16 experts, offload replays within 7.7e-6 of plain PyTorch after two AdamW steps,
-    not the zoo's 1e-6 (sliced saved tensors; docs/runtime.md, "Layout")."""
+    four), two classes of layer in one list; the library's 16 experts in every other layer
+    (transformers runs them through ``aten._grouped_mm``). Mamba's projections and the experts
+    save slices with gaps, which offload brings back laid out as saved."""
     from transformers import JambaConfig, JambaForCausalLM
     return _causal(JambaConfig, JambaForCausalLM, batch, seq, hidden_size=HIDDEN,
                    intermediate_size=FFN, num_hidden_layers=n_layer, num_attention_heads=HEADS,
-                   num_key_value_heads=2, num_experts=1, attn_layer_period=n_layer,
-                   attn_layer_offset=2, mamba_d_state=8, mamba_dt_rank=8, attention_dropout=P)
+                   num_key_value_heads=2, attn_layer_period=n_layer, attn_layer_offset=2,
+                   mamba_d_state=8, mamba_dt_rank=8, attention_dropout=P)
 
 
 def recurrent_gemma(batch: int, seq: int, n_layer: int = 3):

@@ -75,6 +75,20 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def _gapped(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements leave gaps in memory (a slice of a wider tensor), so that no
+    permutation of a dense tensor has its layout."""
+    if t.is_contiguous() or t.numel() == 0:
+        return False
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+    return not t.permute(order).is_contiguous()
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements from ``t``'s first to one past its last, in its storage."""
+    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+
+
 def _in_memory_order(t: torch.Tensor):
     """(a contiguous tensor of ``t``'s elements, the permutation that gives ``t``'s layout
     back, or None). A non-contiguous saved tensor (a transposed view, a slice) is kept with
@@ -123,13 +137,16 @@ class Slot:
     """One saved tensor of a group."""
 
     __slots__ = ("shape", "perm", "dtype", "nbytes", "offset", "src", "sent", "disk", "host",
-                 "out", "got", "ready", "refs", "read")
+                 "out", "got", "ready", "refs", "read", "layout", "view")
 
-    def __init__(self, t: torch.Tensor, offset: int, perm=None):
+    def __init__(self, t: torch.Tensor, offset: int, perm=None, layout=None):
         # ``t`` is contiguous; ``perm``: the saved tensor is ``t.permute(perm)`` (its
-        # dimensions in their order in memory; ``_in_memory_order``)
+        # dimensions in their order in memory; ``_in_memory_order``); ``layout``: where a
+        # slice with gaps sat in its storage, (storage key, storage offset, shape, stride)
         self.shape, self.dtype = t.shape, t.dtype
         self.perm = perm
+        self.layout = layout
+        self.view = None          # a slice with gaps, back in place (until released)
         self.nbytes = t.numel() * t.element_size()
         self.offset = offset
         self.src = t              # the device tensor, until its last byte has left
@@ -162,6 +179,9 @@ class Group:
         self.futures: list[Future] = []
         self.lock = threading.Lock()
         self.sums = None
+        # slices with gaps, per (storage, dtype): [first element, one past the last, bytes of
+        # the slices, the buffer they come back into, the slots not back in it yet]
+        self.bases: dict = {}
         if tier == "nvme":
             store = mover.nvme_store()
             self.fd, self.path = store.open(label)
@@ -171,8 +191,24 @@ class Group:
 
     # -- registration (while the unit's forward saves tensors)
     def put(self, t: torch.Tensor) -> Slot:
-        src, perm = _in_memory_order(t.detach())
-        s = Slot(src, self.size, perm)
+        t = t.detach()
+        src, perm = _in_memory_order(t)
+        layout = None
+        if _gapped(t):
+            # NB: a slice with gaps (Mamba's in_proj split, an expert's rows) comes back at its
+            # place in a buffer laid out as its storage was, gaps and all, with the other
+            # slices of that storage this group holds: made dense, kernels read it with
+            # another leading dimension and summed in another order (Zamba2's gradients were
+            # 2e-6 off plain PyTorch's after one step under offload). Only its elements move;
+            # the buffer spans at most the storage, which the profile counts for it.
+            key = (t.untyped_storage().data_ptr(), t.dtype)
+            lo, hi = t.storage_offset(), t.storage_offset() + _extent(t)
+            base = self.bases.setdefault(key, [lo, hi, 0, None, 0])
+            base[0], base[1] = min(base[0], lo), max(base[1], hi)
+            base[2] += t.numel() * t.element_size()
+            base[4] += 1
+            layout = (key, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        s = Slot(src, self.size, perm, layout)
         self.size += s.nbytes
         self.slots.append(s)
         self.m.counters.add("act", s.nbytes)
@@ -316,12 +352,14 @@ class Group:
 
     def get(self, s: Slot) -> torch.Tensor:
         """The slot's tensor on the device, whole; fetches what has not come back yet."""
+        if s.view is not None:
+            return s.view
         if s.src is not None and s.got == 0:  # it never fully left: no round trip needed
-            return s.tensor(s.src)
+            return self._placed(s, s.tensor(s.src))
         t0 = time.perf_counter()
         self.wait()
         if s.src is not None:
-            return s.tensor(s.src)
+            return self._placed(s, s.tensor(s.src))
         if s.got < s.nbytes:
             missing = [(s, 0, s.nbytes)] if s.out is None else [(s, s.got, s.nbytes)]
             if self.m.cuda and self.tier == "cpu":
@@ -334,7 +372,28 @@ class Group:
             cur = torch.cuda.current_stream(self.m.device)
             cur.wait_event(s.ready)
             out.record_stream(cur)
-        return s.tensor(out.view(s.dtype))
+        return self._placed(s, s.tensor(out.view(s.dtype)))
+
+    def _placed(self, s: Slot, t: torch.Tensor) -> torch.Tensor:
+        """``t``, or for a slice with gaps (back dense) ``t`` at its place in a buffer laid out
+        as its storage was. The group holds that buffer until every slice of the storage is
+        back in it; then only the slices' own views keep it."""
+        if s.layout is None:
+            return t
+        key, offset, shape, stride = s.layout
+        base = self.bases[key]
+        if base[3] is None:
+            base[3] = torch.empty(base[1] - base[0], dtype=t.dtype, device=t.device)
+            # the gaps are held too, as long as the buffer lives
+            gaps = max(0, base[3].numel() * base[3].element_size() - base[2])
+            self.m.counters.add("act", gaps)
+            weakref.finalize(base[3].untyped_storage(), self.m.counters.add, "act", -gaps)
+        s.view = base[3].as_strided(shape, stride, offset - base[0])
+        s.view.copy_(t)
+        base[4] -= 1
+        if base[4] == 0:
+            base[3] = None
+        return s.view
 
     def _read_sync(self, parts):
         f = self.m.nvme_store().submit(self._read, parts)
@@ -342,6 +401,7 @@ class Group:
 
     def release(self, s: Slot) -> None:
         """The consumer has the tensor; forget it so its memory goes when autograd drops it."""
+        s.view = None
         if s.out is not None:
             s.out = None
             self.m.counters.add("act", -s.nbytes)
@@ -380,7 +440,10 @@ class Group:
         with contextlib.suppress(Exception):   # only waiting matters: its error reached the reader
             self.wait()
         c = self.m.counters
+        for base in self.bases.values():
+            base[3] = None
         for s in self.slots:
+            s.view = None
             if s.out is not None:
                 s.out = None
                 c.add("act", -s.nbytes)

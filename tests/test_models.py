@@ -125,7 +125,6 @@ ZOO_SET = {"vocab_size", "hidden_size", "n_embd", "d_model", "d_kv", "d_ff", "he
            "embd_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob",
            "bos_token_id", "eos_token_id", "decoder_start_token_id", "id2label", "label2id",
            "mamba_d_state", "mamba_dt_rank", "attn_layer_period", "attn_layer_offset",
-           "num_experts",     # Jamba: one expert (examples/hf_models.py says why)
            # RecurrentGemma's sizes, and an init scale it derives from the layer count
            "lru_width", "attention_window_size", "final_w_init_variance_scale",
            # Whisper's sizes (encoder and decoder apart), dropout, and its padding token

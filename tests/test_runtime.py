@@ -88,6 +88,44 @@ def _bins(d: Path):
     return sorted(p for p in d.rglob("*") if p.is_file())
 
 
+def test_slices_with_gaps_come_back_laid_out_as_saved(tmp_path):
+    """Two slices of one projection (Mamba's in_proj split) and a transposed view go to NVMe
+    and come back: the slices at their places in one buffer laid out as their storage was
+    (same strides, same distance apart), the dense view with its own strides; values equal.
+    Made dense, the slices were read with another leading dimension and Zamba2's gradients
+    summed in another order (2e-6 off plain PyTorch's after one step)."""
+    from runtime.offload import Counters, Mover
+    counters = Counters()
+    mover = Mover(torch.device("cpu"), str(tmp_path), counters)
+    g = Group(mover, "nvme", "u")
+    proj = torch.randn(2, 16, 280)
+    a, b = proj[..., :128], proj[..., 128:200]
+    tr = torch.randn(8, 4).t()
+    slots = [g.put(t) for t in (a, b, tr)]
+    assert counters.act == (a.numel() + b.numel() + tr.numel()) * 4
+    g.send(0, g.size)
+    g.wait()
+    assert counters.act == 0
+    g.fetch(0, g.size)
+    got = [g.get(s) for s in slots]
+    for t, x in zip((a, b, tr), got):
+        assert torch.equal(t, x) and x.stride() == t.stride()
+    ga, gb, _ = got
+    assert ga.untyped_storage().data_ptr() == gb.untyped_storage().data_ptr()
+    assert gb.storage_offset() - ga.storage_offset() == 128
+    # held on the device: the slices and the gaps of their buffer (its first element to one
+    # past its last), and the transposed view
+    span = (2 * 16 - 1) * 280 + 200
+    assert counters.act == (span + tr.numel()) * 4
+    assert g.get(slots[0]) is ga                # unpacked again: the same view
+    for s in slots:
+        g.release(s)
+    del got, ga, gb
+    gc.collect()
+    assert counters.act == 0
+    mover.close()
+
+
 @pytest.mark.parametrize("model_name", list(MODELS))
 def test_gradients_and_weights_equal_plain_pytorch(model_name, tmp_path):
     make = MODELS[model_name]
