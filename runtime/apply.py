@@ -221,8 +221,8 @@ class _Offload:
         key = (_storage_ptr(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
         hit = self.keys.get(key)
         if hit is None:
-            # Held until the block's forward ends: its address cannot be reused meanwhile, so
-            # equal keys mean the same bytes.
+            # The group holds the storage until its bytes leave: its address cannot be reused
+            # meanwhile, so equal keys mean the same bytes.
             hit = self.keys[key] = (self.group.put(t), t)
         s = hit[0]
         s.refs += 1

@@ -1,12 +1,15 @@
 """Moving saved activations off the compute device and back, a byte range at a time.
 
 A ``Group`` holds the tensors one unit (or one checkpoint) saved during one forward pass: one
-byte stream, the tensors in the order they were saved. The plan says, stage by stage, which
-share of that stream moves (``send``: out, ``fetch``: back); shares are fractions of the
+byte stream of ``Slot``s, one per storage the saved tensors view, in the order first saved.
+A slot is the storage's bytes from the first any saved view uses to one past the last, gaps
+included, as the profile counts a saved storage: a tensor and slices of it move once, and each
+view (``View``) comes back at its place, with its strides. The plan says, stage by stage,
+which share of that stream moves (``send``: out, ``fetch``: back); shares are fractions of the
 planned bytes applied to the real ones, so a short last batch moves proportionally less. A
-tensor leaves the device when its last byte has gone and comes back (allocated) when its first
-byte arrives; ``get`` returns it whole, fetching on demand what has not come back yet (counted
-as a stall). The runtime decides nothing here.
+slot leaves the device when its last byte has gone and comes back (allocated) when its first
+byte arrives; ``get`` returns a view whole, fetching on demand what has not come back yet
+(counted as a stall). The runtime decides nothing here.
 
 Paths:
 - CPU device (unified memory, spec ``cpu-host``): the I/O thread writes each tensor's own
@@ -75,33 +78,24 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _gapped(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements leave gaps in memory (a slice of a wider tensor), so that no
-    permutation of a dense tensor has its layout."""
-    if t.is_contiguous() or t.numel() == 0:
-        return False
-    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
-    return not t.permute(order).is_contiguous()
+# A slot's first byte is its storage's first saved byte rounded down to this, so that every
+# view's offset within the slot stays a multiple of its element size.
+SLOT_ALIGN = 64
 
 
-def _extent(t: torch.Tensor) -> int:
-    """Elements from ``t``'s first to one past its last, in its storage."""
-    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+def _extent_bytes(t: torch.Tensor) -> tuple[int, int]:
+    """[first, one past the last) byte of ``t``'s elements in its storage."""
+    lo = t.storage_offset() * t.element_size()
+    n = 1 + sum((d - 1) * st for d, st in zip(t.shape, t.stride()))
+    return lo, lo + n * t.element_size()
 
 
-def _in_memory_order(t: torch.Tensor):
-    """(a contiguous tensor of ``t``'s elements, the permutation that gives ``t``'s layout
-    back, or None). A non-contiguous saved tensor (a transposed view, a slice) is kept with
-    its dimensions in their order in memory, not in their logical order: made plainly
-    contiguous, it came back with another layout, backward kernels summed in another order,
-    and Jamba's gradients differed from plain PyTorch's by 1e-8 under offload. A dense
-    permuted view comes back with its own strides, without a copy."""
-    if t.is_contiguous() or t.dim() < 2:
-        return (t if t.is_contiguous() else t.contiguous()), None
-    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
-    src = t.permute(order).contiguous()
-    back = [order.index(d) for d in range(t.dim())]
-    return src, (None if order == sorted(order) else back)
+def _over(buf: torch.Tensor, byte_off: int, shape, stride, dtype) -> torch.Tensor:
+    """A tensor of ``dtype`` over ``buf``'s storage, ``byte_off`` bytes past ``buf``'s start."""
+    off = buf.storage_offset() * buf.element_size() + byte_off
+    item = torch.empty((), dtype=dtype).element_size()
+    return torch.empty(0, dtype=dtype, device=buf.device).set_(
+        buf.untyped_storage(), off // item, shape, stride)
 
 
 class Mover:
@@ -134,35 +128,40 @@ class Mover:
 
 
 class Slot:
-    """One saved tensor of a group."""
+    """The saved bytes of one storage in a group: from the first byte any of its saved views
+    uses (rounded down to ``SLOT_ALIGN``) to one past the last, gaps included. Views of one
+    storage (a tensor and slices of it, Mamba's projection split into parts) move once and
+    come back laid out as they were, each view at its place."""
 
-    __slots__ = ("shape", "perm", "dtype", "nbytes", "offset", "src", "sent", "disk", "host",
-                 "out", "got", "ready", "refs", "read", "layout", "view")
+    __slots__ = ("base", "lo", "hi", "nbytes", "offset", "src", "sent", "disk", "host", "out",
+                 "got", "ready", "read", "views")
 
-    def __init__(self, t: torch.Tensor, offset: int, perm=None, layout=None):
-        # ``t`` is contiguous; ``perm``: the saved tensor is ``t.permute(perm)`` (its
-        # dimensions in their order in memory; ``_in_memory_order``); ``layout``: where a
-        # slice with gaps sat in its storage, (storage key, storage offset, shape, stride)
-        self.shape, self.dtype = t.shape, t.dtype
-        self.perm = perm
-        self.layout = layout
-        self.view = None          # a slice with gaps, back in place (until released)
-        self.nbytes = t.numel() * t.element_size()
-        self.offset = offset
-        self.src = t              # the device tensor, until its last byte has left
+    def __init__(self, base: torch.Tensor | None, lo: int, hi: int):
+        self.base = base          # the whole storage as bytes, until the group is sealed
+        self.lo, self.hi = lo, hi
+        self.nbytes = hi - lo
+        self.offset = 0           # in the group's stream (set when sealed)
+        self.src = None           # the bytes on the device, until the last has left
         self.sent = 0             # bytes sent off the device
         self.disk = 0             # bytes written to the file (CUDA nvme: after staging)
         self.host = None          # pinned copy (CUDA)
-        self.out = None           # the tensor back on the device (uint8, nbytes)
+        self.out = None           # the bytes back on the device (uint8, nbytes)
         self.got = 0              # bytes back
         self.ready = None         # CUDA event: the last copy into ``out`` has been issued
-        self.refs = 0
         self.read = 0             # bytes read back from the file (checksums: verified when all)
+        self.views = 0            # views not released yet
 
-    def tensor(self, flat: torch.Tensor) -> torch.Tensor:
-        """The saved tensor from ``flat`` (its elements, of its dtype, in the order kept)."""
-        t = flat.view(self.shape)
-        return t if self.perm is None else t.permute(self.perm)
+
+class View:
+    """One saved tensor: its slot, where it starts (bytes from its storage's start), its
+    shape, strides and dtype. ``refs``: the packer's count of unpacks to come."""
+
+    __slots__ = ("slot", "byte_off", "shape", "stride", "dtype", "refs")
+
+    def __init__(self, slot, byte_off, shape, stride, dtype):
+        self.slot, self.byte_off = slot, byte_off
+        self.shape, self.stride, self.dtype = shape, stride, dtype
+        self.refs = 0
 
 
 class Group:
@@ -179,9 +178,8 @@ class Group:
         self.futures: list[Future] = []
         self.lock = threading.Lock()
         self.sums = None
-        # slices with gaps, per (storage, dtype): [first element, one past the last, bytes of
-        # the slices, the buffer they come back into, the slots not back in it yet]
-        self.bases: dict = {}
+        self.by_storage: dict = {}    # storage address -> its slot, until sealed
+        self.sealed = False
         if tier == "nvme":
             store = mover.nvme_store()
             self.fd, self.path = store.open(label)
@@ -190,29 +188,47 @@ class Group:
             self._fin = weakref.finalize(self, store.unlink_later, self.path)
 
     # -- registration (while the unit's forward saves tensors)
-    def put(self, t: torch.Tensor) -> Slot:
+    def put(self, t: torch.Tensor) -> View:
+        """Register a saved tensor. Its storage is held (not copied) until its bytes leave."""
         t = t.detach()
-        src, perm = _in_memory_order(t)
-        layout = None
-        if _gapped(t):
-            # NB: a slice with gaps (Mamba's in_proj split, an expert's rows) comes back at its
-            # place in a buffer laid out as its storage was, gaps and all, with the other
-            # slices of that storage this group holds: made dense, kernels read it with
-            # another leading dimension and summed in another order (Zamba2's gradients were
-            # 2e-6 off plain PyTorch's after one step under offload). Only its elements move;
-            # the buffer spans at most the storage, which the profile counts for it.
-            key = (t.untyped_storage().data_ptr(), t.dtype)
-            lo, hi = t.storage_offset(), t.storage_offset() + _extent(t)
-            base = self.bases.setdefault(key, [lo, hi, 0, None, 0])
-            base[0], base[1] = min(base[0], lo), max(base[1], hi)
-            base[2] += t.numel() * t.element_size()
-            base[4] += 1
-            layout = (key, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
-        s = Slot(src, self.size, perm, layout)
-        self.size += s.nbytes
-        self.slots.append(s)
-        self.m.counters.add("act", s.nbytes)
-        return s
+        if t.numel() == 0:
+            return View(None, 0, tuple(t.shape), tuple(t.stride()), t.dtype)
+        st = t.untyped_storage()
+        lo, hi = _extent_bytes(t)
+        slot = None if self.sealed else self.by_storage.get(st.data_ptr())
+        if slot is None:
+            slot = Slot(None, lo - lo % SLOT_ALIGN, hi)
+            slot.base = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+                st, 0, (st.nbytes(),))
+            self.slots.append(slot)
+            if self.sealed:            # a tensor saved after the group began to move
+                self._seal_slot(slot)
+                self.size += slot.nbytes
+            else:
+                self.by_storage[st.data_ptr()] = slot
+            self.m.counters.add("act", slot.nbytes)
+        else:
+            new_lo = min(slot.lo, lo - lo % SLOT_ALIGN)
+            new_hi = max(slot.hi, hi)
+            self.m.counters.add("act", (new_hi - new_lo) - slot.nbytes)
+            slot.lo, slot.hi, slot.nbytes = new_lo, new_hi, new_hi - new_lo
+        slot.views += 1
+        return View(slot, lo, tuple(t.shape), tuple(t.stride()), t.dtype)
+
+    def _seal_slot(self, slot: Slot) -> None:
+        slot.src = slot.base[slot.lo:slot.hi]
+        slot.base = None
+        slot.offset = self.size
+
+    def seal(self) -> None:
+        """Fix the stream: every slot's place in it. The first send, fetch or get seals."""
+        if self.sealed:
+            return
+        self.sealed = True
+        self.by_storage = {}
+        for slot in self.slots:
+            self._seal_slot(slot)
+            self.size += slot.nbytes
 
     def _parts(self, a: int, b: int, by: str):
         """(slot, 0, nbytes) of the whole slots a planned share [a, b) of the stream moves: a
@@ -227,6 +243,7 @@ class Group:
 
     def span(self, fa: float, fb: float) -> tuple[int, int]:
         """The real bytes of the planned fraction range [fa, fb) of the stream."""
+        self.seal()
         a = int(round(fa * self.size))
         b = self.size if fb >= 1.0 - 1e-12 else int(round(fb * self.size))
         return a, b
@@ -234,6 +251,7 @@ class Group:
     # -- out
     def send(self, a: int, b: int) -> None:
         """Move the stream's bytes [a, b) off the device (this stage's share)."""
+        self.seal()
         m, c = self.m, self.m.counters
         parts = [(s, lo, hi) for s, lo, hi in self._parts(a, b, "start") if s.src is not None]
         if not parts:
@@ -290,6 +308,7 @@ class Group:
     # -- back
     def fetch(self, a: int, b: int) -> None:
         """Bring the stream's bytes [a, b) back to the device (this stage's share)."""
+        self.seal()
         m, c = self.m, self.m.counters
         parts = [(s, lo, hi) for s, lo, hi in self._parts(a, b, "end") if s.src is None]
         if not parts:
@@ -350,16 +369,19 @@ class Group:
         for f in futs:
             f.result()
 
-    def get(self, s: Slot) -> torch.Tensor:
-        """The slot's tensor on the device, whole; fetches what has not come back yet."""
-        if s.view is not None:
-            return s.view
+    def get(self, v: View) -> torch.Tensor:
+        """The view's tensor on the device, laid out as it was saved; fetches what of its
+        slot has not come back yet."""
+        s = v.slot
+        if s is None:
+            return torch.empty_strided(v.shape, v.stride, dtype=v.dtype, device=self.m.device)
+        self.seal()
         if s.src is not None and s.got == 0:  # it never fully left: no round trip needed
-            return self._placed(s, s.tensor(s.src))
+            return _over(s.src, v.byte_off - s.lo, v.shape, v.stride, v.dtype)
         t0 = time.perf_counter()
         self.wait()
         if s.src is not None:
-            return self._placed(s, s.tensor(s.src))
+            return _over(s.src, v.byte_off - s.lo, v.shape, v.stride, v.dtype)
         if s.got < s.nbytes:
             missing = [(s, 0, s.nbytes)] if s.out is None else [(s, s.got, s.nbytes)]
             if self.m.cuda and self.tier == "cpu":
@@ -372,36 +394,21 @@ class Group:
             cur = torch.cuda.current_stream(self.m.device)
             cur.wait_event(s.ready)
             out.record_stream(cur)
-        return self._placed(s, s.tensor(out.view(s.dtype)))
-
-    def _placed(self, s: Slot, t: torch.Tensor) -> torch.Tensor:
-        """``t``, or for a slice with gaps (back dense) ``t`` at its place in a buffer laid out
-        as its storage was. The group holds that buffer until every slice of the storage is
-        back in it; then only the slices' own views keep it."""
-        if s.layout is None:
-            return t
-        key, offset, shape, stride = s.layout
-        base = self.bases[key]
-        if base[3] is None:
-            base[3] = torch.empty(base[1] - base[0], dtype=t.dtype, device=t.device)
-            # the gaps are held too, as long as the buffer lives
-            gaps = max(0, base[3].numel() * base[3].element_size() - base[2])
-            self.m.counters.add("act", gaps)
-            weakref.finalize(base[3].untyped_storage(), self.m.counters.add, "act", -gaps)
-        s.view = base[3].as_strided(shape, stride, offset - base[0])
-        s.view.copy_(t)
-        base[4] -= 1
-        if base[4] == 0:
-            base[3] = None
-        return s.view
+        return _over(out, v.byte_off - s.lo, v.shape, v.stride, v.dtype)
 
     def _read_sync(self, parts):
         f = self.m.nvme_store().submit(self._read, parts)
         f.result()
 
-    def release(self, s: Slot) -> None:
-        """The consumer has the tensor; forget it so its memory goes when autograd drops it."""
-        s.view = None
+    def release(self, v: View) -> None:
+        """The consumer has the view's tensor; once every view of its slot has been taken,
+        forget the slot's bytes so their memory goes when autograd drops the views."""
+        s = v.slot
+        if s is None:
+            return
+        s.views -= 1
+        if s.views > 0:
+            return
         if s.out is not None:
             s.out = None
             self.m.counters.add("act", -s.nbytes)
@@ -440,10 +447,10 @@ class Group:
         with contextlib.suppress(Exception):   # only waiting matters: its error reached the reader
             self.wait()
         c = self.m.counters
-        for base in self.bases.values():
-            base[3] = None
         for s in self.slots:
-            s.view = None
+            if s.base is not None:        # never sealed: the storage was held, not moved
+                s.base = None
+                c.add("act", -s.nbytes)
             if s.out is not None:
                 s.out = None
                 c.add("act", -s.nbytes)
