@@ -93,9 +93,8 @@ def _extent_bytes(t: torch.Tensor) -> tuple[int, int]:
 def _over(buf: torch.Tensor, byte_off: int, shape, stride, dtype) -> torch.Tensor:
     """A tensor of ``dtype`` over ``buf``'s storage, ``byte_off`` bytes past ``buf``'s start."""
     off = buf.storage_offset() * buf.element_size() + byte_off
-    item = torch.empty((), dtype=dtype).element_size()
     return torch.empty(0, dtype=dtype, device=buf.device).set_(
-        buf.untyped_storage(), off // item, shape, stride)
+        buf.untyped_storage(), off // dtype.itemsize, shape, stride)
 
 
 class Mover:
