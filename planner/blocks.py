@@ -452,10 +452,10 @@ class _Detector:
         Mamba layers with an attention layer after every seven; the attention layers were
         left between the runs as prologues, neither recomputed nor offloaded. A lone item of
         a run's class joins the same way, and so do the items of a class repeated in the
-        container (``_repeated``), where classes alternate and there is no run to bridge. Runs of containers are left as they are:
-        torchvision's Swin lists Sequential stages with a PatchMerging between each two, and
-        bridged they became one run that ``_expand`` could not split (8 coarse units where
-        each stage's blocks were units)."""
+        container (``_repeated``), where classes alternate and there is no run to bridge.
+        Runs of containers are left as they are: torchvision's Swin lists Sequential stages
+        with a PatchMerging between each two, and bridged they became one run that
+        ``_expand`` could not split (8 coarse units where each stage's blocks were units)."""
         pos = {k: i for i, k in enumerate(kids)}
         bridging = [r for r in runs
                     if not isinstance(self.calls[r[0]].module, _container_types())]
