@@ -273,23 +273,31 @@ def run_op(func, args, kwargs):
     real ones.
 
     NB: the meta kernel of ``aten._grouped_mm`` (how transformers runs a mixture of experts)
-    takes bf16 only, as the CUDA kernel does; the CPU kernel also takes fp32 and fp16, so a
-    Mixtral built as ``from_config`` gives it (fp32) could not be profiled on meta. Such a
-    call runs on bf16 stand-ins and its output comes back in the dtype asked for: the same
-    shape, and a meta tensor has no values to round.
+    takes bf16 only, as the CUDA kernel does, and 16-byte-aligned rows; the CPU kernel also
+    takes fp32 and fp16, so a Mixtral built as ``from_config`` gives it (fp32) could not be
+    profiled on meta. In another dtype on meta its output is made here, with the shape the
+    meta kernel gives (``_grouped_mm_shape``) and the dtype asked for: a meta tensor has no
+    values to compute.
     """
     import torch
     grouped = getattr(torch.ops.aten, "_grouped_mm", None)
     if grouped is not None and func is grouped.default and len(args) >= 2 \
-            and args[0].device.type == "meta" and args[0].dtype != torch.bfloat16 \
-            and args[0].is_floating_point() and args[1].dtype == args[0].dtype:
-        dtype = kwargs.get("out_dtype") or args[0].dtype
-        args = [a.to(torch.bfloat16) if i in (0, 1, 3) and isinstance(a, torch.Tensor) else a
-                for i, a in enumerate(args)]
-        kwargs = {k: v.to(torch.bfloat16) if k == "bias" and isinstance(v, torch.Tensor)
-                  else v for k, v in kwargs.items() if k != "out_dtype"}
-        return func(*args, **kwargs).to(dtype)
+            and args[0].device.type == "meta" and args[0].dtype != torch.bfloat16:
+        a, b = args[0], args[1]
+        offs = args[2] if len(args) > 2 else kwargs.get("offs")
+        out_dtype = (args[4] if len(args) > 4 else kwargs.get("out_dtype")) or a.dtype
+        return torch.empty(_grouped_mm_shape(a, b, offs), dtype=out_dtype, device="meta")
     return func(*args, **kwargs)
+
+
+def _grouped_mm_shape(a, b, offs) -> list:
+    """The output shape of ``aten._grouped_mm(a, b, offs)``: groups of rows of a 2D ``a``
+    through a 3D ``b`` (one matrix per group), a batch of matrices, or a 2D-by-2D product per
+    group of the shared dimension (torch/_meta_registrations.py,
+    ``_create_grouped_mm_output_tensor``)."""
+    if a.dim() == 2:
+        return [offs.size(0), a.size(0), b.size(1)] if b.dim() == 2 else [a.size(0), b.size(-1)]
+    return [a.size(1), b.size(1)] if b.dim() == 2 else [a.size(0), a.size(1), b.size(-1)]
 
 
 # ----------------------------------------------------------------------------- the call tree

@@ -461,44 +461,57 @@ PROC_STAT = "/proc/stat"
 
 
 def usable_cpus() -> set[int]:
-    """The CPUs this process may run on (``os.cpu_count()`` counts the whole machine's)."""
+    """The CPUs this process's threads may run on (``os.cpu_count()`` counts the whole
+    machine's). NB: every thread's, not only the calling one's: with ``OMP_PROC_BIND`` the
+    main thread is pinned to one CPU while torch's workers run on the others, and counting its
+    CPU alone missed a busy loop beside them."""
+    cpus: set[int] = set()
     try:
-        return set(os.sched_getaffinity(0))
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                cpus |= os.sched_getaffinity(int(tid))
+            except (OSError, ValueError):
+                continue           # a thread that ended meanwhile
     except (AttributeError, OSError):
-        return set(range(os.cpu_count() or 1))
+        pass
+    if not cpus:
+        try:
+            cpus = set(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = set(range(os.cpu_count() or 1))
+    return cpus
 
 
 class _LoadMeter:
     """CPU time other processes used (and the hypervisor stole) while we measured, in CPUs:
-    /proc/stat's busy time of the CPUs this process may run on, less this process's own.
-    ``None`` where /proc/stat cannot be read."""
+    /proc/stat's busy time of the CPUs this process's threads may run on (at the start or
+    the end: torch starts its workers lazily), less this process's own. ``None`` where
+    /proc/stat cannot be read."""
 
     def __init__(self):
+        self.cpus = usable_cpus()
         self.start = self._read()
 
     @staticmethod
     def _read():
-        # Only the CPUs this process may run on (taskset, a container's cpuset): others' work
-        # elsewhere does not touch our timings.
-        # Where /proc/stat has no line per CPU, its first line (all CPUs) is used.
-        mine = {f"cpu{i}" for i in usable_cpus()}
+        """(busy seconds per /proc/stat line, ``cpu`` being all CPUs, our own CPU seconds,
+        wall seconds), or None."""
         busy = {}
         try:
             with open(PROC_STAT) as f:
                 for line in f:
                     fields = line.split()
-                    if fields and (fields[0] in mine or fields[0] == "cpu"):
+                    if fields and fields[0].startswith("cpu"):
                         # user nice system idle iowait irq softirq steal (guest is inside user)
                         busy[fields[0]] = sum(int(x) for i, x in enumerate(fields[1:9])
                                               if i not in (3, 4))
         except (OSError, ValueError):
             return None
-        total = busy.pop("cpu", None)
-        busy = sum(busy.values()) if busy else total
-        if busy is None:
+        if not busy:
             return None
+        tick = os.sysconf("SC_CLK_TCK")
         t = os.times()
-        return busy / os.sysconf("SC_CLK_TCK"), t.user + t.system, time.perf_counter()
+        return {k: v / tick for k, v in busy.items()}, t.user + t.system, time.perf_counter()
 
     def other_cpus(self) -> float | None:
         end = self._read()
@@ -507,7 +520,16 @@ class _LoadMeter:
         wall = end[2] - self.start[2]
         if wall < 0.2:      # /proc/stat counts in 10 ms ticks: too coarse below that
             return None
-        other = (end[0] - self.start[0]) - (end[1] - self.start[1])
+        # Only the CPUs our threads may run on (taskset, a container's cpuset): others' work
+        # elsewhere does not touch our timings. Where /proc/stat has no line for each of
+        # them, its first line (all CPUs).
+        lines = [f"cpu{i}" for i in self.cpus | usable_cpus()]
+        if not all(k in self.start[0] and k in end[0] for k in lines):
+            lines = ["cpu"]
+        if not all(k in self.start[0] and k in end[0] for k in lines):
+            return None
+        busy = sum(end[0][k] - self.start[0][k] for k in lines)
+        other = busy - (end[1] - self.start[1])
         return max(0.0, other / wall)
 
 

@@ -218,7 +218,8 @@ class _Offload:
             # a tensor saved off the device (a CPU scalar a CUDA model's forward made; seen
             # with FSDP2 and Hugging Face GPT-2 on an H200) holds no device memory: left as is
             return ("ref", t)
-        key = (_storage_ptr(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        key = (_storage_ptr(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
+               t.is_conj(), t.is_neg())
         hit = self.keys.get(key)
         if hit is None:
             # The group holds the storage until its bytes leave: its address cannot be reused

@@ -153,14 +153,24 @@ class Slot:
 
 class View:
     """One saved tensor: its slot, where it starts (bytes from its storage's start), its
-    shape, strides and dtype. ``refs``: the packer's count of unpacks to come."""
+    shape, strides and dtype, and its lazy conjugate and negative bits (a view that reads its
+    storage conjugated or negated: ``x.conj()`` of a complex tensor). ``refs``: the packer's
+    count of unpacks to come."""
 
-    __slots__ = ("slot", "byte_off", "shape", "stride", "dtype", "refs")
+    __slots__ = ("slot", "byte_off", "shape", "stride", "dtype", "conj", "neg", "refs")
 
-    def __init__(self, slot, byte_off, shape, stride, dtype):
+    def __init__(self, slot, t: torch.Tensor, byte_off: int):
         self.slot, self.byte_off = slot, byte_off
-        self.shape, self.stride, self.dtype = shape, stride, dtype
+        self.shape, self.stride, self.dtype = tuple(t.shape), tuple(t.stride()), t.dtype
+        self.conj, self.neg = t.is_conj(), t.is_neg()
         self.refs = 0
+
+    def over(self, buf: torch.Tensor, lo: int) -> torch.Tensor:
+        """This tensor over ``buf``, whose first byte is its storage's byte ``lo``."""
+        x = _over(buf, self.byte_off - lo, self.shape, self.stride, self.dtype)
+        if self.neg:
+            x = torch._neg_view(x)
+        return x.conj() if self.conj else x
 
 
 class Group:
@@ -191,7 +201,7 @@ class Group:
         """Register a saved tensor. Its storage is held (not copied) until its bytes leave."""
         t = t.detach()
         if t.numel() == 0:
-            return View(None, 0, tuple(t.shape), tuple(t.stride()), t.dtype)
+            return View(None, t, 0)
         st = t.untyped_storage()
         lo, hi = _extent_bytes(t)
         slot = None if self.sealed else self.by_storage.get(st.data_ptr())
@@ -212,7 +222,7 @@ class Group:
             self.m.counters.add("act", (new_hi - new_lo) - slot.nbytes)
             slot.lo, slot.hi, slot.nbytes = new_lo, new_hi, new_hi - new_lo
         slot.views += 1
-        return View(slot, lo, tuple(t.shape), tuple(t.stride()), t.dtype)
+        return View(slot, t, lo)
 
     def _seal_slot(self, slot: Slot) -> None:
         slot.src = slot.base[slot.lo:slot.hi]
@@ -376,11 +386,11 @@ class Group:
             return torch.empty_strided(v.shape, v.stride, dtype=v.dtype, device=self.m.device)
         self.seal()
         if s.src is not None and s.got == 0:  # it never fully left: no round trip needed
-            return _over(s.src, v.byte_off - s.lo, v.shape, v.stride, v.dtype)
+            return v.over(s.src, s.lo)
         t0 = time.perf_counter()
         self.wait()
         if s.src is not None:
-            return _over(s.src, v.byte_off - s.lo, v.shape, v.stride, v.dtype)
+            return v.over(s.src, s.lo)
         if s.got < s.nbytes:
             missing = [(s, 0, s.nbytes)] if s.out is None else [(s, s.got, s.nbytes)]
             if self.m.cuda and self.tier == "cpu":
@@ -393,7 +403,7 @@ class Group:
             cur = torch.cuda.current_stream(self.m.device)
             cur.wait_event(s.ready)
             out.record_stream(cur)
-        return _over(out, v.byte_off - s.lo, v.shape, v.stride, v.dtype)
+        return v.over(out, s.lo)
 
     def _read_sync(self, parts):
         f = self.m.nvme_store().submit(self._read, parts)
@@ -403,14 +413,13 @@ class Group:
         """The consumer has the view's tensor; once every view of its slot has been taken,
         forget the slot's bytes so their memory goes when autograd drops the views."""
         s = v.slot
-        if s is None:
-            return
-        s.views -= 1
-        if s.views > 0:
-            return
-        if s.out is not None:
-            s.out = None
-            self.m.counters.add("act", -s.nbytes)
+        if s is not None:
+            s.views -= 1
+            if s.views > 0:
+                return
+            if s.out is not None:
+                s.out = None
+                self.m.counters.add("act", -s.nbytes)
         if all(x.out is None and x.src is None and x.got >= x.nbytes for x in self.slots):
             self._done()
 

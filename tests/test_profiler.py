@@ -426,6 +426,26 @@ def test_a_mixture_of_experts_in_fp32_profiles_on_meta_as_on_the_cpu(dtype):
     assert meta == cpu and meta[1].fwd_flops > 0 and meta[1].saved_bytes > 0
 
 
+@pytest.mark.parametrize("dtype,a,b,groups", [
+    (torch.float32, (8, 12), (2, 12, 4), True), (torch.float32, (2, 5, 12), (2, 12, 4), False),
+    (torch.float16, (8, 16), (2, 16, 8), True), (torch.float16, (2, 5, 16), (2, 16, 8), False)])
+def test_a_grouped_matmul_on_meta_has_the_cpu_kernels_shape_and_dtype(dtype, a, b, groups):
+    """fp32 and fp16, tokens through one expert each and a batch of matrices: the CPU kernel
+    takes them (fp32 rows of 12 elements, 48 bytes, included); torch's meta kernel wants bf16
+    and its bf16 rows would be 24 bytes, under its 16-byte alignment, so ``run_op`` makes the
+    output itself."""
+    from planner.blocks import run_op
+    grouped = getattr(torch.ops.aten, "_grouped_mm", None)
+    if grouped is None:
+        pytest.skip("this torch has no _grouped_mm")
+    offs = torch.tensor([3, 8], dtype=torch.int32) if groups else None
+    A, B = torch.randn(a, dtype=dtype), torch.randn(b, dtype=dtype)
+    cpu = grouped.default(A, B, offs)
+    meta = run_op(grouped.default, (A.to("meta"), B.to("meta"),
+                                    None if offs is None else offs.to("meta")), {})
+    assert (meta.shape, meta.dtype, meta.device.type) == (cpu.shape, cpu.dtype, "meta")
+
+
 @pytest.mark.parametrize("v_dim,kind", [(192, "flash"), (128, "efficient")])
 def test_flash_is_assumed_only_where_query_key_and_value_share_a_head_dim(v_dim, kind):
     """DeepSeek-V3's attention has 192-wide queries and keys and 128-wide values; flash

@@ -95,7 +95,8 @@ def test_views_of_one_storage_move_once_and_come_back_laid_out_as_saved(tmp_path
     each storage's saved bytes moved once. Made dense one by one, slices were read with
     another leading dimension and kernels summed in another order (Zamba2's gradients 2e-6
     off plain PyTorch's after one step), and a tensor with slices of it saved beside it moved
-    twice (a Jamba Mamba layer moved 837 KB of the 701 KB its profile counts)."""
+    twice (a Jamba Mamba layer moved 837 KB of the 701 KB its profile counts). Conjugate and
+    negative views keep their bits; a group of empty tensors deletes its file."""
     from runtime.offload import Counters, Mover
     counters = Counters()
     mover = Mover(torch.device("cpu"), str(tmp_path), counters)
@@ -127,6 +128,28 @@ def test_views_of_one_storage_move_once_and_come_back_laid_out_as_saved(tmp_path
     for v in views:
         g.release(v)
     assert counters.act == 0
+    # a lazily conjugated or negated view (``x.conj()`` of a complex activation) reads its
+    # storage conjugated: it comes back so, beside the plain view of the same bytes
+    g = Group(mover, "nvme", "c")
+    c = torch.randn(4, 3, dtype=torch.complex64)
+    saved = (c, c.conj(), torch._neg_view(c), torch.empty(0, 5))
+    views = [g.put(t) for t in saved]
+    assert g.size == 0 and len(g.slots) == 1
+    g.send(*g.span(0.0, 1.0))
+    g.wait()
+    g.fetch(*g.span(0.0, 1.0))
+    for t, v in zip(saved, views):
+        x = g.get(v)
+        assert torch.equal(x, t) and (x.is_conj(), x.is_neg(), x.shape) == \
+            (t.is_conj(), t.is_neg(), t.shape)
+        g.release(v)
+    assert counters.act == 0 and not Path(g.path).exists()
+    # a group of nothing but empty tensors deletes its file too
+    g = Group(mover, "nvme", "e")
+    v = g.put(torch.empty(0, 5))
+    assert g.get(v).shape == (0, 5)
+    g.release(v)
+    assert not Path(g.path).exists()
     mover.close()
 
 

@@ -36,31 +36,47 @@ def test_repeats_stop_when_stable_and_at_the_limits(monkeypatch):
 
 
 def test_load_meter_counts_other_processes(monkeypatch):
-    # /proc/stat busy seconds, our own CPU seconds, wall seconds: others used 3 - 1 CPU-s in 2 s
-    reads = iter([(100.0, 10.0, 50.0), (103.0, 11.0, 52.0)])
+    # /proc/stat busy seconds per line, our own CPU seconds, wall seconds: others used 3 - 1
+    # CPU-s in 2 s on our two CPUs
+    monkeypatch.setattr(P, "usable_cpus", lambda: {0, 1})
+    reads = iter([({"cpu": 100.0, "cpu0": 60.0, "cpu1": 40.0}, 10.0, 50.0),
+                  ({"cpu": 103.0, "cpu0": 61.5, "cpu1": 41.5}, 11.0, 52.0)])
     monkeypatch.setattr(P._LoadMeter, "_read", staticmethod(lambda: next(reads)))
     assert P._LoadMeter().other_cpus() == pytest.approx(1.0)
-    reads = iter([(100.0, 10.0, 50.0), (100.0, 10.0, 50.1)])   # too short to tell
+    reads = iter([({"cpu": 100.0}, 10.0, 50.0), ({"cpu": 100.0}, 10.0, 50.1)])  # too short
     assert P._LoadMeter().other_cpus() is None
 
 
 def test_load_meter_reads_only_the_cpus_this_process_may_use(monkeypatch, tmp_path):
     """Under taskset or a container's cpuset, work on the machine's other CPUs does not touch
-    our timings: only the lines of the CPUs in our affinity count (the first line, all CPUs,
-    where /proc/stat has no line per CPU)."""
+    our timings: only the lines of the CPUs our threads may run on count, at the start or the
+    end (torch starts its workers lazily; with OMP_PROC_BIND the main thread's own CPU alone
+    missed a busy loop beside them); the first line, all CPUs, where /proc/stat has no line
+    per CPU."""
     stat = tmp_path / "stat"
-    #           user nice system idle iowait irq softirq steal guest
+    monkeypatch.setattr(P, "PROC_STAT", str(stat))
+    tick = os.sysconf("SC_CLK_TCK")
+    #               user nice system idle iowait irq softirq steal guest
     stat.write_text("cpu  700 0 0 9 9 0 0 0 0\n"
                     "cpu0 100 0 10 9 9 0 0 1 0\n"
                     "cpu1 500 0 0 9 9 0 0 0 0\n"
                     "cpu2 80 0 0 9 9 5 4 0 0\n"
                     "intr 123 4 5\n")
-    monkeypatch.setattr(P, "PROC_STAT", str(stat))
-    monkeypatch.setattr(P, "usable_cpus", lambda: {0, 2})
-    tick = os.sysconf("SC_CLK_TCK")
-    assert P._LoadMeter._read()[0] == pytest.approx((111 + 89) / tick)
-    stat.write_text("cpu  700 0 0 9 9 0 0 0 0\n")
-    assert P._LoadMeter._read()[0] == pytest.approx(700 / tick)
+    assert P._LoadMeter._read()[0] == pytest.approx(
+        {"cpu": 700 / tick, "cpu0": 111 / tick, "cpu1": 500 / tick, "cpu2": 89 / tick})
+    cpus = iter([{0}, {0, 2}])
+    monkeypatch.setattr(P, "usable_cpus", lambda: next(cpus))
+    meter = P._LoadMeter()
+    meter.start = ({"cpu": 7.0, "cpu0": 1.0, "cpu1": 5.0, "cpu2": 1.0}, 0.0, 0.0)
+    stat.write_text(f"cpu  {9 * tick} 0 0 9 9 0 0 0 0\ncpu0 {1 * tick} 0 0 9 9 0 0 0 0\n"
+                    f"cpu1 {6 * tick} 0 0 9 9 0 0 0 0\ncpu2 {2 * tick} 0 0 9 9 0 0 0 0\n")
+    monkeypatch.setattr(P.time, "perf_counter", lambda: 1.0)
+    monkeypatch.setattr(P.os, "times", lambda: os.times_result((0.0, 0.0, 0.0, 0.0, 0.0)))
+    assert meter.other_cpus() == pytest.approx(1.0)     # cpu2's second, not cpu1's
+    stat.write_text(f"cpu  {9 * tick} 0 0 9 9 0 0 0 0\n")
+    meter.start = ({"cpu": 7.0}, 0.0, 0.0)
+    monkeypatch.setattr(P, "usable_cpus", lambda: {0})
+    assert meter.other_cpus() == pytest.approx(2.0)     # no line per CPU: all of them
     stat.write_text("intr 123 4 5\n")
     assert P._LoadMeter._read() is None
 

@@ -198,6 +198,10 @@ def test_zoo_profiles_and_trains_like_plain_pytorch(name, tmp_path):
     assert not (tmp_path / "nvme").exists()
 
 
+# Bytes of workspace a meta profile counts beyond the CPU's, per model and unit (see below).
+META_WORKSPACE_SLACK = {"recurrent_gemma": {"model.layers.2": 8}}
+
+
 @pytest.mark.parametrize("name", [n for n in MODELS if n != "resnet18"])
 def test_meta_and_cpu_profiles_agree_on_every_byte(name):
     """The zoo on the meta device (nothing allocated) records what the CPU run records."""
@@ -223,7 +227,8 @@ def test_meta_and_cpu_profiles_agree_on_every_byte(name):
         # NB: a constant the model makes on the CPU and moves to its device is copied on meta
         # (as on a GPU) and not on the CPU: RecurrentGemma's attention layer moves an int64
         # scalar, 8 bytes of workspace on meta only.
-        assert 0 <= a.workspace_bytes - b.workspace_bytes <= 64, (a.name, "workspace_bytes")
+        slack = META_WORKSPACE_SLACK.get(name, {}).get(a.name, 0)
+        assert a.workspace_bytes - b.workspace_bytes == slack, (a.name, "workspace_bytes")
     for k in ("blocks", "params", "inputs", "identity", "chain_breaks", "inplace_input"):
         assert got.model[k] == cpu.model[k], k
 
