@@ -187,7 +187,7 @@ class Group:
         self.futures: list[Future] = []
         self.lock = threading.Lock()
         self.sums = None
-        self.by_storage: dict = {}    # storage address -> its slot, until sealed
+        self.by_storage: dict = {}    # (device, storage address) -> its slot, until sealed
         self.sealed = False
         if tier == "nvme":
             store = mover.nvme_store()
@@ -204,7 +204,8 @@ class Group:
             return View(None, t, 0)
         st = t.untyped_storage()
         lo, hi = _extent_bytes(t)
-        slot = None if self.sealed else self.by_storage.get(st.data_ptr())
+        key = (t.device, st.data_ptr())
+        slot = None if self.sealed else self.by_storage.get(key)
         if slot is None:
             slot = Slot(None, lo - lo % SLOT_ALIGN, hi)
             slot.base = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
@@ -214,7 +215,7 @@ class Group:
                 self._seal_slot(slot)
                 self.size += slot.nbytes
             else:
-                self.by_storage[st.data_ptr()] = slot
+                self.by_storage[key] = slot
             self.m.counters.add("act", slot.nbytes)
         else:
             new_lo = min(slot.lo, lo - lo % SLOT_ALIGN)
