@@ -283,11 +283,13 @@ class CostModel:
     def _homes(self, i: int, allow_streaming: bool) -> list[Home]:
         """The homes unit i may take on this spec under these budgets. A unit with tied
         parameters keeps its weights and gradients on the device (another unit uses them
-        between its own uses); a unit without parameters has nothing to place."""
+        between its own uses), and so does a block charged parameters outside its module
+        (code between blocks uses them before its forward, and their gradients finish after
+        its backward); a unit without parameters has nothing to place."""
         R = Home()
         if not allow_streaming or self.P[i] + self.G[i] + self.O[i] == 0:
             return [R]
-        tied = bool(self.units[i].tied_to)
+        tied = bool(self.units[i].tied_to) or self.units[i].outside_params > 0
         grads_ok = len(self.window("gdc", i)) > 0     # a gradient needs a stage to leave in
         G_, C_, N_ = Tier.GPU, Tier.CPU, Tier.NVME
         out = [R]

@@ -367,6 +367,11 @@ class UnitRecord:
     # tied to the embedding): autograd holds this unit's part of their gradient from the later
     # user's backward until the earlier user's, before adding it into ``.grad``.
     tied_grad_bytes: int = 0
+    # Parameters charged to this block that are not inside its module: code that runs between
+    # two blocks (LLaVA's projector, CLIP's text embeddings before its first text layer) is
+    # charged to the next block. They are used before the block's forward starts and their
+    # gradients finish after its backward ends, so they cannot leave the GPU between uses.
+    outside_params: int = 0
 
     @property
     def static_bytes(self) -> int:
@@ -407,7 +412,7 @@ _UNIT_FIELDS = {
     "measured_peak_bytes": "bytes?",
     "fwd_flops": "flops", "bwd_flops": "flops", "fwd_s": "seconds", "bwd_s": "seconds",
     "param_count": "count", "samples": "count", "master_bytes": "bytes", "tied_to": "names",
-    "tied_grad_bytes": "bytes",
+    "tied_grad_bytes": "bytes", "outside_params": "count",
 }
 
 

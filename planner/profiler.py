@@ -1038,9 +1038,12 @@ def _assemble(model, inputs, units, prologues, rep_of, blockset, tracker, timing
     per_unit = {n: [0, 0, 0, 0, 0] for n in order}        # count, weight, grad, optimizer, master
     tied: dict = {n: set() for n in order}
     tied_grad = {n: 0 for n in order}    # grad bytes of parameters used but charged elsewhere
+    outside = {n: 0 for n in order}      # a block's parameters that are not in its module
     for p in params:
         c = per_unit[owner[id(p)]]
         n = p.numel()
+        if owner[id(p)] in block_names and block_of_param.get(id(p)) != owner[id(p)]:
+            outside[owner[id(p)]] += n
         w, g, o = static_bytes_per_param(p.dtype, optimizer)
         c[0] += n
         c[1] += n * w
@@ -1120,7 +1123,7 @@ def _assemble(model, inputs, units, prologues, rep_of, blockset, tracker, timing
             shared_from=shared_from if shared else None, param_count=int(count),
             samples=samples, measured_peak_bytes=None if peak is None else int(peak),
             master_bytes=int(master), tied_to=tuple(sorted(tied[n])),
-            tied_grad_bytes=int(tied_grad[n])))
+            tied_grad_bytes=int(tied_grad[n]), outside_params=int(outside[n])))
 
     n_params = sum(p.numel() for p in params)
     static = sum(r.static_bytes for r in records)

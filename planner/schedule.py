@@ -67,7 +67,8 @@ def validate_layers(cm: CostModel, layers: list[LayerDecision]) -> None:
                             "come back in time)")
         if d.home not in cm.homes[i]:
             raise UserError(f"layer {d.name!r}: home {d.home.label()!r} is not possible here "
-                            "(tied weights stay on the device; a CPU step needs a host tier and "
+                            "(tied weights, and a block's weights used between blocks, stay "
+                            "on the device; a CPU step needs a host tier and "
                             "the spec's cpu_adam_params_per_s; a gradient that leaves needs a "
                             "stage after its backward)")
         if d.home.streams_weights:

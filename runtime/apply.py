@@ -987,10 +987,22 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
     src = plan_path or "the plan"
     blocks = bind(model, plan, src)      # runtime/binding.py: exact names, shapes, identity
     engines.check(plan, engine, model, blocks, src)
+    table = plan.model.get("params") or {}
     for u, d in zip(plan.units, plan.layers):
         if u.kind != UnitKind.BLOCK.value and d.activation is not Activation.KEEP:
             raise PlanMismatchError(f"{src}: unit {u.name} ({u.kind}) must be 'keep' in this "
                                     "version; regenerate the plan")
+        if u.kind == UnitKind.BLOCK.value and (d.home.weights is not Tier.GPU
+                                               or d.home.grads is not Tier.GPU):
+            # code between blocks uses such a parameter before the block's forward and its
+            # gradient finishes after the block's backward (the planner keeps them on the GPU)
+            outside = [row[0] for row in table.get(u.name, ())
+                       if not str(row[0]).startswith(u.name + ".")]
+            if outside:
+                raise PlanMismatchError(
+                    f"{src}: unit {u.name} streams its weights or gradients, but it holds "
+                    f"{outside[0]!r}, which code between blocks uses; such a unit keeps its "
+                    "weights and gradients on the device: regenerate the plan")
     p0 = next(model.parameters(), None)
     dev = p0.device.type if p0 is not None else "cpu"
     plan_dev = plan.hardware.get("device")

@@ -86,8 +86,8 @@ def plan_for(model, layers, batch, seq, *, hardware="cpu-host", nvme_dir=None,
         decisions.append(LayerDecision("head", Activation.KEEP))
     if homes:
         import dataclasses
-        decisions = [dataclasses.replace(d, home=homes.get(d.name, homes.get("blocks") if
-                                                           u.kind == "block" else d.home))
+        decisions = [dataclasses.replace(d, home=homes.get(d.name, homes.get("blocks", d.home)
+                                                           if u.kind == "block" else d.home))
                      for d, u in zip(decisions, units)]
     # a discrete GPU's plan may use the host tier: budget it at the spec's host memory (1 TiB
     # where the spec names none); a unified-memory spec has no host tier

@@ -199,7 +199,7 @@ def test_tied_and_segmented_streaming_is_refused():
     units[-1] = dataclasses.replace(units[-1], tied_to=("embedding",))
     cm = CostModel(units, hw, gpu_bytes=10**9, cpu_bytes=10**9, nvme_bytes=10**9)
     stream = Home(T.CPU, T.CPU, T.CPU, T.CPU)
-    with pytest.raises(UserError, match="tied weights stay on the device"):
+    with pytest.raises(UserError, match="tied weights, and a block.s weights used between blocks, stay on the device"):
         build_schedule(cm, [LD("embedding", Act.KEEP, home=stream), LD("blocks.0", Act.KEEP),
                             LD("blocks.1", Act.KEEP), LD("head", Act.KEEP)])
     with pytest.raises(UserError, match="recomputed only on its own"):

@@ -366,3 +366,73 @@ def test_a_hugging_face_model_built_on_meta_trains_like_its_checkpoint(factory, 
     assert _max_diff(meta.state_dict(), ref.state_dict()) == 0.0
     handle.remove()
     assert _files(nvme) == []
+
+
+class _Between(torch.nn.Module):
+    """Two stacks of two blocks with a Linear run between them: the profile charges it to
+    the second stack's first block (LLaVA's projector between its vision tower and its
+    language model, CLIP's text embeddings, ViTMAE's decoder_embed)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(d, d),
+                                                              torch.nn.GELU())
+                                          for _ in range(4))
+        self.mid = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        for b in self.blocks[:2]:
+            x = b(x)
+        x = self.mid(x)
+        for b in self.blocks[2:]:
+            x = b(x)
+        return x.sum()
+
+
+def test_a_block_charged_parameters_used_between_blocks_keeps_them_on_the_device(tmp_path):
+    """Streamed, such a block's weights were read by the code between blocks before they had
+    arrived, and their gradients left before that code's backward wrote them (ViTMAE:
+    OffloadCorrupted; CLIP: gradients off by up to 41, run to run). The profile counts them
+    (``outside_params``), the planner offers such a block only homes that keep its weights
+    and gradients on the device (its optimizer state may still leave), and a plan file that
+    streams them anyway is refused at ``apply_plan``."""
+    import dataclasses
+
+    from planner.baselines import baseline_layers
+    from planner.errors import UserError
+    from planner.formats import load_plan, write_json_atomic
+    from planner.hardware import load_hardware
+    from planner.plans import cost_model, make_plan
+    from planner.profiler import profile_module
+    from runtime import PlanMismatchError
+    torch.manual_seed(0)
+    model, x = _Between(), torch.randn(4, 16)
+    prof = profile_module(model, (x,), name="between", hardware=load_hardware("cpu-host"),
+                          timing="estimate", batch=4, seq=1)
+    assert {u.name: u.outside_params for u in prof.layers} == {
+        "embedding": 0, "blocks.0": 0, "blocks.1": 0, "blocks.2": 16 * 16 + 16, "blocks.3": 0,
+        "head": 0}
+    cm = cost_model(prof, load_hardware("cpu-host"),
+                    {"gpu_bytes": 1 << 30, "cpu_bytes": 0, "nvme_bytes": 1 << 30})
+    i = [u.name for u in prof.layers].index("blocks.2")
+    assert {(h.weights, h.grads) for h in cm.homes[i]} == {(T.GPU, T.GPU)}
+    assert Home(T.GPU, T.GPU, T.NVME, T.GPU) in cm.homes[i]
+    assert Home(T.NVME, T.NVME, T.NVME, T.GPU) in cm.homes[i - 1]
+    hw = load_hardware("cpu-host")
+    budgets = {"gpu_bytes": hw.memory_bytes, "cpu_bytes": 0, "nvme_bytes": 1 << 30}
+
+    def plan(streamed):
+        layers = [dataclasses.replace(d, home=HOMES["all-on-disk"]) if d.name == streamed
+                  else d for d in baseline_layers("keep-all", prof.layers, hw)]
+        return make_plan(prof, None, hw, budgets, "keep-all", layers, nvme_dir=str(tmp_path))
+    with pytest.raises(UserError, match="weights used between blocks, stay on the device"):
+        plan("blocks.2")
+    # a plan file edited to stream it
+    d = plan("blocks.1").to_dict()
+    for layer in d["layers"]:
+        if layer["name"] == "blocks.2":
+            layer.update(weights="nvme", grads="nvme")
+    write_json_atomic(tmp_path / "p.json", d)
+    with pytest.raises(PlanMismatchError, match="holds 'mid.weight', which code between blocks"):
+        apply_plan(model, load_plan(tmp_path / "p.json"),
+                   optimizer=torch.optim.AdamW(model.parameters()))
