@@ -50,8 +50,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .blocks import (StateSnapshot, detect_blocks, hidden_location, hidden_of, identity_hash,
-                     input_table, meta_scalar, param_table, run_op, same_tensor, state_tensor_bytes,
-                     structure_hash)
+                     input_table, meta_scalar, param_table, run_op, same_tensor,
+                     state_tensor_bytes, structure_hash)
 from .errors import UserError
 from .flops import op_flops
 from .formats import PROFILE_SCHEMA, HardwareSpec, Profile, UnitRecord, write_json_atomic
@@ -611,7 +611,7 @@ def _user_code(name: str, what: str, fn, *args, meta: bool = False):
     except Exception as e:   # noqa: BLE001 -- the model is user code
         msg = (str(e).strip().splitlines() or [""])[0][:200]
         # another dtype too: some of torch's meta kernels take fewer dtypes than the real
-        # ones (grouped_mm's is run on stand-ins, see blocks.run_op; others may be so too)
+        # ones (blocks.run_op makes grouped_mm's output itself; others may refuse too)
         hint = ("fix the model, or if it only fails on meta profile it with --device cpu or "
                 "another --dtype" if meta else "fix the model or its inputs")
         raise UserError(f"model '{name}': its {what} raised {type(e).__name__}: {msg}; {hint}"
