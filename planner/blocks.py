@@ -232,7 +232,9 @@ class StateSnapshot:
 def _attributes(m) -> dict:
     """A module's plain attributes that are tensors or None (its parameters and buffers live
     in ``_parameters`` and ``_buffers``, not here)."""
-    return {k: v for k, v in vars(m).items() if v is None or _is_tensor(v)}
+    import torch
+    tensor = torch.Tensor
+    return {k: v for k, v in vars(m).items() if v is None or isinstance(v, tensor)}
 
 
 def state_tensor_bytes(args, kwargs) -> int:

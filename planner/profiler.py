@@ -34,6 +34,7 @@ How one profile is taken (the same code on ``meta``, ``cpu`` and ``cuda``):
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import os
@@ -466,20 +467,14 @@ def usable_cpus() -> set[int]:
     main thread is pinned to one CPU while torch's workers run on the others, and counting its
     CPU alone missed a busy loop beside them."""
     cpus: set[int] = set()
-    try:
+    with contextlib.suppress(AttributeError, OSError):      # no /proc, no sched_getaffinity
         for tid in os.listdir("/proc/self/task"):
-            try:
+            with contextlib.suppress(OSError, ValueError):  # a thread that ended meanwhile
                 cpus |= os.sched_getaffinity(int(tid))
-            except (OSError, ValueError):
-                continue           # a thread that ended meanwhile
-    except (AttributeError, OSError):
-        pass
     if not cpus:
-        try:
+        with contextlib.suppress(AttributeError, OSError):
             cpus = set(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cpus = set(range(os.cpu_count() or 1))
-    return cpus
+    return cpus or set(range(os.cpu_count() or 1))
 
 
 class _LoadMeter:

@@ -90,13 +90,6 @@ def _extent_bytes(t: torch.Tensor) -> tuple[int, int]:
     return lo, lo + n * t.element_size()
 
 
-def _over(buf: torch.Tensor, byte_off: int, shape, stride, dtype) -> torch.Tensor:
-    """A tensor of ``dtype`` over ``buf``'s storage, ``byte_off`` bytes past ``buf``'s start."""
-    off = buf.storage_offset() * buf.element_size() + byte_off
-    return torch.empty(0, dtype=dtype, device=buf.device).set_(
-        buf.untyped_storage(), off // dtype.itemsize, shape, stride)
-
-
 class Mover:
     """Everything that moves bytes: side streams, the NVMe store, the counters."""
 
@@ -166,8 +159,10 @@ class View:
         self.refs = 0
 
     def over(self, buf: torch.Tensor, lo: int) -> torch.Tensor:
-        """This tensor over ``buf``, whose first byte is its storage's byte ``lo``."""
-        x = _over(buf, self.byte_off - lo, self.shape, self.stride, self.dtype)
+        """This tensor over ``buf`` (bytes), whose first byte is its storage's byte ``lo``."""
+        off = buf.storage_offset() + self.byte_off - lo
+        x = torch.empty(0, dtype=self.dtype, device=buf.device).set_(
+            buf.untyped_storage(), off // self.dtype.itemsize, self.shape, self.stride)
         if self.neg:
             x = torch._neg_view(x)
         return x.conj() if self.conj else x
