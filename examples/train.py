@@ -176,6 +176,10 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"error{f' (rank {rank})' if world > 1 else ''}: {e}", file=sys.stderr)
         return e.exit_code
+    except KeyboardInterrupt:
+        # Ctrl-C: one line, not a traceback; the runtime's files went with the unwinding
+        print("train: interrupted", file=sys.stderr)
+        return 130
     finally:
         if engine:
             import torch.distributed as dist

@@ -383,3 +383,31 @@ def test_a_signal_whose_exception_an_extension_swallows_is_still_reported_as_the
     monkeypatch.setattr(cli, "_dispatch", broken)
     with pytest.raises(TypeError, match="a real bug"):
         cli.main(["inspect", "nothing.json"])
+
+
+def test_ctrl_c_in_the_training_example_is_one_line_and_leaves_no_file(tmp_path):
+    """examples/train.py under an offload plan, interrupted in its third step: one line
+    ('train: interrupted'), exit 130, no traceback, no offload file left (it printed a
+    KeyboardInterrupt traceback from inside autograd's unpack before)."""
+    nvme = tmp_path / "nvme"
+    plan = tmp_path / "p.json"
+    from planner.cli import main
+    assert main(["profile", "gpt-tiny", "--batch", "2", "--seq", "32", "--dtype", "fp32",
+                 "--device", "cpu", "--timing", "estimate", "-o", str(tmp_path / "prof.json")]) == 0
+    assert main(["solve", str(tmp_path / "prof.json"), "--policy", "offload-all",
+                 "--gpu-mem", "1G", "--nvme-mem", "1G", "--nvme-dir", str(nvme),
+                 "-o", str(plan)]) == 0
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "train.py"), "--model",
+                             "gpt-tiny", "--batch", "2", "--seq", "32", "--dtype", "fp32",
+                             "--steps", "100000", "--plan", str(plan)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    for line in proc.stdout:
+        if line.startswith("step 2/"):
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-800:]
+    assert err.strip().splitlines()[-1] == "train: interrupted" and "Traceback" not in err
+    assert not any(p.is_file() for p in nvme.rglob("*"))
