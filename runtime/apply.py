@@ -774,13 +774,12 @@ class Handle:
         gradients may live off the device: the same total norm and the same scale, the scale
         reaching the gradients on NVMe as they are read at ``opt.step()``."""
         params = list(self._r.model.parameters() if parameters is None else parameters)
-        if self._r.phase is None:
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
-                                                  error_if_nonfinite, foreach)
         for s in self._r.statics.values():
             s.wait()
-        return self._r.phase.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite,
-                                             foreach)
+        # torch's own: a gradient on NVMe gives the norm taken as it was written and takes
+        # the scale as it is read at the step (runtime.streaming.OffloadedGrad)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite,
+                                              foreach)
 
     def gradients(self) -> dict:
         """Parameter name -> its accumulated gradient, wherever it lives (read from NVMe where
@@ -790,10 +789,10 @@ class Handle:
             g = p.grad
             out[n] = None if g is None else (None if isinstance(g, OffloadedGrad) else g.detach())
         for s in self._r.statics.values():
-            if s.grads_out and s.acc_valid:
-                s.wait()
-                for (n, _), g in zip(s.params, s.store_of().submit(s.read_grads).result()):
-                    out[n] = g
+            if s.grads_out:
+                s.sync_grads()
+                for k, g in s.store_of().submit(s.read_grads).result().items():
+                    out[s.params[k][0]] = g
         return out
 
     def remove(self) -> None:
@@ -813,11 +812,10 @@ class Handle:
                 s.wait()
             if s.weights_out and not s.in_use:
                 s.use()
-            if s.grads_out and s.acc_valid:
-                grads = s.store_of().submit(s.read_grads).result()
-                for (_, p), g in zip(s.params, grads):
-                    if p.requires_grad:
-                        p.grad = g
+            if s.grads_out:
+                s.sync_grads()
+                for k, g in s.store_of().submit(s.read_grads).result().items():
+                    s.params[k][1].grad = g
             if r.phase is not None:
                 s.bring_state_home(r.phase.opt.state)
             s.close()
@@ -866,9 +864,10 @@ def _install_optimizer(runner: _Runner, opt) -> list:
         step._wrapped_by_lr_sched = True
 
     def zero_grad(_opt, set_to_none: bool = True):
+        # the placeholders of gradients on NVMe are in place before the user's zero_grad
+        # clears or zeroes them (what it does to them reaches their homes)
         for s in runner.statics.values():
             s.wait()
-            s.zero_grad()
         return orig_zero(set_to_none)
 
     def state_dict(_opt):
@@ -905,49 +904,50 @@ def _install_optimizer(runner: _Runner, opt) -> list:
 
 
 def _install_state_dict_hooks(runner: _Runner) -> list:
-    """``model.state_dict()`` gives the real weights of units homed off the device, and
-    ``model.load_state_dict()`` puts loaded values in their home."""
-    model = runner.model
-    streamed = [s for s in runner.statics.values() if s.weights_out]
-    if not streamed:
-        return []
-    name_of = {}
-    for s in streamed:
-        for n, p in s.params:
-            name_of[id(p)] = (s, p)
-    full = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in name_of:
-            full[n] = name_of[id(p)]
+    """``state_dict()`` of the model, of any module inside it or of any wrapper around it gives
+    the real weights of parameters homed off the device, and ``load_state_dict()`` puts loaded
+    values in their home: hooks on every module that holds such a parameter itself, so they
+    see the key under whatever prefix the call gives it. One parameter at a time is read or
+    written, never a unit's weights at once."""
+    owned = {}
+    for s in runner.statics.values():
+        if s.weights_out:
+            for k, (_, p) in enumerate(s.params):
+                owned[id(p)] = (s, k)
+    holders = {}
+    for mod in runner.model.modules():
+        local = [(n, owned[id(p)]) for n, p in mod._parameters.items()
+                 if p is not None and id(p) in owned]
+        if local:
+            holders[mod] = local
+    undo = []
+    for mod, local in holders.items():
+        opened = []
 
-    def post(module, sd, prefix, local_metadata):
-        if prefix:
-            return
-        for s in streamed:
-            with s.weights_present():
-                for n, (su, p) in full.items():
-                    if su is s and n in sd:
-                        sd[n] = p.detach().clone()
+        def post(module, sd, prefix, local_metadata, local=local):
+            for n, (s, k) in local:
+                if prefix + n in sd:
+                    sd[prefix + n] = s.weight_value(k)
 
-    loading = []
+        def pre(module, sd, prefix, local_metadata, strict, missing, unexpected, errors,
+                local=local, opened=opened):
+            if local_metadata.get("assign_to_params_buffers"):
+                raise PlanMismatchError("load_state_dict(assign=True) would replace parameters "
+                                        "that the plan keeps off the device; load without "
+                                        "assign (the values go to their homes)")
+            for n, (s, k) in local:
+                if prefix + n in sd:
+                    opened.append((s, k, s.open_for_load(k)))
 
-    def pre(module, sd, prefix, *a):
-        if prefix:
-            return
-        for s in streamed:
-            if not s.in_use:
-                cm = s.weights_present(write_back=True)
-                cm.__enter__()
-                loading.append(cm)
+        def after(module, incompatible, opened=opened):
+            while opened:
+                s, k, made = opened.pop()
+                s.loaded(k, made)
 
-    def after(module, incompatible):
-        while loading:
-            loading.pop().__exit__(None, None, None)
-
-    h1 = model.register_state_dict_post_hook(post)
-    h2 = model.register_load_state_dict_pre_hook(pre)
-    h3 = model.register_load_state_dict_post_hook(after)
-    return [h1.remove, h2.remove, h3.remove]
+        undo += [mod.register_state_dict_post_hook(post).remove,
+                 mod.register_load_state_dict_pre_hook(pre).remove,
+                 mod.register_load_state_dict_post_hook(after).remove]
+    return undo
 
 
 def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,

@@ -7,9 +7,10 @@ FSDP does) and refilled from the home before the unit's forward and again before
 backward, a share per stage as the plan says. Gradients of such a unit leave the device after
 its backward, a share per stage, and are added into their home copy (``acc + new`` in the
 parameter's dtype, the order PyTorch's own accumulation uses). Between passes a parameter
-whose gradient lives on NVMe carries a placeholder ``.grad`` that refuses every use, so that
-``torch.nn.utils.clip_grad_norm_`` cannot silently leave it out: ``handle.clip_grad_norm_``
-does it exactly (the norms of the accumulated gradients are taken as they are written).
+whose gradient lives on NVMe carries a placeholder ``.grad`` (``OffloadedGrad``) that behaves
+as the gradient: ``torch.nn.utils.clip_grad_norm_`` takes its norm as it was written and its
+scale as it is read at the step; ``zero_grad`` in any form, ``p.grad = None`` and a parameter
+that got no gradient are followed exactly as ``p.grad`` would be (``sync_grads``).
 
 The optimizer step goes through the handle (``OptimizerPhase``): units at home on the device
 are stepped by the user's own optimizer; every other unit, one after the other, is brought to
@@ -26,6 +27,7 @@ import threading
 import warnings
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_map
 
 from planner.costmodel import ACC_CHUNK_BYTES, STEP_PIECE_ALIGN, STEP_PIECE_BYTES
 from planner.errors import UserError
@@ -34,28 +36,82 @@ from planner.formats import Tier
 from .files import NvmeStore, Sums, byte_view, pread_all, pwrite_all
 from .offload import Counters, as_bytes
 
+ZERO, HOME = "zero", "home"      # a gradient at home: zeroed in place, or the accumulation
+
 
 class OffloadedGrad(torch.Tensor):
-    """A parameter's ``.grad`` while the gradient lives on the NVMe tier: same shape, dtype
-    and device, no storage; any use raises one line that says what to do instead."""
+    """A parameter's ``.grad`` while the gradient lives on the NVMe tier: same shape, dtype and
+    device, no storage. It behaves as the gradient it stands for: zeroing it (``zero_``, what
+    ``zero_grad(set_to_none=False)`` does) and scaling it by a scalar (``mul_``, what
+    ``clip_grad_norm_`` does) are recorded and applied to the home copy; its 2-norm is the one
+    taken as it was written; any other read brings the values from the home. Other writes into
+    it are refused in one line."""
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor, unit: str):
+    def __new__(cls, like: torch.Tensor, unit: "UnitStatic", k: int):
         t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype,
                                                 device=like.device, requires_grad=False)
-        t.unit = unit
+        t.owner = unit
+        t.k = k
+        t.unit = unit.name
         return t
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        unit = next((a.unit for a in args if isinstance(a, OffloadedGrad)), "?")
-        raise UserError(f"the gradients of {unit} live on the NVMe tier under this plan, so "
-                        f"{func.__name__.split('.')[0]} cannot read them; clip with "
-                        "handle.clip_grad_norm_(max_norm) and read them with "
-                        "handle.gradients()")
+        kwargs = kwargs or {}
+        name = func.__name__.split(".")[0]
+        first = args[0] if args else None
+        if name in ("zero_", "_foreach_zero_"):
+            for t in (first if isinstance(first, (list, tuple)) else [first]):
+                if isinstance(t, OffloadedGrad):
+                    t.owner.grad_zeroed(t.k)
+                else:
+                    t.zero_()
+            return first
+        if name in ("mul_", "_foreach_mul_") and len(args) == 2 and not kwargs:
+            many = isinstance(first, (list, tuple))
+            ts = first if many else [first]
+            fs = args[1] if many and isinstance(args[1], (list, tuple)) else [args[1]] * len(ts)
+            if all(_scalar(f) for f in fs):
+                for t, f in zip(ts, fs):
+                    if isinstance(t, OffloadedGrad):
+                        t.owner.grad_scaled(t.k, f)
+                    else:
+                        t.mul_(f)
+                return first
+        if name == "linalg_vector_norm" and isinstance(first, OffloadedGrad):
+            n = first.owner.grad_norm(first.k, *args[1:], **kwargs)
+            if n is not None:
+                return n
+        for t in tree_flatten(args)[0] + tree_flatten(kwargs)[0]:
+            if isinstance(t, OffloadedGrad) and _writes(func, args, kwargs, t):
+                raise UserError(f"the gradients of {t.unit} live on the NVMe tier under this "
+                                f"plan, so {name} cannot write into them (zeroing, scaling "
+                                "by a scalar and reading them work); change gradients "
+                                "before the plan takes them, or read them with "
+                                "handle.gradients()")
+        real = tree_map(lambda t: t.owner.grad_value(t.k) if isinstance(t, OffloadedGrad)
+                        else t, (args, kwargs))
+        return func(*real[0], **real[1])
 
     def __repr__(self):
         return f"OffloadedGrad(unit={self.unit}, shape={tuple(self.shape)})"
+
+
+def _scalar(f) -> bool:
+    return isinstance(f, (int, float)) or (isinstance(f, torch.Tensor) and f.numel() == 1
+                                           and not isinstance(f, OffloadedGrad))
+
+
+def _writes(func, args, kwargs, t) -> bool:
+    """Whether ``func`` writes into tensor ``t`` (an in-place or ``out=`` argument)."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        v = args[i] if i < len(args) else kwargs.get(a.name)
+        if v is t or (isinstance(v, (list, tuple)) and any(x is t for x in v)):
+            return True
+    return False
 
 
 def _own_storage(p: torch.nn.Parameter) -> None:
@@ -121,10 +177,16 @@ class UnitStatic:
         self.w_sums = self.g_sums = self.s_sums = None   # checksums of each file (files.Sums)
         self.w_got = set()                   # params whose weights are on the device
         self.in_use = False
-        self.acc_valid = False               # the gradient home holds an accumulation
+        # Per parameter index, what its gradient is while it lives at home: absent (None,
+        # as ``p.grad is None``), ZERO (zeroed in place) or HOME (the accumulation in the
+        # file), with the scales recorded since it was written (clipping) and its 2-norm as
+        # written. ``placeholders[k]`` is the ``.grad`` standing for it between passes: a
+        # ``.grad`` that is no longer that object was dropped or replaced by the user.
+        self.grad_state: dict = {}
+        self.grad_scales: dict = {}          # k -> [scalar tensors or numbers], in order
+        self.grad_norms: dict = {}           # k -> 2-norm of the accumulation as written
+        self.placeholders: dict = {}
         self.dev_grads = None                # the backward's gradients, until they have left
-        self.grad_norms: dict = {}           # param index -> 2-norm of its accumulated gradient
-        self._norms: dict = {}
         self.placeholders_due = False
         self.state_layout = None             # [(param index, key)] of state tensors on NVMe
         self.s_off: dict = {}                # (param index, key) -> (offset, bytes) in the state file
@@ -185,15 +247,14 @@ class UnitStatic:
 
     def _read_weights(self, parts):
         for k, t, lo, hi, off in parts:
-            pread_all(self.w_fd, byte_view(as_bytes(t.detach())[lo:hi]), off + lo,
-                      self.w_sums)
+            mv = byte_view(as_bytes(t.detach())[lo:hi])
+            pread_all(self.w_fd, mv, off + lo, self.w_sums)
             self.c.moved_add("nvme_read", hi - lo)
+            # verified before it counts as present: a corrupted home is reported every time
+            # it is read, never trusted by a later use, state dict or ``remove``
+            self.w_sums.verify(off + lo, mv, self.w_fd)
             with self.lock:
                 self.w_got.add((k, lo, hi))
-                whole = _covers([(a, b) for kk, a, b in self.w_got if kk == k],
-                                t.numel() * t.element_size())
-            if whole:   # the tensor is back whole: its bytes must be those written
-                self.w_sums.verify(off, byte_view(as_bytes(t.detach())), self.w_fd)
 
     def wait(self) -> None:
         """Block until this unit's I/O issued so far is done (raise its errors); then, on the
@@ -203,9 +264,15 @@ class UnitStatic:
             f.result()
         if self.placeholders_due:
             self.placeholders_due = False
-            for _, p in self.params:
-                if p.requires_grad:
-                    p.grad = OffloadedGrad(p, self.name)
+            self._install_placeholders()
+
+    def _install_placeholders(self) -> None:
+        for k, (_, p) in enumerate(self.params):
+            if self.grad_state.get(k) is not None:
+                ph = self.placeholders.get(k)
+                if ph is None:
+                    ph = self.placeholders[k] = OffloadedGrad(p, self, k)
+                p.grad = ph
 
     def use(self) -> None:
         """The unit computes now: its weights must all be here (what the plan did not
@@ -234,24 +301,78 @@ class UnitStatic:
         self.in_use = False
 
     # -- gradients --------------------------------------------------------------------------
+    @property
+    def acc_valid(self) -> bool:
+        """Whether any parameter of the unit has a gradient at home."""
+        return any(v is not None for v in self.grad_state.values())
+
+    def sync_grads(self) -> None:
+        """Take what the user did to the ``.grad`` of this unit's parameters since the plan
+        last set them: a placeholder that is gone (``p.grad = None``, ``zero_grad()``) drops
+        that gradient at home; a real tensor put there replaces it (autograd adds to it)."""
+        if not self.grads_out:
+            return
+        self.wait()
+        for k, (_, p) in enumerate(self.params):
+            ph = self.placeholders.get(k)
+            if ph is not None and p.grad is not ph:
+                self.placeholders.pop(k)
+                self._drop(k)
+
+    def _drop(self, k: int) -> None:
+        self.grad_state.pop(k, None)
+        self.grad_scales.pop(k, None)
+        self.grad_norms.pop(k, None)
+
+    def grad_zeroed(self, k: int) -> None:
+        """``p.grad.zero_()`` on the placeholder: the gradient is zeros, whatever is at home."""
+        self.grad_state[k] = ZERO
+        self.grad_scales.pop(k, None)
+        self.grad_norms.pop(k, None)
+
+    def grad_scaled(self, k: int, f) -> None:
+        """``p.grad.mul_(f)`` on the placeholder: applied, in order, as the values are read."""
+        if self.grad_state.get(k) is HOME:
+            self.grad_scales.setdefault(k, []).append(f.clone() if isinstance(f, torch.Tensor)
+                                                      else f)
+
+    def grad_norm(self, k: int, ord=2, dim=None, keepdim=False, *, dtype=None):
+        """The 2-norm of gradient k without reading it (None where it must be read)."""
+        if ord != 2 or dim is not None or keepdim or dtype is not None or self.grad_scales.get(k):
+            return None
+        p = self.params[k][1]
+        if self.grad_state.get(k) is ZERO:
+            return torch.zeros((), dtype=p.dtype, device=self.device)
+        return self.grad_norms.get(k)
+
+    def grad_value(self, k: int) -> torch.Tensor:
+        """Gradient k as a tensor on the device (read from its home: zeros where zeroed)."""
+        self.wait()
+        return self.store_of().submit(self.read_grads, [k]).result()[k]
+
     def begin_backward(self) -> None:
         """Before the unit's backward: no placeholder may receive autograd's accumulation."""
         if self.grads_out:
-            for _, p in self.params:
-                if isinstance(p.grad, OffloadedGrad):
+            self.sync_grads()
+            for k, (_, p) in enumerate(self.params):
+                if p.grad is not None and p.grad is self.placeholders.get(k):
                     p.grad = None
 
     def _collect(self):
+        """The backward's gradients, in the byte layout of the home (``_Flat`` of the
+        parameters): a parameter that got none in this pass has no entry (``None``)."""
         if self.dev_grads is None:
             grads = []
-            for _, p in self.params:
+            for k, (_, p) in enumerate(self.params):
                 g = p.grad
-                if isinstance(g, OffloadedGrad) or g is None:
-                    g = torch.zeros_like(p) if p.requires_grad else torch.zeros(0)
-                grads.append(g.detach().contiguous())
+                if isinstance(g, OffloadedGrad):
+                    g = None
+                if g is not None:
+                    g = g.detach().contiguous()
+                grads.append(g)
                 p.grad = None
-            self.dev_grads = _Flat(grads)
-            self._norms = {}
+            self.dev_grads = [(g, off, n) for g, (_, off, n) in zip(grads, self.flat.items)]
+            self.scales_now = {k: list(v) for k, v in self.grad_scales.items()}
 
     def send_grads(self, fa: float, fb: float) -> None:
         """The planned share [fa, fb) of the unit's gradients leaves and is added to its home
@@ -259,7 +380,7 @@ class UnitStatic:
         if not self.grads_out:
             return
         self._collect()
-        size = self.dev_grads.size
+        size = self.flat.size
         if self.g_fd is None:
             # the accumulator file lives until the handle closes: counted once, when made
             self.g_fd, self.g_path = self.store_of().open(f"g-{self.name}")
@@ -272,56 +393,63 @@ class UnitStatic:
 
     def _accumulate(self, a: int, b: int, last: bool):
         flat = self.dev_grads
-        for k, g, lo, hi, off in flat.parts(a, b, by="start"):
+        for k, (g, off, n) in enumerate(flat):
+            if g is None or not n or not a <= off < b:
+                continue
             # by parts of ACC_CHUNK_BYTES (whole elements), each written with its own checksum:
             # the read-back below then holds one part at a time, as the plan counts it
+            add = self.grad_state.get(k) is HOME
+            scales = self.scales_now.get(k, ())
             step = max(1, ACC_CHUNK_BYTES // g.element_size()) * g.element_size()
-            for c0 in range(lo, hi, step):
-                c1 = min(hi, c0 + step)
+            for c0 in range(0, n, step):
+                c1 = min(n, c0 + step)
                 part = as_bytes(g)[c0:c1]
-                if self.acc_valid:
+                if add:
                     # add the accumulator into the new gradient in its dtype: new + acc, the
-                    # same bits as PyTorch's acc + new
+                    # same bits as PyTorch's acc + new (the accumulator scaled first, as a
+                    # clip between passes scaled .grad in place)
                     old = torch.empty(c1 - c0, dtype=torch.uint8)
                     pread_all(self.g_fd, byte_view(old), off + c0, self.g_sums)
                     self.g_sums.verify(off + c0, byte_view(old), self.g_fd)
                     self.c.moved_add("nvme_read", c1 - c0)
-                    part.view(g.dtype).add_(old.view(g.dtype))
-                    del old
+                    acc = old.view(g.dtype)
+                    for f in scales:
+                        acc.mul_(f)
+                    part.view(g.dtype).add_(acc)
+                    del old, acc
                 pwrite_all(self.g_fd, byte_view(part), off + c0, self.g_sums)
                 self.c.moved_add("nvme_write", c1 - c0)
-            if hi == g.numel() * g.element_size() and g.numel():
-                # the tensor's accumulated gradient is complete: its norm, as clipping takes it
-                self._norms[k] = torch.linalg.vector_norm(g, 2.0)
-                # and its memory goes now, not when the unit's last share has left: the plan
-                # frees a split transfer share by share
-                flat.items[k] = (g.new_empty(0), off, hi)
+            # the tensor's accumulated gradient is complete: its norm, as clipping takes it
+            self.grad_norms[k] = torch.linalg.vector_norm(g, 2.0)
+            self.grad_state[k] = HOME
+            self.grad_scales.pop(k, None)
+            # and its memory goes now, not when the unit's last share has left: the plan
+            # frees a split transfer share by share
+            flat[k] = (None, off, n)
         if last:
-            self.acc_valid = True
-            self.grad_norms = dict(self._norms)
             self.dev_grads = None
             self.placeholders_due = True      # installed by the training thread (``wait``)
 
-    def read_grads(self, scale: float | None = None) -> list:
-        """The accumulated gradients, read from their home (for the step or the user)."""
-        out = []
-        for (_, p), (t, off, n) in zip(self.params, _Flat([p for _, p in self.params]).items):
+    def read_grads(self, ks=None) -> dict:
+        """Index -> the gradient at home of parameter k (all with one), read from the file
+        (zeros where zeroed) with its recorded scales applied."""
+        out = {}
+        for k, (t, off, n) in enumerate(self.flat.items):
+            st = self.grad_state.get(k)
+            if st is None or (ks is not None and k not in ks):
+                continue
+            p = self.params[k][1]
+            if st is ZERO:
+                out[k] = torch.zeros(p.shape, dtype=p.dtype, device=self.device)
+                continue
             g = torch.empty(p.shape, dtype=p.dtype, device=self.device)
             pread_all(self.g_fd, byte_view(as_bytes(g)), off, self.g_sums)
             self.g_sums.verify(off, byte_view(as_bytes(g)), self.g_fd)
             self.c.moved_add("nvme_read", n)
-            if scale is not None:
-                g.mul_(scale)         # the same clamped float32 scale torch multiplies by
-            out.append(g)
+            for f in self.grad_scales.get(k, ()):
+                g.mul_(f)             # the same scale, in place, as torch's clipping
+            out[k] = g
         return out
-
-    def zero_grad(self) -> None:
-        if self.grads_out:
-            self.acc_valid = False
-            self.grad_norms = {}
-            for _, p in self.params:
-                if isinstance(p.grad, OffloadedGrad):
-                    p.grad = None
 
     # -- the optimizer step -----------------------------------------------------------------
     def state_tensors(self, opt_state) -> list:
@@ -335,19 +463,17 @@ class UnitStatic:
                     out.append((k, key, v))
         return out
 
-    def materialize(self, opt_state, clip: float | None, state: bool = True) -> None:
+    def materialize(self, opt_state, state: bool = True) -> None:
         """Bring what the step needs to the device: weights, gradients and (unless ``state``
         is False: a step in pieces reads its own) the optimizer state."""
         store = self.store_of()
-        self.wait()
+        self.sync_grads()
         if self.weights_out and not self.in_use:
             self.use()
         if self.grads_out and self.acc_valid:
-            # gradients in memory were scaled when clipped; these are scaled as they come back
-            grads = store.submit(self.read_grads, clip).result()
-            for (_, p), g in zip(self.params, grads):
-                if p.requires_grad:
-                    p.grad = g
+            # scaled, as they come back, by what clipped them
+            for k, g in store.submit(self.read_grads).result().items():
+                self.params[k][1].grad = g
         if state and self.state_out and self.state_layout is not None:
             tens = self.state_tensors(opt_state)
             store.submit(self._read_state, tens).result()
@@ -402,10 +528,8 @@ class UnitStatic:
         if weights:
             self._free_weights()
             self.in_use = False
-        if self.grads_out and self.acc_valid:
-            for _, p in self.params:
-                if p.requires_grad:
-                    p.grad = OffloadedGrad(p, self.name)
+        if self.grads_out:
+            self._install_placeholders()
 
     def _write_state(self, tens):
         self._write_slices([(self.s_off[(k, key)][0], v) for k, key, v in tens])
@@ -518,6 +642,50 @@ class UnitStatic:
             self.c.moved_add("nvme_write", len(mv))
 
     # -- reading and loading values ------------------------------------------------------------
+    def _present(self, k: int) -> bool:
+        n = self.flat.items[k][2]
+        with self.lock:
+            return _covers([(a, b) for kk, a, b in self.w_got if kk == k], n)
+
+    def weight_value(self, k: int) -> torch.Tensor:
+        """Parameter k's value as a tensor of its own (a state dict's): the device copy where
+        it is present, else read from its home (verified); the device copy stays as it was."""
+        t, off, n = self.flat.items[k]
+        self.wait()
+        if not self.weights_out or self._present(k):
+            return t.detach().clone()
+        out = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+        self.store_of().submit(self._read_weights_into, out, off).result()
+        return out
+
+    def _read_weights_into(self, out: torch.Tensor, off: int) -> None:
+        mv = byte_view(as_bytes(out))
+        pread_all(self.w_fd, mv, off, self.w_sums)
+        self.w_sums.verify(off, mv, self.w_fd)
+        self.c.moved_add("nvme_read", len(mv))
+
+    def open_for_load(self, k: int) -> bool:
+        """Give parameter k a storage for ``load_state_dict`` to copy into; True when it had
+        none (``loaded`` frees it again)."""
+        t, _, n = self.flat.items[k]
+        self.wait()
+        if not self.weights_out or t.untyped_storage().nbytes():
+            return False
+        t.untyped_storage().resize_(n)
+        return True
+
+    def loaded(self, k: int, opened: bool) -> None:
+        """Parameter k was loaded in place: its home gets the new value (and the device copy
+        goes again where ``open_for_load`` made it)."""
+        if not self.weights_out:
+            return
+        t, off, _ = self.flat.items[k]
+        self.store_of().submit(pwrite_all, self.w_fd, byte_view(as_bytes(t.detach())), off,
+                               self.w_sums).result()
+        self.c.moved_add("nvme_write", self.flat.items[k][2])
+        if opened:
+            t.untyped_storage().resize_(0)
+
     @contextlib.contextmanager
     def weights_present(self, write_back: bool = False):
         """The unit's weights on the device for the duration (state dicts, no-grad calls)."""
@@ -581,7 +749,6 @@ class OptimizerPhase:
     def __init__(self, opt: torch.optim.Optimizer, units: list[UnitStatic], model_params: set):
         self.opt = opt
         self.units = units
-        self.clip: float | None = None
         streamed = {id(p) for u in units for _, p in u.params}
         self.streamed = streamed
         group_of = {}
@@ -635,7 +802,7 @@ class OptimizerPhase:
         pieces = type(self.opt) in ELEMENTWISE
         for u, subs in self.subs:
             by_pieces = pieces and u.state_out
-            u.materialize(self.opt.state, self.clip, state=not by_pieces)
+            u.materialize(self.opt.state, state=not by_pieces)
             for sub, gi in subs:
                 # the user's state and hyper-parameters as they are now: a scheduler changes
                 # the groups, and ``opt.load_state_dict`` replaces ``opt.state`` altogether
@@ -648,35 +815,5 @@ class OptimizerPhase:
                 sub.param_groups[0].update(hyper)
                 sub.step()
             u.write_back(self.opt.state, state=not by_pieces)
-        self.clip = None
         return loss
 
-    def clip_grad_norm_(self, params, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False, foreach=None) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_(params, ...)`` where some gradients live off the
-        device: torch's own total norm over the same per-tensor norms in the same order (a
-        gradient on NVMe contributes the norm taken as it was written), the scale applied to
-        the gradients in memory now and to the others as they are read at the step."""
-        if float(norm_type) != 2.0:
-            raise UserError("handle.clip_grad_norm_ supports the 2-norm only under a plan whose "
-                            "gradients live off the device")
-        norms_of = {}
-        for u in self.units:
-            if u.grads_out and u.acc_valid:
-                for k, (_, p) in enumerate(u.params):
-                    if k in u.grad_norms:
-                        n = u.grad_norms[k]
-                        norms_of[id(p)] = n.reshape(1).to(p.dtype)
-        tensors, scaled = [], []
-        for p in params:
-            if id(p) in norms_of:
-                tensors.append(norms_of[id(p)])
-            elif p.grad is not None and not isinstance(p.grad, OffloadedGrad):
-                tensors.append(p.grad)
-                scaled.append(p.grad)
-        total = torch.nn.utils.get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if scaled:
-            torch._foreach_mul_(scaled, coef.to(scaled[0].device))
-        self.clip = coef
-        return total

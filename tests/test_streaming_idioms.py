@@ -1,0 +1,251 @@
+"""Layer streaming under the loops people write: every way of zeroing gradients, torch's own
+``clip_grad_norm_``, parameters that take no part in a step, state dicts of a wrapper or of one
+block, and a corrupted weight home that must never reach the model.
+
+Each test trains the same model the same way twice, plainly and under a plan whose blocks keep
+their weights, gradients and optimizer state on the NVMe tier (the local disk here), and
+compares what plain PyTorch gives.
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from planner.formats import Home, Tier as T
+from planner.models import build_model, load_config, make_inputs
+from runtime import apply_plan
+
+from conftest import plan_for
+
+B, S, K, STEPS = 2, 16, 2, 3
+ON_DISK = Home(T.NVME, T.NVME, T.NVME, T.GPU)
+GRADS_ON_DISK = Home(T.NVME, T.NVME, T.GPU, T.GPU)
+
+
+def _model(extra=None):
+    cfg = dict(load_config("gpt-tiny"), dtype="fp32")
+    torch.manual_seed(0)
+    model = build_model(cfg, dtype="fp32")
+    if extra is not None:
+        extra(model)
+    model.train()
+    return cfg, model
+
+
+def _data(cfg):
+    return [make_inputs(cfg, B, S, seed=k) for k in range(STEPS * K)]
+
+
+def _zero(model, opt, how):
+    if how == "opt":
+        opt.zero_grad()
+    elif how == "opt-keep":
+        opt.zero_grad(set_to_none=False)
+    elif how == "model":
+        model.zero_grad()
+    elif how == "model-keep":
+        model.zero_grad(set_to_none=False)
+    elif how == "none":
+        for p in model.parameters():
+            p.grad = None
+    else:
+        raise AssertionError(how)
+
+
+def _train(model, data, opt, *, zero="opt", clip=0.5, zero_first=False):
+    torch.manual_seed(123)
+    for step in range(STEPS):
+        if zero_first:
+            _zero(model, opt, zero)
+        for k in range(K):
+            (model(**data[step * K + k]).loss / K).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        if not zero_first:
+            _zero(model, opt, zero)
+
+
+def _opt(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def _files(path) -> list:
+    return [f for _, _, fs in os.walk(path) for f in fs] if os.path.exists(path) else []
+
+
+def _streamed(model, tmp_path, home=ON_DISK, acts="keep-all"):
+    nvme = tmp_path / "nvme"
+    plan = plan_for(model, acts, B, S, nvme_dir=nvme, homes={"blocks": home}, micro_batches=K)
+    opt = _opt(model)
+    return apply_plan(model, plan, optimizer=opt), opt, nvme
+
+
+@pytest.mark.parametrize("zero", ["opt", "opt-keep", "model", "model-keep", "none"])
+@pytest.mark.parametrize("where", ["after-step", "before-backward"])
+def test_every_way_of_zeroing_gradients_trains_like_plain_pytorch(zero, where, tmp_path):
+    """``model.zero_grad()`` (what the Hugging Face Trainer calls), ``opt.zero_grad`` with or
+    without ``set_to_none`` and ``p.grad = None``, after the step or before the next backward:
+    the gradients homed on disk follow, as ``p.grad`` would (``model.zero_grad()`` once left
+    the home accumulator alone: 7.6e-2 off after one step, silently)."""
+    cfg, model = _model()
+    data = _data(cfg)
+    ref = copy.deepcopy(model)
+    ref_opt = _opt(ref)
+    first = where == "before-backward"
+    _train(ref, data, ref_opt, zero=zero, zero_first=first)
+    handle, opt, nvme = _streamed(model, tmp_path)
+    _train(model, data, opt, zero=zero, zero_first=first)
+    assert _diff(model.state_dict(), ref.state_dict()) <= 1e-6
+    handle.remove()
+    assert _files(nvme) == []
+    # after remove: the gradients as plain PyTorch leaves them (zeros, None or last step's)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), n
+        if q.grad is not None:
+            assert (p.grad - q.grad).abs().max().item() <= 1e-6, n
+
+
+def test_torch_clip_grad_norm_sees_gradients_on_disk_exactly(tmp_path):
+    """``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` itself, not only the
+    handle's: the same total norm as plain PyTorch and the same scale on every gradient,
+    including the norm-only call the Trainer makes (``max_norm=inf``)."""
+    cfg, model = _model()
+    data = _data(cfg)
+    ref = copy.deepcopy(model)
+    handle, opt, _ = _streamed(model, tmp_path)
+    ref_opt = _opt(ref)
+    torch.manual_seed(123)
+    for step in range(STEPS):
+        norms = []
+        for m, o in ((ref, ref_opt), (model, opt)):
+            torch.manual_seed(step)
+            for k in range(K):
+                (m(**data[step * K + k]).loss / K).backward()
+            inf = torch.nn.utils.clip_grad_norm_(m.parameters(), float("inf"))
+            got = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            norms.append((inf.item(), got.item()))
+            o.step()
+            m.zero_grad()
+        assert norms[0] == norms[1]
+    assert _diff(model.state_dict(), ref.state_dict()) <= 1e-6
+    handle.remove()
+
+
+def test_a_gradient_on_disk_reads_like_a_tensor(tmp_path):
+    """Reading a gradient that lives on disk (``p.grad.norm()``, ``p.grad.clone()``,
+    ``p.grad.sum()``) gives the values plain PyTorch holds; writing into it other than by
+    zeroing or scaling is refused in one line."""
+    cfg, model = _model()
+    data = _data(cfg)
+    ref = copy.deepcopy(model)
+    handle, opt, _ = _streamed(model, tmp_path)
+    for m in (ref, model):
+        torch.manual_seed(1)
+        m(**data[0]).loss.backward()
+    blk = handle.plan.model["blocks"][0]
+    name, p = next((n, q) for n, q in model.named_parameters() if n.startswith(blk + "."))
+    q = dict(ref.named_parameters())[name]
+    assert torch.equal(p.grad.clone(), q.grad)
+    assert torch.equal(p.grad.sum(), q.grad.sum())
+    assert torch.equal(p.grad.norm(), q.grad.norm())
+    from planner.errors import UserError
+    with pytest.raises(UserError, match="live on the NVMe tier"):
+        p.grad.add_(1.0)
+    handle.remove()
+
+
+def _add_unused(model):
+    blk = model.get_submodule(_first_block(model))
+    blk.unused = torch.nn.Parameter(torch.randn(8, 8))
+    blk.register_buffer("seen", torch.zeros(()))
+
+
+def _first_block(model):
+    from planner.blocks import find_blocks
+    _, blocks = find_blocks(model, None)
+    return blocks[0][0]
+
+
+def test_a_parameter_that_takes_no_part_keeps_no_gradient(tmp_path):
+    """A parameter no step uses has ``grad is None`` under the plan as in plain PyTorch, so
+    AdamW's weight decay leaves it alone (it once got a zero gradient and drifted 2.5e-6 in
+    two steps; an expert that receives no tokens would drift the same way)."""
+    cfg, model = _model(_add_unused)
+    data = _data(cfg)
+    ref = copy.deepcopy(model)
+    ref_opt = _opt(ref)
+    _train(ref, data, ref_opt)
+    handle, opt, _ = _streamed(model, tmp_path)
+    _train(model, data, opt)
+    blk = _first_block(model)
+    sd, want = model.state_dict(), ref.state_dict()
+    assert torch.equal(sd[blk + ".unused"], want[blk + ".unused"])
+    assert _diff(sd, want) <= 1e-6
+    assert handle.gradients()[blk + ".unused"] is None
+    handle.remove()
+    assert dict(model.named_parameters())[blk + ".unused"].grad is None
+
+
+@pytest.mark.parametrize("form", ["wrapper", "block"])
+def test_state_dicts_of_a_wrapper_or_one_block_hold_the_real_weights(form, tmp_path):
+    """``nn.ModuleDict({"model": m}).state_dict()`` (Lightning, PEFT and every wrapper) and
+    ``block.state_dict()`` give the weights that live on disk, and loading them puts the values
+    in their home (both once gave 0-byte tensors, and reading them segfaulted)."""
+    cfg, model = _model()
+    data = _data(cfg)
+    ref = copy.deepcopy(model)
+    ref_opt = _opt(ref)
+    _train(ref, data, ref_opt)
+    handle, opt, _ = _streamed(model, tmp_path)
+    _train(model, data, opt)
+    blk = _first_block(model)
+    if form == "wrapper":
+        outer, outer_ref = torch.nn.ModuleDict({"model": model}), torch.nn.ModuleDict({"model": ref})
+    else:
+        outer, outer_ref = model.get_submodule(blk), ref.get_submodule(blk)
+    sd, want = outer.state_dict(), outer_ref.state_dict()
+    assert _diff(sd, want) == 0.0
+    # loading: values from another model reach the home, and the plan trains on from them
+    fresh = {k: torch.randn_like(v) if v.is_floating_point() else v for k, v in want.items()}
+    outer.load_state_dict(fresh)
+    outer_ref.load_state_dict(fresh)
+    assert _diff(outer.state_dict(), outer_ref.state_dict()) == 0.0
+    _train(model, data, opt)
+    _train(ref, data, ref_opt)
+    assert _diff(model.state_dict(), ref.state_dict()) <= 1e-6
+    handle.remove()
+
+
+def test_a_corrupted_weight_home_is_never_trusted_after_it_is_reported(tmp_path):
+    """A weight file changed on disk is reported at the forward that reads it, and again by
+    every later read (``state_dict()``, the next forward): the corrupted bytes never reach the
+    model as if they were its weights (they once did, after the first report, through
+    ``state_dict()`` and ``remove()``: one flipped exponent bit gave a weight of 7e36)."""
+    from runtime.files import OffloadCorrupted
+    from test_faults import _bins, _corrupt, _drain
+    cfg, model = _model()
+    data = _data(cfg)
+    handle, opt, nvme = _streamed(model, tmp_path, home=Home(T.NVME, T.GPU, T.GPU, T.GPU))
+    model(**data[0]).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    _drain(handle)
+    blk = handle.plan.model["blocks"][-1]
+    (victim,) = [p for p in _bins(nvme) if p.name.startswith(f"w-{blk}")]
+    _corrupt(victim, "flip")
+    for read in (lambda: model(**data[1]).loss.backward(), model.state_dict,
+                 lambda: model.get_submodule(blk).state_dict(), model.state_dict):
+        with pytest.raises(OffloadCorrupted, match=f"weights of unit '{blk}'"):
+            read()
+    with pytest.raises(OffloadCorrupted, match=f"weights of unit '{blk}'"):
+        handle.remove()
+    handle._r.close()
