@@ -1023,9 +1023,11 @@ def _assemble(model, inputs, units, prologues, rep_of, blockset, tracker, timing
     # of a reused block is charged to that block, as the representative's was.
     owner: dict = {}
     block_of_param = {}
+    holders: dict = {}      # id(param) -> every block whose module holds it (shared by identity)
     for bname, block in blocks:
         for p in block.parameters():
             block_of_param.setdefault(id(p), bname)
+            holders.setdefault(id(p), set()).add(bname)
     for p in params:
         owner[id(p)] = block_of_param.get(id(p)) or tracker.param_unit.get(id(p), EMBEDDING)
     order = [EMBEDDING] + block_names + [HEAD]
@@ -1046,7 +1048,11 @@ def _assemble(model, inputs, units, prologues, rep_of, blockset, tracker, timing
             c[2] += n * g
             c[3] += n * o
             c[4] += n * master_bytes_per_param(p.dtype, optimizer)
-        users = set(tracker.param_users.get(id(p), ())) | {owner[id(p)]}
+        # every unit that uses it: seen using it in the forward (a representative block's
+        # uses stand for its copies' only), or holding it in its module (a layer shared by
+        # two blocks, found by identity whatever its names)
+        users = set(tracker.param_users.get(id(p), ())) | holders.get(id(p), set()) | \
+            {owner[id(p)]}
         for u in users:
             tied[u] |= users - {u}
             if u != owner[id(p)] and p.requires_grad:

@@ -249,3 +249,86 @@ def test_a_corrupted_weight_home_is_never_trusted_after_it_is_reported(tmp_path)
     with pytest.raises(OffloadCorrupted, match=f"weights of unit '{blk}'"):
         handle.remove()
     handle._r.close()
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.relu(self.lin(self.norm(x)))
+
+
+class _SharedLayer(torch.nn.Module):
+    """Four residual blocks, the last reusing the first one's Linear (not adjacent, not an
+    embedding tie)."""
+
+    def __init__(self, d=32, n=4):
+        super().__init__()
+        self.inp = torch.nn.Linear(d, d)
+        self.blocks = torch.nn.ModuleList(_Block(d) for _ in range(n))
+        self.blocks[n - 1].lin = self.blocks[0].lin
+        self.out = torch.nn.Linear(d, 1)
+
+    def forward(self, x, target):
+        for b in self.blocks:
+            x = b(x) if b is not self.blocks[0] else b(self.inp(x))
+        return ((self.out(x) - target) ** 2).mean()
+
+
+def _shared_model():
+    torch.manual_seed(0)
+    m = _SharedLayer()
+    return m, (torch.randn(4, 8, 32), torch.randn(4, 8, 1))
+
+
+def test_a_layer_shared_by_two_blocks_is_found_and_never_streamed(tmp_path):
+    """A Linear used by block 0 and block 3: the profile records the tie by identity, a plan
+    that would stream either is refused in one line (it once crashed with 'setStorage: ...
+    storage of size 0'), and the planner's own plan at a budget that streams the other blocks
+    trains like plain PyTorch."""
+    from planner.formats import Budgets
+    from planner.hardware import load_hardware
+    from planner.profiler import profile_module
+    from planner.solve import solve_profile
+    from runtime import PlanMismatchError
+
+    model, (x, t) = _shared_model()
+    hw = load_hardware("cpu-host")
+    prof = profile_module(model, (x, t), name="shared", hardware=hw, timing="estimate",
+                          batch=4, seq=8)
+    tied = {u.name: u.tied_to for u in prof.layers}
+    assert tied["blocks.0"] == ("blocks.3",) and tied["blocks.3"] == ("blocks.0",)
+    # a hand-made plan that streams every block: refused before anything moves
+    bad = plan_for(model, "keep-all", 4, 8, nvme_dir=tmp_path / "nvme", inputs=(x, t),
+                   homes={"blocks": ON_DISK})
+    with pytest.raises(PlanMismatchError, match="shares a parameter") as e:
+        apply_plan(model, bad, optimizer=_opt(model))
+    assert "\n" not in str(e.value) and "blocks.0.lin.weight" in str(e.value)
+    # the solver's plan at the smallest GPU budget that fits: the other units stream
+    from planner.errors import NoFitError
+
+    def solve(gpu):
+        budgets = Budgets(gpu_bytes=int(gpu), cpu_bytes=0, nvme_bytes=1 << 30)
+        return solve_profile(prof, None, hw, budgets, "optimal", time_limit=20,
+                             nvme_dir=str(tmp_path / "nvme")).plan
+    with pytest.raises(NoFitError) as e:
+        solve(hw.reserved_bytes)
+    plan = solve(e.value.needed_bytes)
+    homes = {d.name: d.home for d in plan.layers}
+    assert not homes["blocks.1"].resident or not homes["blocks.2"].resident, homes
+    for b in ("blocks.0", "blocks.3"):
+        assert homes[b].weights is T.GPU and homes[b].grads is T.GPU, (b, homes[b])
+    ref = copy.deepcopy(model)
+    opt, ref_opt = _opt(model), _opt(ref)
+    handle = apply_plan(model, plan, optimizer=opt)
+    for _ in range(3):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            m(x, t).backward()
+            o.step()
+            m.zero_grad()
+    assert _diff(model.state_dict(), ref.state_dict()) <= 1e-6
+    handle.remove()
+    assert _files(tmp_path / "nvme") == []
