@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
 
 from planner.errors import UserError
 from planner.events import Op, Stream, TensorClass
@@ -646,6 +647,18 @@ class _Runner:
         self.step_open = True
         self.step_t0 = time.perf_counter()
 
+    def before_optimizer_step(self, opt, args, kwargs):
+        """Another optimizer stepping parameters the plan keeps off the device would step
+        placeholders (a Trainer given no ``optimizers=`` makes its own): refused first."""
+        if self.phase is None or opt is self.phase.opt or id(opt) in self.sub_optimizers:
+            return
+        if any(id(q) in self.phase.streamed for g in opt.param_groups for q in g["params"]):
+            raise PlanMismatchError(
+                f"{type(opt).__name__} is not the optimizer given to apply_plan, but it steps "
+                "parameters the plan keeps off the device; step the one given to "
+                "apply_plan(model, plan, optimizer=opt) (with the Hugging Face Trainer: "
+                "Trainer(..., optimizers=(opt, None)))")
+
     def on_optimizer_step(self, opt, args, kwargs):
         if not self.step_open or id(opt) in self.sub_optimizers:
             return
@@ -1115,6 +1128,8 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
         undo += _install_optimizer(runner, optimizer)
     undo += _install_state_dict_hooks(runner)
     hook = register_optimizer_step_post_hook(runner.on_optimizer_step)
+    pre_hook = register_optimizer_step_pre_hook(runner.before_optimizer_step)
+    undo.append(pre_hook.remove)
     handle = Handle(runner, hook, undo)
     _ACTIVE[model] = handle
     return handle
