@@ -124,3 +124,34 @@ def test_a_trainer_that_makes_its_own_optimizer_is_refused_in_one_line(setup, tm
         with pytest.raises(PlanMismatchError, match=r"optimizers=\(opt, None\)") as e:
             _train(base, data, tmp_path / "t", plan, optimizers=False)
     assert "\n" not in str(e.value)
+
+
+def test_a_plain_accelerate_loop_trains_under_a_streaming_plan_exactly(setup, tmp_path):
+    """``accelerator.prepare`` wraps the optimizer; ``accumulate``, ``backward`` and
+    ``clip_grad_norm_`` are Accelerate's: the weights equal the same loop without a plan."""
+    accelerate = pytest.importorskip("accelerate")
+    base, data, hw, prof = setup
+    plan = _tightest(prof, hw, tmp_path / "nvme", "auto")
+    assert any(not d.home.resident for d in plan.layers)
+    out = []
+    for p in (None, plan):
+        model = copy.deepcopy(base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        handle = apply_plan(model, p, optimizer=opt) if p is not None else None
+        acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=K)
+        model, opt = acc.prepare(model, opt)
+        norms = []
+        for i in range(0, len(data), B):
+            batch = {k: torch.stack([d[k] for d in data[i:i + B]]) for k in ("input_ids", "labels")}
+            with acc.accumulate(model):
+                acc.backward(model(**batch).loss)
+                if acc.sync_gradients:
+                    norms.append(acc.clip_grad_norm_(model.parameters(), 1.0).item())
+                opt.step()
+                opt.zero_grad()
+        out.append((norms, {k: v.clone() for k, v in model.state_dict().items()}))
+        if handle is not None:
+            handle.remove()
+    (n0, w0), (n1, w1) = out
+    assert len(n0) == STEPS and n0 == n1
+    assert max((w1[k] - w0[k]).abs().max().item() for k in w0) <= 1e-6
