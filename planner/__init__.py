@@ -9,4 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES_DIR = ROOT / "profiles"
+if not (PROFILES_DIR / "hardware").is_dir():
+    # installed from a wheel (``pip install .``): the shipped specs are inside the package
+    PROFILES_DIR = Path(__file__).resolve().parent / "specs"
 PLANS_DIR = ROOT / "plans"
