@@ -343,7 +343,8 @@ class UnitStatic:
         p = self.params[k][1]
         if self.grad_state.get(k) is ZERO:
             return torch.zeros((), dtype=p.dtype, device=self.device)
-        return self.grad_norms.get(k)
+        n = self.grad_norms.get(k)
+        return None if n is None else n.clone()
 
     def grad_value(self, k: int) -> torch.Tensor:
         """Gradient k as a tensor on the device (read from its home: zeros where zeroed)."""
