@@ -39,6 +39,8 @@ from pathlib import Path
 
 import xxhash
 
+from .timing import LINKS
+
 from planner.errors import UserError
 from planner.fileio import lock_dir
 
@@ -163,24 +165,31 @@ def _label(where) -> tuple[str, str]:
 def pwrite_all(fd: int, mv: memoryview, offset: int, sums: Sums | str | None = None) -> None:
     """Write all of ``mv`` at ``offset``; record its checksum in ``sums``. A failed write (a
     full disk) is one line naming the file."""
-    whole, start = mv, offset
-    try:
-        while len(mv):
-            n = os.pwrite(fd, mv, offset)
-            mv, offset = mv[n:], offset + n
-    except OSError as e:
-        path, what = _label(sums)
-        hint = ("the disk is full: free space or give apply_plan(..., nvme_dir=) a larger disk"
-                if e.errno in (errno.ENOSPC, errno.EDQUOT) else "check the NVMe directory")
-        raise OffloadError(f"tierplan: cannot write offload file '{path}'{what}: "
-                           f"{e.strerror or e}; {hint}") from None
-    if isinstance(sums, Sums):
-        sums.wrote(start, whole)
+    with LINKS.busy_with("nvme_write", len(mv)):
+        whole, start = mv, offset
+        try:
+            while len(mv):
+                n = os.pwrite(fd, mv, offset)
+                mv, offset = mv[n:], offset + n
+        except OSError as e:
+            path, what = _label(sums)
+            hint = ("the disk is full: free space or give apply_plan(..., nvme_dir=) a larger "
+                    "disk" if e.errno in (errno.ENOSPC, errno.EDQUOT) else
+                    "check the NVMe directory")
+            raise OffloadError(f"tierplan: cannot write offload file '{path}'{what}: "
+                               f"{e.strerror or e}; {hint}") from None
+        if isinstance(sums, Sums):
+            sums.wrote(start, whole)
 
 
 def pread_all(fd: int, mv: memoryview, offset: int, label: Sums | str = "") -> None:
     """Read exactly ``len(mv)`` bytes at ``offset``; a short file (truncated on disk) is one
     line naming the file and what it holds."""
+    with LINKS.busy_with("nvme_read", len(mv)):
+        _pread_all(fd, mv, offset, label)
+
+
+def _pread_all(fd: int, mv: memoryview, offset: int, label) -> None:
     while len(mv):
         try:
             n = os.preadv(fd, [mv], offset)
