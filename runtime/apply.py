@@ -681,7 +681,10 @@ class _Runner:
             peak = torch.cuda.max_memory_allocated(self.device)
         else:
             hwm = read_status().get("VmHWM")
-            peak = hwm - self.step_base if hwm is not None and self.step_base is not None else None
+            # max: the kernel's per-thread RSS counters can leave VmHWM a few pages below the
+            # VmRSS read at the start
+            peak = (max(0, hwm - self.step_base) if hwm is not None and self.step_base is not None
+                    else None)
         units, after_backward, links = self.clock.end_step()
         with c.lock:
             rec = StepRecord(step_s=t1 - self.step_t0, passes=self.step_passes,

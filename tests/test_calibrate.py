@@ -286,3 +286,17 @@ def test_an_old_report_without_unit_times_still_loads(tmp_path, trained):
     back = load_report(p)
     assert back.units == [] and back.unit_times() == {}
     assert isinstance(back, Report) and all(isinstance(s, StepRecord) for s in back.steps)
+
+
+def test_a_step_whose_rss_mark_lags_its_base_records_no_negative_rise(tmp_path, monkeypatch):
+    # The kernel's RSS counters are cached per thread, so VmHWM read at a step's end can be a
+    # few pages below the VmRSS read at its start (seen: -268 KiB on this host); the report's
+    # loader rejects a negative byte count, so such a report could not be read back.
+    import runtime.apply
+    monkeypatch.setattr(runtime.apply, "read_status",
+                        lambda: {"VmRSS": 1 << 30, "VmHWM": (1 << 30) - 274432})
+    cfg = dict(load_config("gpt-tiny"), dtype="fp32", n_layers=2)
+    model = build_model(cfg, dtype="fp32")
+    rep = _train(plan_for(model, "keep-all", B, S), model, cfg, steps=2)
+    assert all(s.peak_gpu_bytes == 0 for s in rep.steps)
+    assert load_report(rep.save(tmp_path / "r.json")).steps[1].peak_gpu_bytes == 0
