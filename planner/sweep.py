@@ -109,7 +109,7 @@ def changes(prev: Plan | None, plan: Plan) -> list[str]:
     order = ["keep", "recompute@gpu", "recompute@cpu", "recompute@nvme", "recompute@none",
              "cpu", "nvme"]
     out = [f"{k} {before.get(k, 0)}->{after.get(k, 0)}"
-           for k in order + sorted(set(before) | set(after) - set(order))
+           for k in order + sorted((set(before) | set(after)) - set(order))
            if before.get(k, 0) != after.get(k, 0)]
     moved = sum(1 for a, b in zip(prev.layers, plan.layers) if _kind(a) != _kind(b))
     if moved and not out:

@@ -93,6 +93,27 @@ def test_table_marks_the_knee_and_the_changes(prof, capsys, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_changes_count_each_choice_once():
+    from planner.formats import Activation as A, Home, LayerDecision as LD, Tier as T
+    from planner.sweep import changes
+
+    class P:
+        def __init__(self, layers):
+            self.layers = layers
+    off = Home(T.CPU, T.CPU, T.CPU, T.CPU)
+    a = P([LD("e", A.KEEP), LD("b0", A.RECOMPUTE, T.GPU), LD("b1", A.RECOMPUTE, T.NONE),
+           LD("b2", A.CPU), LD("h", A.KEEP)])
+    b = P([LD("e", A.KEEP), LD("b0", A.KEEP), LD("b1", A.CPU), LD("b2", A.CPU, home=off),
+           LD("h", A.KEEP)])
+    assert changes(a, b) == ["keep 2->3", "recompute@gpu 1->0", "recompute@none 1->0",
+                             "cpu 1->2", "1 home(s) moved"]
+    assert changes(None, b) == [] and changes(b, b) == []
+    # two units trading choices: the counts stay, the swap is said
+    c = P([LD("e", A.KEEP), LD("b0", A.CPU), LD("b1", A.KEEP), LD("b2", A.CPU, home=off),
+           LD("h", A.KEEP)])
+    assert changes(b, c) == ["2 unit(s) swapped choices"]
+
+
 def test_knee_is_the_kneedle_point():
     def pts(ts):
         return [Point(budget=10 * k, plan=object(), step_s=t, compute_s=1.0)
