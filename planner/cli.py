@@ -124,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     q = verb("calibrate", "Write a profile with the unit times and bandwidths a run measured.")
     q.add_argument("profile", help="the profile the run's plan was solved from")
     q.add_argument("--report", required=True, metavar="REPORT.json",
-                   help="the run's report (handle.report().save(path), train.py --report)")
+                   help="the run's report (handle.report().save(path), or examples/train.py "
+                   "--report-out)")
     q.add_argument("-o", "--output", default=None, help="output profile (default: "
                    "<profile>-calibrated.json beside it; never the input itself)")
     q.add_argument("--json", action="store_true", help="print what changed as one JSON object")

@@ -365,6 +365,7 @@ class _Runner:
     def enter(self, p: _Pass, stage: int) -> None:
         if self.closed or self.driver.ctx is None or self.driver.ctx() is not p:
             return
+        self.clock.backward_seen()
         self.driver.enter(stage)
 
     def end_backward(self, pref) -> None:

@@ -106,7 +106,13 @@ class StageClock:
         self.link0 = LINKS.snapshot()
 
     def begin_pass(self) -> None:
-        self.passes.append({"marks": {}, "fwd_end": None, "recompute": []})
+        self.passes.append({"marks": {}, "fwd_end": None, "recompute": [], "backward": False})
+
+    def backward_seen(self) -> None:
+        """A gradient hook of the current pass fired: its backward ran (a pass dropped without
+        one has its backward stages run back to back by the next forward: not timed)."""
+        if self.passes:
+            self.passes[-1]["backward"] = True
 
     def mark(self, stage: int, wait_s: float) -> None:
         """The driver starts ``stage`` (its barrier waited; ``wait_s`` the driver's total)."""
@@ -164,7 +170,7 @@ class StageClock:
                 if f in m and end is not None:
                     add(name, "fwd_s", self._seconds(m[f][0], end[0]) - (end[1] - m[f][1]))
                 b = 2 * U - i
-                if b in m and b + 1 in m:
+                if p["backward"] and b in m and b + 1 in m:
                     stall = m[b + 1][1] - m[b][1]
                     span = self._seconds(m[b][0], m[b + 1][0])
                     add(name, "bwd_s", span - stall - rec_by_stage.get(b, 0.0))

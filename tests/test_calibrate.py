@@ -48,6 +48,7 @@ def test_stage_marks_become_unit_times_exactly():
     c.t = 7.0
     c.forward_done()                    # head forward: 6 -> 7
     c.t = 20.0                          # the loop's own time before backward: not the head's
+    c.backward_seen()
     c.mark(5, 0.5)
     c.t = 22.0
     c.mark(6, 0.5)                      # head backward 2
@@ -68,6 +69,27 @@ def test_stage_marks_become_unit_times_exactly():
     assert units["b1"] == {"fwd_s": 3.0, "bwd_s": 4.0, "stall_s": 1.0, "recompute_s": 2.0}
     assert units["h"] == {"fwd_s": 1.0, "bwd_s": 2.0, "stall_s": 0.0}
     assert after == 2.0 and links == {}
+
+
+def test_a_pass_without_backward_adds_no_backward_times():
+    c = _Fake(["e", "b0", "h"])
+    c.begin_step()
+    for p, (f, bw) in enumerate([(1.0, None), (2.0, 3.0)]):
+        base = 100.0 * p
+        c.begin_pass()
+        for stage in (1, 2, 3):
+            c.t = base + f * (stage - 1)
+            c.mark(stage, 0.0)
+        c.t = base + 3 * f
+        c.forward_done()
+        if bw is not None:
+            c.backward_seen()
+        for stage in (4, 5, 6, 7):      # dropped: the next forward runs these back to back
+            c.t = base + 50 + (bw or 0.0) * (stage - 4)
+            c.mark(stage, 0.0)
+    units, _, _ = c.end_step()
+    assert units["b0"]["fwd_s"] == 1.5            # both passes' forwards: (1 + 2) / 2
+    assert units["b0"]["bwd_s"] == 3.0            # only the pass whose backward ran
 
 
 def test_link_busy_time_is_the_union_of_overlapping_transfers():
