@@ -39,10 +39,10 @@ from pathlib import Path
 
 import xxhash
 
-from .timing import LINKS
-
 from planner.errors import UserError
 from planner.fileio import lock_dir
+
+from .timing import LINKS
 
 IO_THREAD_PREFIX = "tierplan-io"
 # Checksums on every offload (set False only to measure what they cost: bench/runtime.py).
@@ -166,20 +166,23 @@ def pwrite_all(fd: int, mv: memoryview, offset: int, sums: Sums | str | None = N
     """Write all of ``mv`` at ``offset``; record its checksum in ``sums``. A failed write (a
     full disk) is one line naming the file."""
     with LINKS.busy_with("nvme_write", len(mv)):
-        whole, start = mv, offset
-        try:
-            while len(mv):
-                n = os.pwrite(fd, mv, offset)
-                mv, offset = mv[n:], offset + n
-        except OSError as e:
-            path, what = _label(sums)
-            hint = ("the disk is full: free space or give apply_plan(..., nvme_dir=) a larger "
-                    "disk" if e.errno in (errno.ENOSPC, errno.EDQUOT) else
-                    "check the NVMe directory")
-            raise OffloadError(f"tierplan: cannot write offload file '{path}'{what}: "
-                               f"{e.strerror or e}; {hint}") from None
-        if isinstance(sums, Sums):
-            sums.wrote(start, whole)
+        _pwrite_all(fd, mv, offset, sums)
+
+
+def _pwrite_all(fd: int, mv: memoryview, offset: int, sums) -> None:
+    whole, start = mv, offset
+    try:
+        while len(mv):
+            n = os.pwrite(fd, mv, offset)
+            mv, offset = mv[n:], offset + n
+    except OSError as e:
+        path, what = _label(sums)
+        hint = ("the disk is full: free space or give apply_plan(..., nvme_dir=) a larger disk"
+                if e.errno in (errno.ENOSPC, errno.EDQUOT) else "check the NVMe directory")
+        raise OffloadError(f"tierplan: cannot write offload file '{path}'{what}: "
+                           f"{e.strerror or e}; {hint}") from None
+    if isinstance(sums, Sums):
+        sums.wrote(start, whole)
 
 
 def pread_all(fd: int, mv: memoryview, offset: int, label: Sums | str = "") -> None:
