@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 
 from .errors import UserError
-from .fileio import write_json_atomic
+from .fileio import check_output, write_json_atomic
 from .formats import Profile, load_profile, sha256_file
 from .report import Report, load_report
 from .sizes import fmt_bytes, fmt_seconds
@@ -121,8 +121,8 @@ def cli_calibrate(args) -> int:
     report = load_report(args.report)
     out_path = Path(args.output) if args.output else Path(args.profile).with_name(
         Path(args.profile).stem + "-calibrated.json")
-    if out_path.exists() and out_path.resolve() == Path(args.profile).resolve():
-        raise UserError(f"-o {out_path}: that is the input profile; give another file")
+    if args.output is None:            # -o was checked with the other verbs' outputs
+        check_output(out_path, inputs=[args.profile, args.report], what="calibrated profile")
     cal, summary = calibrate(profile, report, args.profile, args.report)
     write_json_atomic(out_path, cal.to_dict())
     if args.json:

@@ -266,6 +266,11 @@ def test_calibrate_never_overwrites_its_input(tmp_path, trained, capsys):
     # without -o: beside the input
     assert main(["calibrate", str(pp), "--report", str(rp)]) == 0
     assert (tmp_path / "prof-calibrated.json").is_file() and pp.read_bytes() == before
+    # the default output is checked as -o is: a folder there is one line, exit 2
+    (tmp_path / "prof-calibrated.json").unlink()
+    (tmp_path / "prof-calibrated.json").mkdir()
+    assert main(["calibrate", str(pp), "--report", str(rp)]) == 2
+    assert "is a directory" in capsys.readouterr().err
 
 
 def test_calibrate_needs_a_measured_step(tmp_path, trained):
