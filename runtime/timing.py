@@ -45,12 +45,15 @@ class LinkClock:
             if n == 0:
                 self._since[link] = time.perf_counter()
             self._open[link] = n + 1
+        done = False
         try:
             yield
+            done = True
         finally:
             with self.lock:
                 self._open[link] -= 1
-                self.bytes[link] = self.bytes.get(link, 0) + int(nbytes)
+                if done:                    # a failed transfer moved nothing to count
+                    self.bytes[link] = self.bytes.get(link, 0) + int(nbytes)
                 if self._open[link] == 0:
                     self.busy[link] = (self.busy.get(link, 0.0)
                                        + time.perf_counter() - self._since[link])
