@@ -1,4 +1,4 @@
-"""The ``plan`` command: profile, solve, simulate, inspect, diff, hardware.
+"""The ``plan`` command: profile, solve, sweep, calibrate, simulate, inspect, diff, hardware.
 
 Each verb's work lives in its own module (imported only when that verb runs, so ``plan
 inspect`` never pays for importing torch). This file only parses arguments and turns a
@@ -26,6 +26,11 @@ EPILOG = {
     "simulate": "example: plan simulate plans/gpt2-xl-b8-s1024-36G.json --json",
     "inspect": "example: plan inspect plans/gpt2-xl-b8-s1024-36G.json --plot plan.png",
     "diff": "example: plan diff plans/a-80G.json plans/a-36G.json",
+    "sweep": "example: plan sweep profiles/gpt2-xl-b8-s1024.json --gpu-mem 30G:80G:5G --plot "
+             "sweep.png\n(one budget is A:B:STEP; the other options are plan solve's, "
+             "--time-limit per point)",
+    "calibrate": "example: plan calibrate profiles/m.json --report report.json -o "
+                 "profiles/m-calibrated.json",
     "hardware": "example: plan hardware --nvme-dir /tmp/tierplan-probe -o profiles/hardware/this-host.yaml",
 }
 
@@ -107,6 +112,24 @@ def build_parser() -> argparse.ArgumentParser:
                                         "offload-all", "remat-only"], default="optimal")
     q.add_argument("-o", "--output", default=None, help="output file (default: plans/<profile>-<gpu>.json)")
 
+    solve_q = q
+    q = verb("sweep", "Solve along one budget axis: the memory-time table, its knee, a plot.")
+    for a in solve_q._actions:      # plan solve's options, the same objects (same defaults)
+        if a.dest not in ("help", "output"):
+            q._add_action(a)
+    q.add_argument("--plot", default=None, metavar="FILE.png", help="draw step time and "
+                   "tokens/s against the budget")
+    q.add_argument("--json", action="store_true", help="print the rows as one JSON object")
+
+    q = verb("calibrate", "Write a profile with the unit times and bandwidths a run measured.")
+    q.add_argument("profile", help="the profile the run's plan was solved from")
+    q.add_argument("--report", required=True, metavar="REPORT.json",
+                   help="the run's report (handle.report().save(path), or examples/train.py "
+                   "--report-out)")
+    q.add_argument("-o", "--output", default=None, help="output profile (default: "
+                   "<profile>-calibrated.json beside it; never the input itself)")
+    q.add_argument("--json", action="store_true", help="print what changed as one JSON object")
+
     q = verb("simulate", "Replay a plan event by event: step time, peaks, stream busy time.")
     q.add_argument("plan")
     q.add_argument("--json", action="store_true", help="print one JSON object")
@@ -143,6 +166,10 @@ def _dispatch(args) -> int:
         from .diff import cli_diff as run
     elif args.verb == "hardware":
         from .measure import cli_hardware as run
+    elif args.verb == "sweep":
+        from .sweep import cli_sweep as run
+    elif args.verb == "calibrate":
+        from .calibrate import cli_calibrate as run
     else:
         raise AssertionError(args.verb)
     return run(args) or 0

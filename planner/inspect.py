@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+from .costmodel import decision_choice
 from .errors import UserError
 from .formats import Plan, Profile, load_any
 from .sizes import fmt_bytes, fmt_rate, fmt_seconds
@@ -140,10 +141,56 @@ def _measured(plan: Plan, rep) -> list[str]:
     p = plan.predicted
     if med is None:
         return ["measured  (the report has no complete step)"]
-    return [f"measured  step {fmt_seconds(med.step_s)} vs predicted {fmt_seconds(p.step_s)} "
-            f"({(med.step_s / p.step_s - 1) * 100 if p.step_s else 0:+.1f}%), peak device "
-            f"{fmt_bytes(med.peak_gpu_bytes)} ({rep.gpu_measure}) vs predicted "
-            f"{fmt_bytes(rep.predicted_gpu_rise_bytes)}, over {med.steps} step(s)"]
+    out = [f"measured  step {fmt_seconds(med.step_s)} vs predicted {fmt_seconds(p.step_s)} "
+           f"({(med.step_s / p.step_s - 1) * 100 if p.step_s else 0:+.1f}%), peak device "
+           f"{fmt_bytes(med.peak_gpu_bytes)} ({rep.gpu_measure}) vs predicted "
+           f"{fmt_bytes(rep.predicted_gpu_rise_bytes)}, over {med.steps} step(s)"]
+    rows = unit_comparison(plan, rep)
+    if rows is None:
+        return out + ["  (the report's units are not this plan's: no per-unit comparison)"]
+    if not rows:
+        return out
+    out.append("  per unit, ms per pass (predicted: the plan's profile; measured: median over "
+               "the steps, the first left out):")
+    head = ("unit", "decision", "fwd pred", "fwd meas", "bwd pred", "bwd meas", "recompute",
+            "stall")
+    ms = lambda t: "-" if t is None else f"{t * 1e3:.2f}"    # noqa: E731
+    table = [head] + [(r["unit"], r["decision"], ms(r["fwd_s"]), ms(r["measured_fwd_s"]),
+                       ms(r["bwd_s"]), ms(r["measured_bwd_s"]), ms(r["measured_recompute_s"]),
+                       ms(r["measured_stall_s"])) for r in rows]
+    w = [max(len(r[i]) for r in table) for i in range(len(head))]
+    out += ["  " + "  ".join(c.rjust(w[i]) if i > 1 else c.ljust(w[i]) for i, c in enumerate(r))
+            for r in table]
+    links = rep.link_rates()
+    for k, v in sorted(links.items()):
+        spec = plan.hardware.get(f"{k}_bandwidth")
+        rate = v["bytes_per_s"]
+        out.append(f"  {k}: {fmt_bytes(v['bytes'])} in {fmt_seconds(v['busy_s'])} busy = "
+                   f"{rate / 1e9 if rate else 0:.3f} GB/s measured vs {spec / 1e9 if spec else 0:.3f}"
+                   " GB/s in the spec")
+    return out
+
+
+def unit_comparison(plan: Plan, rep) -> list | None:
+    """Per unit: the plan's fwd_s/bwd_s beside the report's medians (None when the report's
+    units are not the plan's; [] when it has no per-unit times)."""
+    names = [u.name for u in plan.units]
+    if rep.units and rep.units != names:
+        return None
+    times = rep.unit_times()
+    if not times:
+        return []
+    dec = {d.name: d for d in plan.layers}
+    out = []
+    for u in plan.units:
+        t = times.get(u.name, {})
+        d = dec[u.name]
+        out.append({"unit": u.name, "decision": decision_choice(d), "fwd_s": u.fwd_s,
+                    "bwd_s": u.bwd_s, "measured_fwd_s": t.get("fwd_s"),
+                    "measured_bwd_s": t.get("bwd_s"),
+                    "measured_recompute_s": t.get("recompute_s"),
+                    "measured_stall_s": t.get("stall_s")})
+    return out
 
 
 def to_json(plan: Plan, sim) -> dict:
@@ -190,6 +237,7 @@ def cli_inspect(args) -> int:
         d = to_json(obj, sim)
         if report is not None:
             d["report"] = report.to_dict()
+            d["units_measured"] = unit_comparison(obj, report)
         print(json.dumps(d, sort_keys=True))
     else:
         print(render(obj, sim, args.plan, report))

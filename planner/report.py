@@ -33,6 +33,11 @@ class StepRecord:
     base_bytes: int | None            # CUDA: allocated before; CPU: RSS before the step
     moved: dict = field(default_factory=dict)   # link -> bytes
     stall_s: float = 0.0              # time the training thread waited for transfers
+    # per unit name, seconds per pass (runtime/timing.py): fwd_s, bwd_s (its stage's compute
+    # less the recomputes inside it), recompute_s, stall_s (the wait at its backward's end)
+    units: dict = field(default_factory=dict)
+    after_backward_s: float | None = None   # last backward's end to the optimizer step's end
+    links: dict = field(default_factory=dict)   # disk link -> {"bytes", "busy_s"}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -43,6 +48,14 @@ class StepRecord:
                      "peak_activation_bytes", "static_bytes"), where, _FIX)
         _check_fields(d, _STEP_FIELDS, where, _FIX)
         _check_moved(d.get("moved", {}), f"{where} moved")
+        _check_unit_times(d.get("units", {}), f"{where} units")
+        for k, v in d.get("links", {}).items():
+            if k not in LINKS:
+                raise UserError(f"{where} links: {str(k)[:40]!r} is not one of "
+                                f"{', '.join(LINKS)}; {_FIX}")
+            _check_fields(v, {"bytes": "bytes", "busy_s": "seconds"}, f"{where} links {k}", _FIX)
+        if d.get("after_backward_s") is not None:
+            _check_fields(d, {"after_backward_s": "seconds"}, where, _FIX)
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 
@@ -55,10 +68,24 @@ def _check_moved(moved: dict, where: str) -> None:
     _check_fields(moved, {k: "bytes" for k in LINKS}, where, _FIX)
 
 
+UNIT_TIMES = ("fwd_s", "bwd_s", "recompute_s", "stall_s")
+
+
+def _check_unit_times(units, where: str) -> None:
+    _check_fields({"units": units}, {"units": "dict"}, where, _FIX)
+    for name, t in units.items():
+        _check_fields({"t": t}, {"t": "dict"}, f"{where} {str(name)[:60]}", _FIX)
+        for k in t:
+            if k not in UNIT_TIMES:
+                raise UserError(f"{where} {str(name)[:60]}: {str(k)[:40]!r} is not one of "
+                                f"{', '.join(UNIT_TIMES)}; {_FIX}")
+        _check_fields(t, {k: "seconds" for k in UNIT_TIMES}, f"{where} {str(name)[:60]}", _FIX)
+
+
 _STEP_FIELDS = {"step_s": "seconds", "passes": "count", "peak_gpu_bytes": "bytes?",
                 "peak_cpu_bytes": "bytes", "peak_nvme_bytes": "bytes",
                 "peak_activation_bytes": "bytes", "static_bytes": "bytes", "base_bytes": "bytes?",
-                "moved": "dict", "stall_s": "seconds"}
+                "moved": "dict", "stall_s": "seconds", "units": "dict", "links": "dict"}
 
 
 @dataclass(frozen=True)
@@ -112,10 +139,44 @@ class Report:
     rank: int = 0                     # this process's rank (a sharded engine's; 0 alone)
     world_size: int = 1               # ranks replaying the same plan
     engine: str = "none"              # none | fsdp2 | ddp
+    units: list = field(default_factory=list)   # the plan's unit names, in execution order
+    structure_hash: str | None = None           # the plan's (its profile's) structure hash
 
     @property
     def measured(self) -> Measured | None:
         return Measured.of(self.steps)
+
+    def _use(self) -> list:
+        """The steps medians are taken over: all but the first when there are several."""
+        return self.steps[1:] if len(self.steps) > 1 else list(self.steps)
+
+    def unit_times(self) -> dict:
+        """Per unit name, the median over the steps (after the first) of each time it has:
+        ``{name: {"fwd_s": ..., "bwd_s": ..., "recompute_s": ..., "stall_s": ...,
+        "samples": steps}}``."""
+        out: dict = {}
+        for s in self._use():
+            for name, t in s.units.items():
+                d = out.setdefault(name, {})
+                for k, v in t.items():
+                    d.setdefault(k, []).append(v)
+        return {n: {**{k: statistics.median(v) for k, v in d.items()},
+                    "samples": max(len(v) for v in d.values())} for n, d in out.items()}
+
+    def link_rates(self) -> dict:
+        """Per disk link, bytes over busy seconds summed over the steps (after the first):
+        ``{link: {"bytes", "busy_s", "bytes_per_s"}}`` (links that moved bytes)."""
+        tot: dict = {}
+        for s in self._use():
+            for k, v in s.links.items():
+                b, t = tot.get(k, (0, 0.0))
+                tot[k] = (b + int(v["bytes"]), t + float(v["busy_s"]))
+        return {k: {"bytes": b, "busy_s": t, "bytes_per_s": b / t if t > 0 else None}
+                for k, (b, t) in tot.items()}
+
+    def after_backward_s(self) -> float | None:
+        vals = [s.after_backward_s for s in self._use() if s.after_backward_s is not None]
+        return statistics.median(vals) if vals else None
 
     @property
     def gpu_measure(self) -> str:
@@ -144,7 +205,9 @@ class Report:
                 "measured": dataclasses.asdict(med) if med else None,
                 "steps": [s.to_dict() for s in self.steps], "hwm_reset": self.hwm_reset,
                 "gpu_measure": self.gpu_measure, "rank": self.rank,
-                "world_size": self.world_size, "engine": self.engine}
+                "world_size": self.world_size, "engine": self.engine,
+                "units": list(self.units), "structure_hash": self.structure_hash,
+                "measured_units": self.unit_times(), "measured_links": self.link_rates()}
 
     def save(self, path) -> Path:
         return write_json_atomic(path, self.to_dict())
@@ -194,7 +257,10 @@ def load_report_dict(d: dict, source: str = "report") -> Report:
     _require(d, ("plan", "device", "predicted", "steps"), where, _FIX)
     _check_fields(d, {"plan": "dict", "device": "str", "predicted": "dict", "steps": "list",
                       "predicted_moved": "dict", "predicted_static_bytes": "bytes",
-                      "rank": "count", "world_size": "count", "engine": "str"}, where, _FIX)
+                      "rank": "count", "world_size": "count", "engine": "str",
+                      "units": "list", "structure_hash": "str?"}, where, _FIX)
+    if not all(isinstance(n, str) for n in d.get("units", [])):
+        raise UserError(f"{where}: units must be a list of unit names; {_FIX}")
     p = d["plan"]
     _check_fields(p, {"path": "str?", "policy": "str", "hardware": "str", "batch": "count",
                       "seq": "count", "micro_batches": "count"}, f"{where} plan", _FIX)
@@ -212,7 +278,8 @@ def load_report_dict(d: dict, source: str = "report") -> Report:
                   predicted_static_bytes=int(d.get("predicted_static_bytes", 0)),
                   steps=steps, hwm_reset=bool(d.get("hwm_reset", True)),
                   rank=int(d.get("rank", 0)), world_size=int(d.get("world_size", 1)),
-                  engine=str(d.get("engine", "none")))
+                  engine=str(d.get("engine", "none")), units=list(d.get("units", [])),
+                  structure_hash=d.get("structure_hash"))
 
 
 def load_report(path) -> Report:

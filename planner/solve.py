@@ -236,6 +236,19 @@ def milp(profile, path, hw, budgets, cm: CostModel, *, origin, solver, gap, cloc
     return Candidate(plan, r, origin)
 
 
+def _seed_candidates(seeds, budgets: Budgets) -> list[Candidate]:
+    """Each seed plan under ``budgets``, replayed again by the simulator (its decisions and
+    schedule unchanged): a candidate where it fits."""
+    from .simulate import simulate
+    out = []
+    for plan in seeds:
+        plan = dataclasses.replace(plan, budgets=budgets)
+        r = simulate(plan)
+        if r.fits:
+            out.append(Candidate(plan, r, "seed"))
+    return out
+
+
 def _with_budget(cm: CostModel, b: Budgets) -> CostModel:
     """The same cost model under other budgets (homes and windows unchanged)."""
     c = object.__new__(CostModel)
@@ -351,10 +364,12 @@ def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: 
                   *, solver: str = "highs", time_limit: float | None = 60.0, gap: float = 0.005,
                   nvme_dir: str | None = None, progress: bool = False, micro_batches: int = 1,
                   stream: str = "auto", world_size: int = 1, ranks_per_node: int | None = None,
-                  engine: str | None = None) -> SolveOutcome:
+                  engine: str | None = None, seeds: tuple = ()) -> SolveOutcome:
     """The plan ``plan solve`` writes: fits in the simulator, or ``NoFitError``. With
     ``world_size`` N > 1 (or ``engine`` fsdp2/ddp) the plan is one rank's, every rank replaying
-    it (``ranks``: defaults, checks)."""
+    it (``ranks``: defaults, checks). ``seeds``: plans of the same profile solved under other
+    budgets (``plan sweep``'s previous point), each a candidate here where it fits these
+    budgets, and so the MILP's warm start when it is the fastest."""
     policy = getattr(policy, "value", policy)
     if stream not in STREAM_MODES:
         raise UserError(f"--stream {stream!r}: use {', '.join(STREAM_MODES)}")
@@ -411,6 +426,7 @@ def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: 
         cands = [c for c in baselines(profile, profile_path, hw, budgets, act_cm, nvme_dir, K,
                                       clock, clock.skipped)
                  if c.origin != "baseline:offload-all"]
+    cands += _seed_candidates(seeds, budgets)
     best = _pick(cands)
     act = milp(profile, profile_path, hw, budgets, act_cm, origin="milp-act", solver=solver,
                gap=gap, clock=clock, warm=best.plan.layers if best and all(
@@ -544,9 +560,9 @@ def default_solver() -> str:
     return "highs" if solvers.highs_available() else "cbc"
 
 
-def cli_solve(args) -> int:
-    t_start = time.perf_counter()     # --time-limit bounds the whole command, loading included
-    profile = load_profile(args.profile)
+def solve_options(args, profile: Profile) -> tuple:
+    """``(hw, keyword arguments of solve_profile)`` from ``plan solve``'s options (also those
+    of ``plan sweep``), each checked: one UserError line per bad value."""
     if args.hardware:
         from .hardware import load_hardware
         hw = load_hardware(args.hardware)
@@ -557,7 +573,6 @@ def cli_solve(args) -> int:
                   "figures")
     else:
         hw = profile.hardware_spec
-    budgets = parse_budgets(args, hw)
     if args.time_limit is not None and not (math.isfinite(args.time_limit) and args.time_limit > 0):
         raise UserError(f"--time-limit {args.time_limit}: give a positive number of seconds")
     if not (math.isfinite(args.gap) and 0 <= args.gap < 1):
@@ -566,17 +581,23 @@ def cli_solve(args) -> int:
         raise UserError(f"--micro-batches {args.micro_batches}: give 1 to 4096 passes per "
                         "optimizer step")
     nvme_dir = args.nvme_dir or os.path.join(tempfile.gettempdir(), "tierplan-nvme")
-    time_limit = args.time_limit
-    if time_limit is not None:
+    return hw, dict(policy=args.policy, solver=args.solver or default_solver(),
+                    time_limit=args.time_limit, gap=args.gap, nvme_dir=nvme_dir,
+                    progress=sys.stderr.isatty(), micro_batches=args.micro_batches,
+                    stream=args.stream, world_size=args.world_size,
+                    ranks_per_node=args.ranks_per_node, engine=args.engine)
+
+
+def cli_solve(args) -> int:
+    t_start = time.perf_counter()     # --time-limit bounds the whole command, loading included
+    profile = load_profile(args.profile)
+    hw, kw = solve_options(args, profile)
+    budgets = parse_budgets(args, hw)
+    if kw["time_limit"] is not None:
         # what loading took, and what writing the plan will (~1 s per 10,000 units, measured)
-        time_limit = max(0.5, time_limit - (time.perf_counter() - t_start)
-                         - WRITE_S_PER_UNIT * len(profile.layers))
-    out = solve_profile(profile, args.profile, hw, budgets, args.policy,
-                        solver=args.solver or default_solver(), time_limit=time_limit,
-                        gap=args.gap, nvme_dir=nvme_dir, progress=sys.stderr.isatty(),
-                        micro_batches=args.micro_batches, stream=args.stream,
-                        world_size=args.world_size, ranks_per_node=args.ranks_per_node,
-                        engine=args.engine)
+        kw["time_limit"] = max(0.5, kw["time_limit"] - (time.perf_counter() - t_start)
+                               - WRITE_S_PER_UNIT * len(profile.layers))
+    out = solve_profile(profile, args.profile, hw, budgets, **kw)
     path = Path(args.output) if args.output else (
         Path("plans") / f"{Path(args.profile).stem}-{str(args.gpu_mem).strip()}.json")
     write_json_atomic(path, out.plan.to_dict())

@@ -38,6 +38,7 @@ from .calls import find_hidden as _find_hidden, hidden_of as _hidden_of
 from .offload import Counters, Group, Mover
 from .recompute import Placeholder, RecomputeMismatch, Segment
 from .report import malloc_trim, read_status, reset_hwm
+from .timing import StageClock
 from .stages import StageDriver, plan_actions
 from .streaming import OffloadedGrad, OptimizerPhase, UnitStatic
 
@@ -335,7 +336,9 @@ class _Runner:
             seq=int(plan.model.get("seq", 0)), micro_batches=plan.micro_batches,
             predicted=plan.predicted.to_dict(), predicted_moved=self.predicted_moved,
             predicted_static_bytes=int(static_pred), rank=engines.rank(),
-            world_size=plan.world_size, engine=plan.engine)
+            world_size=plan.world_size, engine=plan.engine,
+            units=[u.name for u in plan.units], structure_hash=plan.model.get("structure_hash"))
+        self.clock = StageClock([u.name for u in plan.units], self.device)
         self.wrapped: list[tuple] = []
 
     # -- helpers the segments use
@@ -363,6 +366,7 @@ class _Runner:
     def enter(self, p: _Pass, stage: int) -> None:
         if self.closed or self.driver.ctx is None or self.driver.ctx() is not p:
             return
+        self.clock.backward_seen()
         self.driver.enter(stage)
 
     def end_backward(self, pref) -> None:
@@ -409,6 +413,7 @@ class _Runner:
     def _on_stage(self, ctx, stage: int) -> None:
         """Stage ``stage`` begins (its transfers not yet issued): the unit that computed in the
         previous stage is done with its weights, the one that computes now needs them."""
+        self.clock.mark(stage, self.driver.wait_s)
         prev = self.by_stage_unit.get(stage - 1)
         cur = self.by_stage_unit.get(stage)
         if prev is not None and not (prev == self.U - 1 and stage == self.U + 1):
@@ -478,9 +483,11 @@ class _Runner:
             self.driver.finish()          # the previous pass never ran its backward
         self.pass_ = p
         self.driver.begin(weakref.ref(p))
+        self.clock.begin_pass()
         try:
             self.driver.enter(1)          # the prologue, then the first unit's forward
             out = orig(*args, **kwargs)
+            self.clock.forward_done()
         except BaseException:
             p.discard()   # an exception (or Ctrl-C) inside the forward: nothing is left behind
             self.driver.finish()
@@ -508,6 +515,11 @@ class _Runner:
             if s is not None and not self._recomputing and not s.in_use:
                 with s.weights_present():
                     return orig(*args, **kwargs)
+            if self._recomputing:
+                t0 = self.clock.now()
+                out = orig(*args, **kwargs)
+                self.clock.recompute(name, t0, self.clock.now())
+                return out
             return orig(*args, **kwargs)
         ui = self.unit_index[name]
         d = self.decisions[i]
@@ -645,6 +657,7 @@ class _Runner:
         self.driver.wait_s = 0.0
         self.step_passes = 0
         self.step_open = True
+        self.clock.begin_step()
         self.step_t0 = time.perf_counter()
 
     def before_optimizer_step(self, opt, args, kwargs):
@@ -682,13 +695,18 @@ class _Runner:
             peak = torch.cuda.max_memory_allocated(self.device)
         else:
             hwm = read_status().get("VmHWM")
-            peak = hwm - self.step_base if hwm is not None and self.step_base is not None else None
+            # max: the kernel's per-thread RSS counters can leave VmHWM a few pages below the
+            # VmRSS read at the start
+            peak = (max(0, hwm - self.step_base) if hwm is not None and self.step_base is not None
+                    else None)
+        units, after_backward, links = self.clock.end_step()
         with c.lock:
             rec = StepRecord(step_s=t1 - self.step_t0, passes=self.step_passes,
                              peak_gpu_bytes=peak, peak_cpu_bytes=c.peak_host,
                              peak_nvme_bytes=c.peak_nvme, peak_activation_bytes=c.peak_act,
                              static_bytes=self.step_static, base_bytes=self.step_base,
-                             moved=dict(c.moved), stall_s=stall)
+                             moved=dict(c.moved), stall_s=stall, units=units,
+                             after_backward_s=after_backward, links=links)
         self.report.steps.append(rec)
         self.report.hwm_reset = self.hwm_ok
         self.step_open = False

@@ -42,6 +42,8 @@ import xxhash
 from planner.errors import UserError
 from planner.fileio import lock_dir
 
+from .timing import LINKS
+
 IO_THREAD_PREFIX = "tierplan-io"
 # Checksums on every offload (set False only to measure what they cost: bench/runtime.py).
 CHECKSUM = True
@@ -163,6 +165,11 @@ def _label(where) -> tuple[str, str]:
 def pwrite_all(fd: int, mv: memoryview, offset: int, sums: Sums | str | None = None) -> None:
     """Write all of ``mv`` at ``offset``; record its checksum in ``sums``. A failed write (a
     full disk) is one line naming the file."""
+    with LINKS.busy_with("nvme_write", len(mv)):
+        _pwrite_all(fd, mv, offset, sums)
+
+
+def _pwrite_all(fd: int, mv: memoryview, offset: int, sums) -> None:
     whole, start = mv, offset
     try:
         while len(mv):
@@ -181,6 +188,11 @@ def pwrite_all(fd: int, mv: memoryview, offset: int, sums: Sums | str | None = N
 def pread_all(fd: int, mv: memoryview, offset: int, label: Sums | str = "") -> None:
     """Read exactly ``len(mv)`` bytes at ``offset``; a short file (truncated on disk) is one
     line naming the file and what it holds."""
+    with LINKS.busy_with("nvme_read", len(mv)):
+        _pread_all(fd, mv, offset, label)
+
+
+def _pread_all(fd: int, mv: memoryview, offset: int, label) -> None:
     while len(mv):
         try:
             n = os.preadv(fd, [mv], offset)
