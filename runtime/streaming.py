@@ -186,6 +186,7 @@ class UnitStatic:
         self.grad_scales: dict = {}          # k -> [scalar tensors or numbers], in order
         self.grad_norms: dict = {}           # k -> 2-norm of the accumulation as written
         self.placeholders: dict = {}
+        self.lent: set = set()               # k whose placeholder a backward took (``.grad`` None)
         self.dev_grads = None                # the backward's gradients, until they have left
         self.placeholders_due = False
         self.state_layout = None             # [(param index, key)] of state tensors on NVMe
@@ -267,6 +268,7 @@ class UnitStatic:
             self._install_placeholders()
 
     def _install_placeholders(self) -> None:
+        self.lent.clear()
         for k, (_, p) in enumerate(self.params):
             if self.grad_state.get(k) is not None:
                 ph = self.placeholders.get(k)
@@ -315,7 +317,7 @@ class UnitStatic:
         self.wait()
         for k, (_, p) in enumerate(self.params):
             ph = self.placeholders.get(k)
-            if ph is not None and p.grad is not ph:
+            if ph is not None and p.grad is not ph and not (k in self.lent and p.grad is None):
                 self.placeholders.pop(k)
                 self._drop(k)
 
@@ -357,7 +359,8 @@ class UnitStatic:
             self.sync_grads()
             for k, (_, p) in enumerate(self.params):
                 if p.grad is not None and p.grad is self.placeholders.get(k):
-                    p.grad = None
+                    p.grad = None            # autograd makes a new one; the home keeps the sum
+                    self.lent.add(k)
 
     def _collect(self):
         """The backward's gradients, in the byte layout of the home (``_Flat`` of the
