@@ -2,6 +2,8 @@
 helpers the profiler and the runtime share (hidden state, state snapshots)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
@@ -509,3 +511,52 @@ def test_staged_models_train_like_plain_pytorch_under_every_plan(name, tmp_path)
     else:
         assert len(breaks) == 3 and all(b.endswith(".0") for b in breaks)
     assert got["profile"].model["warnings"] == []
+
+
+def test_no_plan_continues_a_segment_into_a_chain_break(tmp_path):
+    """A U-Net's up-tower ResNet blocks take a concatenated skip connection, not the previous
+    block's output: the solver and the sqrt baseline give them a checkpoint of their own (a
+    segment cannot be replayed into them; apply_plan refuses checkpoint 'none' there), and
+    the judge refuses a plan that does not."""
+    from planner.baselines import baseline_layers
+    from planner.formats import Activation, Budgets, Tier
+    from planner.hardware import load_hardware
+    from planner.plans import make_plan
+    from planner.profiler import profile_module
+    from planner.solve import solve_profile
+    from runtime import apply_plan
+
+    def build():
+        torch.manual_seed(0)
+        return ToyUNet(), (torch.randn(2, 3, 16, 16),)
+    model, inputs = build()
+    hw = load_hardware("cpu-host")
+    prof = profile_module(model, inputs, name="unet", hardware=hw, timing="estimate")
+    breaks = set(prof.model["chain_breaks"])
+    assert {f"up_blocks.0.resnets.{i}" for i in range(3)} <= breaks
+    roomy = Budgets(gpu_bytes=hw.memory_bytes, cpu_bytes=0, nvme_bytes=0)
+    sqrt = baseline_layers("sqrt", prof.layers, hw, breaks)
+    assert all(d.checkpoint is not Tier.NONE for d in sqrt if d.name in breaks)
+    rec = make_plan(prof, None, hw, roomy, "recompute-all",
+                    baseline_layers("recompute-all", prof.layers, hw))
+    keep = make_plan(prof, None, hw, roomy, "keep-all",
+                     baseline_layers("keep-all", prof.layers, hw))
+    lo, hi = rec.predicted.peak_gpu_bytes, keep.predicted.peak_gpu_bytes
+    seen = 0
+    for f in (0.02, 0.1, 0.4):       # before: 'none' at 2-3 chain breaks at each budget
+        gpu = int(lo + f * (hi - lo)) + hw.reserved_bytes
+        plan = solve_profile(prof, None, hw, Budgets(gpu_bytes=gpu, cpu_bytes=0, nvme_bytes=0),
+                             "optimal", time_limit=20).plan
+        none = [d.name for d in plan.layers
+                if d.activation is Activation.RECOMPUTE and d.checkpoint is Tier.NONE]
+        seen += len(none)
+        assert not breaks.intersection(none), (f, none)
+        model, inputs = build()
+        handle = apply_plan(model, plan)          # refused before: 'none' at a chain break
+        model(*inputs).backward()
+        handle.remove()
+    assert seen                                   # segments do form elsewhere
+    bad = [dataclasses.replace(d, activation=Activation.RECOMPUTE, checkpoint=Tier.NONE)
+           if d.name == "up_blocks.0.resnets.1" else d for d in rec.layers]
+    with pytest.raises(UserError, match="chain_breaks"):
+        make_plan(prof, None, hw, roomy, "recompute-all", bad)
