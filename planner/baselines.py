@@ -25,8 +25,11 @@ def offload_tier(hw: HardwareSpec) -> Activation:
     return Activation.NVME if hw.unified_memory else Activation.CPU
 
 
-def baseline_layers(policy, units: list[UnitRecord], hw: HardwareSpec) -> list[LayerDecision]:
-    """Decisions of the baseline ``policy`` (keep-all, recompute-all, sqrt, offload-all)."""
+def baseline_layers(policy, units: list[UnitRecord], hw: HardwareSpec,
+                    chain_breaks=None) -> list[LayerDecision]:
+    """Decisions of the baseline ``policy`` (keep-all, recompute-all, sqrt, offload-all).
+    ``chain_breaks`` (the profile's ``model.chain_breaks``): blocks whose input is not the
+    previous block's output, where sqrt starts a segment (no checkpoint 'none' there)."""
     try:
         policy = Policy(policy)
     except ValueError:
@@ -38,6 +41,8 @@ def baseline_layers(policy, units: list[UnitRecord], hw: HardwareSpec) -> list[L
     blocks = [i for i, u in enumerate(units) if u.kind == UnitKind.BLOCK.value]
     stride = sqrt_stride(len(blocks))
     position = {i: b for b, i in enumerate(blocks)}   # not blocks.index: O(U^2) at 10,000 units
+    breaks = set(chain_breaks or ())
+    start = 0                                         # where the current run of segments began
     out = []
     for i, u in enumerate(units):
         if u.kind != UnitKind.BLOCK.value or policy is Policy.KEEP_ALL:
@@ -46,7 +51,9 @@ def baseline_layers(policy, units: list[UnitRecord], hw: HardwareSpec) -> list[L
             out.append(LayerDecision(u.name, Activation.RECOMPUTE, Tier.GPU))
         elif policy is Policy.SQRT:
             b = position[i]
-            ck = Tier.GPU if b % stride == 0 else Tier.NONE
+            if u.name in breaks:
+                start = b
+            ck = Tier.GPU if (b - start) % stride == 0 else Tier.NONE
             out.append(LayerDecision(u.name, Activation.RECOMPUTE, ck))
         else:
             out.append(LayerDecision(u.name, offload_tier(hw)))

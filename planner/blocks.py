@@ -50,6 +50,15 @@ BRIDGE_SHARE = 0.2
 # (Zamba2 with a hybrid layer after every Mamba layer: a Mamba layer holds 19% of a hybrid's
 # FLOPs at hidden 64); a norm or an activation holds well under 1%.
 REPEAT_SHARE = 0.05
+# A run whose members each hold a chain of their own list items (each item computed from the
+# one before) is replaced by those chains when they hold at least this share of each member,
+# even under STACK_SHARE: the rest is code between layers (ConvNeXt's downsampling before a
+# stage's layers, 10% of its last stage at hidden 128; a U-Net up block's upsampler). A
+# decoder layer's experts are no chain, nor its own list items, so this does not split it.
+STAGE_SHARE = 0.5
+# How many of the latest calls a tensor's lineage remembers (trace_calls): enough for the code
+# between two layers (a concatenated skip connection, a norm, a dropout module).
+LINEAGE = 16
 
 
 def _nn():
@@ -316,6 +325,10 @@ class Call:
     hin: tuple | None = None        # the hidden state it received (None: no tensor argument)
     hout: tuple | None = None       # its output's hidden state
     flops: int = 0                  # its own and its callees' FLOPs
+    end: int = 0                    # when it returned: 1, 2, ... in the order calls return
+    # the calls (by ``end``) whose outputs its hidden state was computed from, the latest
+    # LINEAGE of them: what ``_fed`` reads to tell a chain from parallel calls
+    hin_from: frozenset = frozenset()
 
 
 def _desc(t) -> tuple | None:
@@ -331,6 +344,11 @@ def _desc(t) -> tuple | None:
     return key, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype
 
 
+def _flat_tensors(x) -> list:
+    from torch.utils._pytree import tree_flatten
+    return [t for t in tree_flatten(x)[0] if _is_tensor(t)]
+
+
 def trace_calls(model, run) -> list[Call]:
     """Run ``run()`` (one forward of ``model``) under a hook on every module and a FLOP count;
     return the calls in the order they started. Under ``no_grad``: only the call order, the
@@ -343,10 +361,23 @@ def trace_calls(model, run) -> list[Call]:
     names = {id(m): n for n, m in model.named_modules()}
     calls: list[Call] = []
     stack: list[int] = []
+    # storage -> the calls (by end) whose outputs it was computed from: each op's outputs get
+    # the union of its inputs' sets, each call's output hidden state its own end as well
+    lineage: dict = {}
+    ended = [0]
+
+    def key(t):
+        d = _desc(t)
+        return None if d is None else d[0]
+
+    def keep(tags):
+        return tags if len(tags) <= LINEAGE else frozenset(sorted(tags)[-LINEAGE:])
 
     def pre(mod, args, kwargs):
         c = Call(len(calls), names[id(mod)], mod, stack[-1] if stack else None)
-        c.hin = _desc(hidden_location(args, kwargs)[1])
+        h = hidden_location(args, kwargs)[1]
+        c.hin = _desc(h)
+        c.hin_from = lineage.get(key(h), frozenset())
         if c.parent is not None:
             calls[c.parent].children.append(c.idx)
         calls.append(c)
@@ -354,7 +385,14 @@ def trace_calls(model, run) -> list[Call]:
 
     def post(mod, args, kwargs, out):
         if stack and calls[stack[-1]].module is mod:
-            calls[stack.pop()].hout = _desc(hidden_of(out))
+            c = calls[stack.pop()]
+            h = hidden_of(out)
+            c.hout = _desc(h)
+            ended[0] += 1
+            c.end = ended[0]
+            k = key(h)
+            if k is not None:
+                lineage[k] = keep(lineage.get(k, frozenset()) | {c.end})
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -365,6 +403,14 @@ def trace_calls(model, run) -> list[Call]:
             out = run_op(func, args, kwargs)
             if stack:
                 calls[stack[-1]].flops += op_flops(func, args, kwargs, out)
+            tags = frozenset()
+            for a in _flat_tensors((args, kwargs)):
+                tags |= lineage.get(key(a), frozenset())
+            tags = keep(tags)
+            for t in _flat_tensors(out):
+                k = key(t)
+                if k is not None:
+                    lineage[k] = tags
             return out
 
     handles = []
@@ -422,19 +468,34 @@ class _Detector:
             return c.flops
         return sum(p.numel() for p in c.module.parameters())
 
+    def _fed(self, a: Call, b: Call) -> bool:
+        """``b``'s hidden state is ``a``'s output or was computed from it (a U-Net up block
+        concatenates a skip connection to it before each ResNet block)."""
+        return b.hin is not None and a.hout is not None and (
+            b.hin == a.hout or (a.end > 0 and a.end in b.hin_from))
+
+    def _siblings(self, ca: str | None, cb: str | None) -> bool:
+        """Containers ``ca`` and ``cb`` are one, or lists side by side in one module (a U-Net
+        tower's ``resnets`` and ``attentions``, whose items it calls in turn)."""
+        if ca is None or cb is None:
+            return False
+        return ca == cb or ca.rpartition(".")[0] == cb.rpartition(".")[0]
+
     def _link(self, a: Call, b: Call, strong: bool, any_class: bool = False) -> bool:
         """``b`` continues a run ending with ``a``: same class (unless ``any_class``), distinct
         modules, (strong: in the same container,) and ``b`` is fed by ``a`` — its hidden state
-        is ``a``'s output, or at least not ``a``'s input (parallel projections such as q/k/v
-        share their input) and has the shape of ``a``'s output."""
+        is ``a``'s output or computed from it, or at least not ``a``'s input (parallel
+        projections such as q/k/v share their input) and has the shape of ``a``'s output.
+        Strong, items of sibling lists link too, where ``b`` is computed from ``a``'s
+        output."""
         if (type(a.module) is not type(b.module) and not any_class) or a.module is b.module:
             return False
-        if strong and (self.container[a.idx] is None
-                       or self.container[a.idx] != self.container[b.idx]):
-            return False
+        ca, cb = self.container[a.idx], self.container[b.idx]
+        if strong and (ca is None or ca != cb):
+            return self._siblings(ca, cb) and self._fed(a, b)
         if b.hin is None or a.hout is None:
             return False
-        if b.hin == a.hout:
+        if self._fed(a, b):
             return True
         return b.hin != a.hin and b.hin[2] == a.hout[2]
 
@@ -489,7 +550,8 @@ class _Detector:
             light = min(self.weight(x) for x in prev + r if x in members)
             merged = prev + between + r
             if (light > 0 and not inside.intersection(between)
-                    and all(self.container[x] == self.container[prev[-1]] for x in between)
+                    and all(self._siblings(self.container[x], self.container[prev[-1]])
+                            for x in between)
                     and not any(isinstance(self.calls[x].module, _container_types())
                                 for x in between)
                     and all(self._link(self.calls[a], self.calls[b], True, any_class=True)
@@ -544,9 +606,25 @@ class _Detector:
         inner = [self.select(self.calls[m].children, True) for m in run]
         for m, sub in zip(run, inner):
             got = sum(self.weight(x) for r in sub for x in r)
-            if not sub or got < STACK_SHARE * self.weight(m) or self.weight(m) == 0:
+            w = self.weight(m)
+            if not sub or w == 0 or (got < STACK_SHARE * w
+                                     and not (got >= STAGE_SHARE * w and self._stage(m, sub))):
                 return [run]
         return [r for sub in inner for r in sub]
+
+    def _stage(self, m: int, sub: list[list[int]]) -> bool:
+        """The runs ``sub`` found inside call ``m`` are chains of ``m``'s own list items (of
+        ``m`` itself, a called Sequential, or of lists that are its attributes), each item
+        computed from the one before: ``m`` is a stage of layers."""
+        name = self.calls[m].name
+        for r in sub:
+            for x in r:
+                cont = self.container[x]
+                if cont is None or (cont != name and cont.rpartition(".")[0] != name):
+                    return False
+            if not all(self._fed(self.calls[a], self.calls[b]) for a, b in zip(r, r[1:])):
+                return False
+        return True
 
     def choose(self, kids: list[int]) -> list[int]:
         runs = self.select(kids, strong=True)

@@ -199,8 +199,12 @@ class CostModel:
                  allow_offload: bool = True, allow_streaming: bool = True,
                  windows: Windows | None = None, optimizer_depth: int = 3,
                  cache_bytes: int = 0, world_size: int = 1, ranks_per_node: int = 1,
-                 engine: str = "none"):
+                 engine: str = "none", chain_breaks=()):
         self.units = list(units)
+        # blocks whose input is not the previous block's output (the profile's
+        # model.chain_breaks: another stack starts, a U-Net's skip is concatenated): no
+        # segment can continue into them, so they take no checkpoint 'none'
+        self.chain_breaks = frozenset(chain_breaks or ())
         self.hw = hw
         self.U = len(self.units)
         self.L = Layout(self.U)
@@ -331,7 +335,8 @@ class CostModel:
             return ["keep"]
         out = ["keep", "rg"]
         # FSDP2: no segment recompute (``_ranks``); every unit is recomputed in its own backward
-        if i > 0 and self.units[i - 1].kind == UnitKind.BLOCK.value and self.engine != "fsdp2":
+        if i > 0 and self.units[i - 1].kind == UnitKind.BLOCK.value and self.engine != "fsdp2" \
+                and x.name not in self.chain_breaks:
             out.append("rz")
         if not self.allow_offload:
             return out

@@ -23,7 +23,8 @@ def cost_model(profile: Profile, hw: HardwareSpec, budgets, micro_batches: int =
                      nvme_bytes=budgets.nvme_bytes, micro_batches=micro_batches,
                      optimizer_s=profile.optimizer_s,
                      optimizer_workspace_bytes=profile.optimizer_workspace_bytes,
-                     cache_bytes=int(profile.model.get("state_bytes") or 0), **kw)
+                     cache_bytes=int(profile.model.get("state_bytes") or 0),
+                     chain_breaks=profile.model.get("chain_breaks") or (), **kw)
 
 
 def baseline_record(policy: str) -> SolverRecord:
@@ -83,7 +84,7 @@ def baseline_plan(profile: Profile, profile_path: str | None, hw: HardwareSpec, 
                   policy: str, nvme_dir: str | None = None, micro_batches: int = 1) -> Plan:
     """A baseline policy's plan (keep-all, recompute-all, sqrt, offload-all)."""
     from .baselines import baseline_layers
-    layers = baseline_layers(policy, profile.layers, hw)
+    layers = baseline_layers(policy, profile.layers, hw, profile.model.get("chain_breaks"))
     return make_plan(profile, profile_path, hw, budgets, policy, layers, nvme_dir=nvme_dir,
                      micro_batches=micro_batches)
 

@@ -41,6 +41,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 import weakref
 from pathlib import Path
 
@@ -210,6 +211,10 @@ class _Unit:
     input_key: int | None = None
     input_bytes: int = 0
     output_bytes: int = 0
+    # bytes of tensors custom autograd Functions inside the block keep as ctx attributes (not
+    # through save_for_backward): no saved-tensor hook sees them, so no plan frees them
+    ctx_bytes: int = 0
+    ctx_functions: tuple = ()
 
 
 class _Tracker(TorchDispatchMode):
@@ -422,6 +427,9 @@ LOAD_CPUS = 0.25
 # 10.5 ms, for 3 ms of arithmetic: the forward's fresh allocations and dropout masks dominate).
 RATIO_FACTOR = 3.0
 COMPUTE_BOUND = 0.5
+# A profile warns when one unit holds more than this share of all saved activations, or the
+# embedding and head together do: what a plan can act on comes in too coarse pieces.
+DOMINANT_SHARE = 0.5
 
 
 def _sync(device):
@@ -630,6 +638,8 @@ def _call_args(inputs):
 
 
 TIMINGS = ("auto", "measure", "estimate")
+# profile_module's warnings (model.warnings) start so; ``plan profile`` prints them itself
+WARNING_PREFIX = "tierplan: profile: "
 
 
 def profile_module(model, inputs, *, name: str, hardware: HardwareSpec, dtype: str | None = None,
@@ -674,10 +684,13 @@ def profile_module(model, inputs, *, name: str, hardware: HardwareSpec, dtype: s
             torch.manual_seed(0)
             blockset = _user_code(who, "forward", detect_blocks, model,
                                   lambda: _call(model, inputs), blocks_path, meta=on_meta)
-        return _profile(model, inputs, blockset, name=name, who=who, hardware=hardware,
+        prof = _profile(model, inputs, blockset, name=name, who=who, hardware=hardware,
                         dtype=dtype, optimizer=optimizer, repeats=repeats, config=config,
                         batch=batch, seq=seq, progress=progress, device=device,
                         measure=measure, target=target)
+        for w in prof.model["warnings"]:
+            warnings.warn(f"{WARNING_PREFIX}{w}", stacklevel=2)
+        return prof
     finally:
         model.train(was_training)
         with torch.no_grad():
@@ -889,6 +902,47 @@ def _leaf_copy(args, kwargs, loc=None):
     return a, k, x
 
 
+def ctx_held(outs, known: set) -> tuple[int, tuple]:
+    """Bytes of the distinct storages that custom autograd Functions in the graph of ``outs``
+    hold as ctx attributes (``ctx.x = t``, also inside a list, tuple or dict attribute), other
+    than the storages in ``known``; and the Functions' names.
+
+    NB: the ctx of a custom Function is its backward node (a ``BackwardCFunction``), and its
+    attributes live in the node's ``__dict__``; what it saved with ``save_for_backward`` is
+    not there. Such tensors are freed only with the graph, after the block's backward: the
+    runtime's saved-tensor hooks (recompute, offload) never see them.
+    """
+    from torch.autograd.function import BackwardCFunction
+    seen_nodes, seen, total, names = set(), set(known), 0, []
+    todo = [t.grad_fn for t in outs if t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        todo.extend(n for n, _ in node.next_functions)
+        if not isinstance(node, BackwardCFunction):
+            continue
+        held = 0
+        for v in vars(node).values():
+            items = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) \
+                else (v,)
+            for t in items:
+                if not isinstance(t, torch.Tensor):
+                    continue
+                key = _storage_key(t)
+                if key is None or key in seen:
+                    continue
+                seen.add(key)
+                held += _storage_nbytes(t)
+        if held:
+            total += held
+            name = type(node).__name__.removesuffix("Backward")
+            if name not in names:
+                names.append(name)
+    return total, tuple(names)
+
+
 def _profile_isolated(u: _Unit, fn, args, kwargs, loc, tracker, device, timing):
     """Forward then backward of one block on fresh leaves, under the tracker. Returns its
     output (detached), whether it wrote into its hidden state in place, and whether its
@@ -906,6 +960,12 @@ def _profile_isolated(u: _Unit, fn, args, kwargs, loc, tracker, device, timing):
         out = fn(*a, **k)
     mutated = x is not None and x._version != version
     outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    # what its custom Functions hold as ctx attributes, beyond what autograd saved and the
+    # block's own inputs (kept by reference under every plan anyway)
+    known = set(tracker.static_keys) | u.side_keys | {v[2] for v in u.saved.values()}
+    if x is not None:
+        known.add(_storage_key(x))
+    u.ctx_bytes, u.ctx_functions = ctx_held(outs, known)
     with _Paused(tracker):
         grads = [torch.ones_like(t) for t in outs]
     tracker.set(u, "bwd")
@@ -1105,6 +1165,11 @@ def _assemble(model, inputs, units, prologues, rep_of, blockset, tracker, timing
             else:
                 fwd_s += pro.fwd.seconds
                 bwd_s += pro.bwd.seconds
+        if u.kind == "block" and src.ctx_bytes:
+            # Held by its custom Functions' ctx until its backward: under every decision, as
+            # its prologue's tensors are, so shared (produced by the block itself).
+            saved += src.ctx_bytes
+            shared_rows.append((src.ctx_bytes, n))
         shared = sum(b for b, _ in shared_rows)
         producers = [prod for b, prod in shared_rows if b]
         # One name for all: the earliest producer (the tensors live at least from there); a
@@ -1154,11 +1219,49 @@ def _assemble(model, inputs, units, prologues, rep_of, blockset, tracker, timing
     if measure:
         model_section["timing_quality"] = _timing_quality(records, spreads, ratios, repeats,
                                                           quality.get("other_load_cpus"))
+    model_section["warnings"] = _unit_warnings(records, units, rep_of, block_names)
     model_section["identity"] = identity_hash(model_section)
     return Profile(schema=PROFILE_SCHEMA, model=model_section, device=device.type,
                    timing="measured" if measure else "estimated", hardware=hardware.to_dict(),
                    layers=records, optimizer_s=float(optimizer_s),
                    optimizer_workspace_bytes=int(opt_ws))
+
+
+def _unit_warnings(records, units, rep_of, block_names) -> list[str]:
+    """What a plan of this profile cannot act on, in words: one unit holding most of the saved
+    activations (blocks too coarse), the embedding and head holding most of them (layers
+    outside the blocks), tensors custom Functions keep as ctx attributes."""
+    from .sizes import fmt_bytes
+    out = []
+    total = sum(r.saved_bytes for r in records)
+    ends = [r for r in records if r.kind != "block"]
+    ends_saved = sum(r.saved_bytes for r in ends)
+    top = max(records, key=lambda r: r.saved_bytes)
+    hint = ("name finer blocks with --blocks (qualified names or patterns, e.g. --blocks "
+            "'**.layers.*'; docs/models.md)")
+    if total and ends_saved > DOMINANT_SHARE * total:
+        held = " and ".join(f"{r.name} {fmt_bytes(r.saved_bytes)}" for r in ends
+                            if r.saved_bytes)
+        out.append(f"{held} hold {ends_saved / total:.0%} of the {fmt_bytes(total)} of saved "
+                   "activations, and no plan recomputes or offloads code outside the blocks; "
+                   f"if repeated layers run there, {hint}")
+    elif total and top.saved_bytes > DOMINANT_SHARE * total:
+        out.append(f"block {top.name} holds {top.saved_bytes / total:.0%} of the "
+                   f"{fmt_bytes(total)} of saved activations, so a plan can only recompute or "
+                   f"offload them all at once; if it holds repeated layers, {hint}")
+    held = [(n, units[rep_of.get(n, n)]) for n in block_names]
+    held = [(n, u) for n, u in held if u.ctx_bytes]
+    if held:
+        n, u = held[0]
+        more = f" (and {len(held) - 1} more blocks)" if len(held) > 1 else ""
+        fns = ", ".join(u.ctx_functions)
+        out.append(f"custom autograd Function {fns} in block {n}{more} keeps "
+                   f"{fmt_bytes(u.ctx_bytes)} as ctx attributes rather than through "
+                   "ctx.save_for_backward; no plan can recompute or offload those, so the "
+                   "profile counts them as held from the block's forward to its backward "
+                   "(shared_saved_bytes); save them with ctx.save_for_backward to let plans "
+                   "act on them")
+    return out
 
 
 def _timing_quality(records, spreads, ratios, repeats, load, threads=None) -> dict:
@@ -1378,10 +1481,12 @@ def cli_profile(args) -> int:
     if sys.stderr.isatty():
         def progress(i, n, what):
             print(f"\rprofiling {i + 1}/{n}: {what:<40}", end="", file=sys.stderr, flush=True)
-    prof = profile_model(args.model, batch, seq, dtype=args.dtype, device=args.device,
-                         hardware=hardware, optimizer=args.optimizer, blocks_path=args.blocks,
-                         repeats=getattr(args, "repeats", 5), progress=progress,
-                         timing=getattr(args, "timing", None) or "auto")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=WARNING_PREFIX)
+        prof = profile_model(args.model, batch, seq, dtype=args.dtype, device=args.device,
+                             hardware=hardware, optimizer=args.optimizer,
+                             blocks_path=args.blocks, repeats=getattr(args, "repeats", 5),
+                             progress=progress, timing=getattr(args, "timing", None) or "auto")
     if progress:
         print(file=sys.stderr)
     m = prof.model
@@ -1398,6 +1503,8 @@ def cli_profile(args) -> int:
               "(use_cache is on), held until the model's output is dropped; plans count it "
               "for the whole step. Set model.config.use_cache = False to train without it",
               file=sys.stderr)
+    for w in m.get("warnings") or ():
+        print(f"plan: warning: {w}", file=sys.stderr)
     quality = m.get("timing_quality")
     if quality:
         load = quality["other_load_cpus"]

@@ -45,6 +45,10 @@ def validate_layers(cm: CostModel, layers: list[LayerDecision]) -> None:
             raise UserError(f"layer {d.name!r} ({u.kind}) must be 'keep' in this version, "
                             f"got {d.activation.value!r}")
         if d.activation is Activation.RECOMPUTE and _ckpt(d) is Tier.NONE:
+            if u.name in cm.chain_breaks:
+                raise UserError(f"layer {d.name!r}: checkpoint 'none' but its input is not the "
+                                "previous block's output (model.chain_breaks), so no segment "
+                                "continues into it; give it a checkpoint tier (gpu, cpu, nvme)")
             if prev is None or prev.activation is not Activation.RECOMPUTE:
                 raise UserError(f"layer {d.name!r}: checkpoint 'none' must follow a 'recompute' "
                                 f"unit, but follows {prev.activation.value if prev else 'nothing'!r}"

@@ -142,6 +142,7 @@ def cost_model_of(plan: Plan) -> CostModel:
                      optimizer_workspace_bytes=plan.optimizer_workspace_bytes,
                      optimizer_depth=plan.optimizer_depth,
                      cache_bytes=int(plan.model.get("state_bytes") or 0),
+                     chain_breaks=plan.model.get("chain_breaks") or (),
                      world_size=plan.world_size, ranks_per_node=plan.ranks_per_node,
                      engine=plan.engine)
 

@@ -142,6 +142,7 @@ def baselines(profile, path, hw, budgets, cm: CostModel, nvme_dir, K, clock=None
     from .baselines import BASELINES, baseline_layers
     out = []
     est = [BASELINE_S_PER_UNIT * cm.U]
+    breaks = profile.model.get("chain_breaks")
 
     def room(name) -> bool:
         left = clock.left() if clock is not None else None
@@ -164,14 +165,14 @@ def baselines(profile, path, hw, budgets, cm: CostModel, nvme_dir, K, clock=None
         if not room(pol.value):
             continue
         try:
-            layers = baseline_layers(pol, profile.layers, hw)
+            layers = baseline_layers(pol, profile.layers, hw, breaks)
             plan, r = timed(lambda: plan_and_sim(profile, path, hw, budgets, pol, layers,
                                                  nvme_dir=nvme_dir, micro_batches=K, cm=cm))
         except UserError:
             continue                      # not valid on this spec / these budgets
         out.append(Candidate(plan, r, f"baseline:{pol.value}"))
     for pol in (Policy.RECOMPUTE_ALL, Policy.KEEP_ALL):
-        layers = stream_all_layers(cm, baseline_layers(pol, profile.layers, hw))
+        layers = stream_all_layers(cm, baseline_layers(pol, profile.layers, hw, breaks))
         if layers is None:
             break
         if not room(f"stream-all+{pol.value}"):
@@ -396,7 +397,8 @@ def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: 
 
     if policy not in (Policy.OPTIMAL.value, Policy.REMAT_ONLY.value):
         from .baselines import baseline_layers
-        layers = baseline_layers(policy, profile.layers, hw)
+        layers = baseline_layers(policy, profile.layers, hw,
+                                 profile.model.get("chain_breaks"))
         plan, r = plan_and_sim(profile, profile_path, hw, budgets, policy, layers,
                             nvme_dir=nvme_dir, micro_batches=K, cm=act_cm)
         if not r.fits:

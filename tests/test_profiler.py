@@ -1,5 +1,6 @@
 """The profiler: exact FLOPs and bytes, meta == cpu, saved bytes against saved_tensors_hooks,
 static state, dedup of identical blocks, the CLI's errors."""
+import contextlib
 import dataclasses
 import json
 import resource
@@ -8,6 +9,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn as nn
 
 from planner.cli import main
 from planner.formats import load_profile
@@ -469,3 +471,145 @@ def test_grouped_matmul_flops_in_every_layout():
     assert _grouped_mm((S, K), (K, N), (G, S, N)) == 2 * S * K * N
     backward = _BY_NAME["transformers::grouped_mm_fallback_backward"]
     assert backward((e(S, K), e(G, K, N), e(G), e(S, N)), (e(S, K), e(G, K, N))) == 4 * S * K * N
+
+
+class _Doubled(torch.autograd.Function):
+    """``sin(2x)``, keeping ``2x`` for backward as a ctx attribute (``via_ctx``) or through
+    ``save_for_backward``."""
+
+    @staticmethod
+    def forward(ctx, x, via_ctx):
+        y = x * 2
+        if via_ctx:
+            ctx.y = y
+        else:
+            ctx.save_for_backward(y)
+        return y.sin()
+
+    @staticmethod
+    def backward(ctx, g):
+        y = ctx.y if hasattr(ctx, "y") else ctx.saved_tensors[0]
+        return 2 * g * y.cos(), None
+
+
+class _FnBlock(nn.Module):
+    def __init__(self, via_ctx):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.via_ctx = via_ctx
+
+    def forward(self, x):
+        return x + _Doubled.apply(self.lin(x), self.via_ctx)
+
+
+class _FnNet(nn.Module):
+    def __init__(self, via_ctx):
+        super().__init__()
+        self.blocks = nn.ModuleList([_FnBlock(via_ctx) for _ in range(3)])
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x).sum()
+
+
+def test_tensors_a_custom_function_keeps_on_ctx_are_counted_and_named():
+    """A custom Function that keeps a tensor as a ctx attribute holds it until its backward
+    whatever the plan: the profile counts it in the block's saved bytes, as shared (kept by
+    reference under every decision), and warns once naming the block and the bytes."""
+    x = torch.randn(4, 8, 16)
+    kept = x.numel() * 4                      # the fp32 2x, per block
+    got = {}
+    for via_ctx in (False, True):
+        torch.manual_seed(0)
+        with pytest.warns(UserWarning) if via_ctx else contextlib.nullcontext() as w:
+            got[via_ctx] = profile_module(_FnNet(via_ctx), (x,), name="fn", hardware=CPU,
+                                          timing="estimate")
+    plain, ctx = ([u for u in got[v].layers if u.kind == "block"] for v in (False, True))
+    for a, b in zip(plain, ctx):
+        assert b.saved_bytes == a.saved_bytes          # the same tensor, held either way
+        assert b.shared_saved_bytes - a.shared_saved_bytes == kept
+        assert b.activation_bytes == a.activation_bytes - kept
+        assert b.shared_from == b.name
+    assert got[False].model["warnings"] == []
+    msgs = [str(m.message) for m in w if "ctx attributes" in str(m.message)]
+    assert len(msgs) == 1 and "_Doubled" in msgs[0] and "blocks.0 (and 2 more blocks)" in msgs[0]
+    assert got[True].model["warnings"] == [msgs[0].removeprefix("tierplan: profile: ")]
+
+
+class _Wide(nn.Module):
+    """Two blocks after a wide MLP that is no block (its Linears differ in shape): the
+    embedding saves most of the activations."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.pre = nn.Sequential(nn.Linear(d, 32 * d), nn.GELU(), nn.Linear(32 * d, d))
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(d, d), nn.GELU())
+                                     for _ in range(2)])
+        self.out = nn.Linear(d, 1)
+
+    def forward(self, x):
+        x = self.pre(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x).sum()
+
+
+class _Lopsided(nn.Module):
+    """Three blocks of one class, the last 32 times as wide inside."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.blocks = nn.ModuleList([_Inner(d, w) for w in (d, d, 32 * d)])
+        self.out = nn.Linear(d, 1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x).sum()
+
+
+class _Inner(nn.Module):
+    def __init__(self, d, w):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, w), nn.Linear(w, d)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+@pytest.mark.parametrize("model,needle", [
+    (_Wide, "embedding "), (_Lopsided, "block blocks.2 holds ")])
+def test_a_unit_holding_most_saved_activations_is_named_with_the_fix(model, needle, capsys,
+                                                                     tmp_path, monkeypatch):
+    """More than DOMINANT_SHARE of the saved activations in one unit, or in the embedding and
+    head: the profile warns, naming the unit and --blocks; plan profile prints it."""
+    from planner.profiler import DOMINANT_SHARE
+    x = torch.randn(4, 8, 16)
+    with pytest.warns(UserWarning, match="--blocks") as w:
+        prof = profile_module(model(), (x,), name="m", hardware=CPU, timing="estimate")
+    (msg,) = prof.model["warnings"]
+    assert needle in msg and "--blocks" in msg and "\n" not in msg
+    assert [str(m.message) for m in w if "--blocks" in str(m.message)] == [
+        "tierplan: profile: " + msg]
+    total = sum(u.saved_bytes for u in prof.layers)
+    top = sum(u.saved_bytes for u in prof.layers if u.kind != "block") if model is _Wide \
+        else max(u.saved_bytes for u in prof.layers)
+    assert top > DOMINANT_SHARE * total
+    # the CLI prints it once, as its other warnings
+    mod = f"wmod{model.__name__.lower()}"      # a module per case: imports are cached
+    (tmp_path / f"{mod}.py").write_text(
+        "import torch\nimport test_profiler as t\n"
+        f"def f(b, s):\n    return t.{model.__name__}(), (torch.randn(4, 8, 16),)\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["profile", f"{mod}:f", "--batch", "4", "--seq", "8", "--device", "cpu",
+                 "--timing", "estimate", "-o",
+                 str(tmp_path / "p.json")]) == 0
+    err = capsys.readouterr().err
+    assert err.count(needle) == 1 and f"plan: warning: {msg}" in err
+
+
+def test_balanced_models_do_not_warn():
+    prof = profile_cfg(gpt_cfg(64, 4), 2, 32, CPU)
+    assert prof.model["warnings"] == []

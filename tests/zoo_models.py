@@ -256,3 +256,70 @@ def convnet(batch, seq):
 
 CUSTOM = ("nested", "nested_called", "mixed_sequential", "bare_sequential", "only_blocks",
           "raw_mlp", "inplace", "tied", "convnet")
+
+
+# Models from other libraries whose blocks sit inside stages and U-Net towers. Each is built
+# from its config class with small sizes, dropout 0.1 where it has any; the diffusers ones need
+# diffusers (the tests skip without it).
+
+def unet_condition(batch, seq):
+    """diffusers' UNet2DConditionModel: two resolutions, one cross-attention tower each way,
+    two layers per block: ResNet blocks and transformers inside ``down_blocks``,
+    ``mid_block`` and ``up_blocks``, skip connections concatenated in the up blocks. ``seq``
+    x ``seq`` latents; the scalar is the output's sum."""
+    from diffusers import UNet2DConditionModel
+
+    def build():
+        return UNet2DConditionModel(
+            sample_size=seq, block_out_channels=(16, 32), layers_per_block=2,
+            cross_attention_dim=16, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), attention_head_dim=8,
+            norm_num_groups=8, dropout=0.1)
+    return _seeded(build, lambda: {"sample": torch.randn(batch, 4, seq, seq),
+                                   "timestep": torch.tensor([10] * batch),
+                                   "encoder_hidden_states": torch.randn(batch, 5, 16)})
+
+
+def unet2d(batch, seq):
+    """diffusers' UNet2DModel: a plain tower and one with self-attention, each way."""
+    from diffusers import UNet2DModel
+
+    def build():
+        return UNet2DModel(
+            sample_size=seq, block_out_channels=(16, 32), layers_per_block=2,
+            down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+            up_block_types=("AttnUpBlock2D", "UpBlock2D"), norm_num_groups=8,
+            attention_head_dim=8, dropout=0.1)
+    return _seeded(build, lambda: {"sample": torch.randn(batch, 3, seq, seq),
+                                   "timestep": torch.tensor([10] * batch)})
+
+
+def convnext(batch, seq):
+    """Hugging Face ConvNeXt, stages of depths 2, 2, 3, 2 (each after the first opens with a
+    downsampling layer), drop path 0.1; ``4 seq`` x ``4 seq`` images and labels."""
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+
+    def build():
+        cfg = ConvNextConfig(hidden_sizes=[8, 16, 32, 64], depths=[2, 2, 3, 2], num_labels=10,
+                             drop_path_rate=0.1)
+        return ConvNextForImageClassification(cfg)
+    return _seeded(build, lambda: {"pixel_values": torch.randn(batch, 3, 4 * seq, 4 * seq),
+                                   "labels": torch.arange(batch) % 10})
+
+
+def swin(batch, seq):
+    """Hugging Face Swin, stages of depths 2, 2, 3, 2 with a patch merging between each two,
+    dropout and drop path 0.1; ``8 seq`` x ``8 seq`` images and labels."""
+    from transformers import SwinConfig, SwinForImageClassification
+
+    def build():
+        cfg = SwinConfig(image_size=8 * seq, patch_size=4, embed_dim=8, depths=[2, 2, 3, 2],
+                         num_heads=[1, 2, 2, 4], window_size=4, num_labels=10,
+                         hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+                         drop_path_rate=0.1)
+        return SwinForImageClassification(cfg)
+    return _seeded(build, lambda: {"pixel_values": torch.randn(batch, 3, 8 * seq, 8 * seq),
+                                   "labels": torch.arange(batch) % 10})
+
+
+STAGED = ("unet_condition", "unet2d", "convnext", "swin")
