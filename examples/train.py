@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout
 
 from planner.errors import UserError  # noqa: E402
+from planner.sizes import fmt_seconds  # noqa: E402
 
 
 def _batches(vocab: int, batch: int, seq: int, text: str | None, device, rank: int = 0):
@@ -132,14 +134,19 @@ def main(argv=None) -> int:
         cuda = str(args.device).startswith("cuda")
         if cuda:
             torch.cuda.reset_peak_memory_stats()
+        # One step's time has one definition, the report's (docs/runtime.md, "The report"):
+        # from the step's first forward to the end of its optimizer step. Under a plan the
+        # figures printed are the report's own; without one, this loop measures the same span.
         times = []
+        tag = f"rank {rank}/{world}  " if engine else ""
         for step in range(args.steps):
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
             total = 0.0
-            for _ in range(K):
+            for k in range(K):
                 ids, labels = next(data)
+                if k == 0:
+                    if cuda:
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
                 out = wrapped(input_ids=ids, labels=labels if shifted else ids)
                 (out.loss / K).backward()
                 total += out.loss.item() / K
@@ -148,17 +155,21 @@ def main(argv=None) -> int:
                 (handle.clip_grad_norm_ if handle else
                  lambda m: torch.nn.utils.clip_grad_norm_(wrapped.parameters(), m))(args.clip)
             opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-            tag = f"rank {rank}/{world}  " if engine else ""
-            print(f"{tag}step {step + 1}/{args.steps}  loss {total:.4f}  {times[-1]:.3f} s",
-                  flush=True)
+            if handle is not None and len(handle.report().steps) == step + 1:
+                times[-1] = handle.report().steps[-1].step_s
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            print(f"{tag}step {step + 1}/{args.steps}  loss {total:.4f}  step time "
+                  f"{fmt_seconds(times[-1])}", flush=True)
         if len(times) > 1:      # the first step warms up (allocator, kernels): left out
-            rest = sorted(times[1:])
-            print(f"{tag}median step {rest[len(rest) // 2]:.4f} s over steps 2..{len(times)}"
+            # the median as the report takes it (the mean of the middle two of an even count)
+            m = handle.report().measured if handle is not None else None
+            med = m.step_s if m is not None else statistics.median(times[1:])
+            print(f"{tag}step time {fmt_seconds(med)}: median of steps 2..{len(times)} (the "
+                  "first step is left out)"
                   + (f"; peak allocated {torch.cuda.max_memory_allocated() / 2**30:.3f} GiB"
                      if cuda else ""), flush=True)
         if handle is not None:

@@ -10,14 +10,15 @@ A profile can be inspected too (its per-unit figures only).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 
 from .costmodel import decision_choice
 from .errors import UserError
-from .formats import Plan, Profile, load_any
+from .formats import RESIDENT, Activation, LayerDecision, Plan, Profile, load_any
 from .sizes import fmt_bytes, fmt_rate, fmt_seconds
-from .table import stage_table, unit_table
+from .table import decision_label, stage_table, unit_table
 
 LINK_NAMES = {"d2h": "D2H", "h2d": "H2D", "duplex": "PCIe both ways", "nvme": "NVMe",
               "host": "host CPU", "compute": "compute"}
@@ -40,8 +41,66 @@ def time_breakdown(plan: Plan, sim) -> dict:
     return {k: v for k, v in out.items() if abs(v) > 1e-12}
 
 
+def fmt_count(n) -> str:
+    """A count with its unit, three significant digits: ``512``, ``199K``, ``1.5M``, ``7B``
+    (a 199,232-parameter model printed "0 M params")."""
+    n = float(n)
+    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= div * 0.9995:
+            return f"{n / div:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+# The fewest savings undone, one at a time, to see whether memory is what forced them.
+MAX_UNDO_TRIES = 8
+
+
+def _savings(plan: Plan) -> list[tuple[int, str, LayerDecision, int]]:
+    """The plan's memory savings, each to be undone alone: ``(bytes it would put back on the
+    device, what undoing it means, the decision undone, the unit's index)``, smallest first. A
+    saving is a block's activations not kept (recomputed or offloaded), or a unit's tensors
+    homed off the device."""
+    out = []
+    for i, (u, d) in enumerate(zip(plan.units, plan.layers)):
+        if d.activation is not Activation.KEEP:
+            out.append((int(u.activation_bytes), f"keeping {u.name}'s activations "
+                        f"instead of {decision_label(d)}",
+                        dataclasses.replace(d, activation=Activation.KEEP, checkpoint=None), i))
+        if not d.home.resident:
+            out.append((int(u.static_bytes), f"homing {u.name} on the device "
+                        f"instead of {d.home.label()}", dataclasses.replace(d, home=RESIDENT), i))
+    return sorted(out, key=lambda x: (x[0], x[3]))
+
+
+def _undo_peaks(plan: Plan, limit: int = MAX_UNDO_TRIES):
+    """``(peak GPU bytes, what)`` for each of the ``limit`` smallest savings undone alone (the
+    schedule placed greedily), valid changes only; and how many savings the plan has."""
+    from .schedule import build_schedule
+    from .simulate import cost_model_of, simulate
+    cm = cost_model_of(plan)
+    savings = _savings(plan)
+    got = []
+    for _, what, alt, i in savings:
+        if len(got) >= limit:
+            break
+        layers = list(plan.layers)
+        layers[i] = alt
+        try:
+            sched = build_schedule(cm, layers, None)
+        except UserError:          # not a valid plan alone (a checkpoint chain broken)
+            continue
+        r = simulate(dataclasses.replace(plan, layers=layers, schedule=sched))
+        got.append((r.peak_gpu_bytes, what))
+    return got, len(savings)
+
+
 def binding(plan: Plan, sim) -> list[str]:
-    """One line per constraint that binds (or per tier that does not)."""
+    """One line per constraint that binds (or per tier that does not).
+
+    GPU memory binds when the plan's peak fills the budget (less the spec's reserve), and
+    also when it does not but no saving can be undone within it: a plan that recomputes 2 of
+    3 blocks because a third kept block would not fit is bound by memory, though its peak may
+    be 75% of the budget (each decision moves the peak by a whole block's activations)."""
     lines = []
     for tier in ("gpu", "cpu", "nvme"):
         peak, budget = getattr(sim, f"peak_{tier}_bytes"), plan.budgets.of(tier)
@@ -59,8 +118,7 @@ def binding(plan: Plan, sim) -> list[str]:
             lines.append(f"{name} memory binds: peak {fmt_bytes(peak)} of {of} "
                          f"(in {len(at)} stage(s), first {at[0].phase} of {at[0].unit or '-'})")
         elif tier == "gpu":
-            lines.append(f"GPU memory does not bind: peak {fmt_bytes(peak)} is {share:.0%} of "
-                         f"{of}")
+            lines.append(_gpu_below_budget(plan, peak, share, usable, of))
     by = Counter(r.bound for r in sim.stages if r.bound != "compute" and r.phase != "optimizer")
     for res, n in by.most_common():
         lines.append(f"{LINK_NAMES.get(res, res)} sets the duration of {n} stage(s)")
@@ -69,6 +127,26 @@ def binding(plan: Plan, sim) -> list[str]:
         lines.append(f"the optimizer phase ({fmt_seconds(opt[0].seconds)}) is bound by "
                      f"{LINK_NAMES.get(opt[0].bound, opt[0].bound)}")
     return lines
+
+
+def _gpu_below_budget(plan: Plan, peak, share, usable, of) -> str:
+    """The GPU line for a peak under 99% of the usable budget: whether any saving the plan
+    makes could be undone within the budget."""
+    head = f"peak {fmt_bytes(peak)} is {share:.0%} of {of}"
+    tried, n = _undo_peaks(plan)
+    if not tried:
+        return f"GPU memory does not bind: {head}" + (
+            "" if not n else f" (none of its {n} saving(s) can be undone alone)")
+    fits = [(p, what) for p, what in tried if p <= usable]
+    if fits:
+        p, what = fits[0]
+        return (f"GPU memory does not bind: {head}; {what} would still fit (peak "
+                f"{fmt_bytes(p)})")
+    p, what = tried[0]
+    some = (f"any of its {n} saving(s)" if len(tried) == n else
+            f"any of the {len(tried)} smallest of its {n} savings")
+    return (f"GPU memory binds: {head}, and undoing {some} alone does not fit (the smallest, "
+            f"{what}, would peak at {fmt_bytes(p)})")
 
 
 def _fmt_table(df, cols, fmts) -> str:
@@ -86,7 +164,7 @@ def render(plan: Plan, sim, source: str, report=None) -> str:
     s = plan.solver
     lines = [f"plan {source}",
              f"  model     {m.get('name')}  batch {m.get('batch')}  seq {m.get('seq')}  "
-             f"{m.get('dtype')}  {int(m.get('param_count', 0)) / 1e6:,.0f} M params  "
+             f"{m.get('dtype')}  {fmt_count(int(m.get('param_count', 0)))} params  "
              f"{plan.micro_batches} pass(es) per optimizer step",
              f"  hardware  {hw.get('name')}  ({hw.get('description')})",
              f"  budgets   GPU {fmt_bytes(b.gpu_bytes)}  host {fmt_bytes(b.cpu_bytes)}  NVMe "

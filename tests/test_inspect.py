@@ -132,6 +132,43 @@ def test_binding_counts_the_specs_reserve():
         "80.00 GiB less the spec's reserve 20.00 GiB")
 
 
+def test_memory_binds_when_no_saving_can_be_undone_within_the_budget():
+    """Each decision moves the peak by a whole block's activations, so a plan that recomputes
+    blocks because one more kept block would not fit is bound by memory though its peak is
+    well under the budget (the demo's plan recomputes 2 of 3 blocks at 75% of its budget and
+    inspect said "GPU memory does not bind"). With room for one more kept block, it does not
+    bind, and the line names the saving that could be undone."""
+    rc = {0: RC, 1: RC}                    # 2 of 3 blocks recomputed, as in the demo
+    peak = _plan(rc, gpu=80 * GIB, n=3).predicted.peak_gpu_bytes
+    one_more = _plan({1: RC}, gpu=80 * GIB, n=3).predicted.peak_gpu_bytes
+    assert one_more > 1.05 * peak          # one block's step leaves the budget room below 99%
+    reserve = load_hardware("a100-80g").reserved_bytes
+    tight = _plan(rc, gpu=int((peak + one_more) / 2) + reserve, n=3)
+    sim = simulate(tight)
+    line = binding(tight, sim)[0]
+    assert sim.peak_gpu_bytes < 0.99 * (tight.budgets.gpu_bytes - reserve)
+    assert line.startswith(f"GPU memory binds: peak {fmt_bytes(sim.peak_gpu_bytes)} is "), line
+    assert "undoing any of its 2 saving(s) alone does not fit" in line, line
+    assert "keeping blocks.0's activations instead of recompute/gpu" in line, line
+    roomy = _plan(rc, gpu=80 * GIB, n=3)
+    line = binding(roomy, simulate(roomy))[0]
+    assert line.startswith("GPU memory does not bind") and "would still fit" in line, line
+
+
+def test_parameter_counts_carry_their_unit(plan_file, tmp_path, capsys):
+    """A 199,232-parameter model printed "0 M params"."""
+    from planner.inspect import fmt_count
+    assert [fmt_count(n) for n in (0, 999, 1000, 199_232, 1_500_000, 124_439_808,
+                                   7_241_732_096, 999_999)] == \
+        ["0", "999", "1K", "199K", "1.5M", "124M", "7.24B", "1M"]
+    plan, _ = plan_file
+    small = dataclasses.replace(plan, model={**plan.model, "param_count": 199_232})
+    p = tmp_path / "small.json"
+    write_json_atomic(p, small.to_dict())
+    assert main(["inspect", str(p)]) == 0
+    assert "  199K params  1 pass(es)" in capsys.readouterr().out
+
+
 def test_streamed_units_show_their_homes_and_traffic():
     home = Home(Tier.CPU, Tier.CPU, Tier.CPU, Tier.CPU)
     plan = _plan({}, gpu=80 * GIB, homes={3: home})

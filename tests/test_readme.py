@@ -54,7 +54,24 @@ def test_demo_main_job(tmp_path):
     for marker in ("== plan profile", "== plan solve", "== plan inspect", "step 3/3",
                    "tierplan report"):
         assert marker in r.stdout
+    _demo_figures_agree(r.stdout)
     assert not (tmp_path / "tierplan-nvme").exists(), "offload directory left behind"
+
+
+def _demo_figures_agree(out: str) -> None:
+    """What a new user reads in the demo says one thing once: the training loop's step time is
+    the report's (same figure, same definition, same name; it printed "median step 2.34 s"
+    beside the report's 1.967 s), the parameter count has its unit (it printed "0 M params"
+    for 199,232), and a plan that recomputes blocks to fit is bound by GPU memory (inspect
+    said "does not bind: peak 75%")."""
+    import re
+    loop = re.findall(r"^step time (\S+ \S+): median of steps 2\.\.3 \(the first step is "
+                      r"left out\)$", out, re.M)
+    report = re.findall(r"^  step time\s+(\S+ \S+)\s+\S+ \S+$", out, re.M)
+    assert len(loop) == 1 and report == loop, (loop, report)
+    assert re.search(r"^  model .*  199K params  ", out, re.M), out[:600]
+    if "recompute" in out.split("== plan inspect")[1].split("binding constraints")[0]:
+        assert "  - GPU memory binds: " in out
 
 
 def test_usage_commands_run_in_order(tmp_path):
