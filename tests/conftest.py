@@ -108,7 +108,8 @@ def make_plan_for():
 # start processes or drive the CLI under faults are slow as a kind; single slow tests elsewhere
 # carry ``@pytest.mark.slow`` themselves.
 SLOW_MODULES = {"test_zoo", "test_fuzz", "test_faults", "test_distributed", "test_streaming",
-                "test_streaming_idioms", "test_trainer", "test_packaging",
+                "test_streaming_idioms", "test_trainer", "test_packaging", "test_determinism",
+                "test_calibrate",
                 "test_readme", "test_runtime", "test_binding", "test_profiler", "test_cli_errors",
                 "test_timing", "test_models", "test_blocks", "test_measure"}
 
