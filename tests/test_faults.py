@@ -440,3 +440,163 @@ def test_existing_folder_marked_by_nobody_is_kept(tmp_path):
     (keep / "made" / "user-file.txt").write_text("x")      # someone else's file appears
     h.remove()
     assert keep.is_dir() and (keep / "made" / "user-file.txt").exists()
+
+
+# ----------------------------------------------------------------------------- the sweeper
+
+def _fake_runtime_dir(base: Path, pid: int, start: str | None, files=("a-0123abcd.bin",)):
+    """A directory as a runtime process makes it (owner file, manifest listing ``files``),
+    with its lock free, as if its process had ended without cleaning up."""
+    from runtime import files as rf
+    d = base / f"tierplan-{pid}-0badcafe"
+    d.mkdir(parents=True)
+    text = rf._owner_text(pid)
+    if start is not None:
+        text = "\n".join(f"start={start}" if ln.startswith("start=") else ln
+                         for ln in text.splitlines()) + "\n"
+    (d / rf.OWNER).write_text(text)
+    lines = [rf._MANIFEST_HEAD]
+    for name in files:
+        (d / name).write_bytes(b"x" * 100)
+        lines.append(f"+{name} {(d / name).stat().st_ino}")
+    (d / rf.MANIFEST).write_text("\n".join(lines) + "\n")
+    return d
+
+
+def test_sweep_keeps_a_users_files_named_like_the_runtimes(tmp_path):
+    """A folder named like the runtime's without its owner file is nobody's to sweep: a
+    user's ``*-<8 hex>.bin`` in it and a ``.tierplan-*.new`` folder older than a minute, with
+    a user's file in it, are kept."""
+    from runtime.files import sweep
+    nvme = tmp_path / "n"
+    mine = nvme / "tierplan-4194303-deadbeef"
+    mine.mkdir(parents=True)
+    (mine / "results-0123abcd.bin").write_bytes(b"user data")
+    new = nvme / ".tierplan-4194303-cafebabe.new"
+    new.mkdir()
+    (new / "notes.txt").write_text("user notes")
+    old = time.time() - 3600
+    for p in (mine, new):
+        os.utime(p, (old, old))
+    assert sweep(nvme) == []
+    m = _model()
+    h = apply_plan(m, plan_for(m, "offload-all", B, S, nvme_dir=nvme))
+    m(**_inputs()).loss.backward()
+    h.remove()
+    assert (mine / "results-0123abcd.bin").read_bytes() == b"user data"
+    assert (new / "notes.txt").read_text() == "user notes"
+
+
+def test_sweep_deletes_a_dead_runs_files_but_not_a_users_file_beside_them(tmp_path):
+    """After a SIGKILL the next sweep deletes exactly the files the dead run recorded
+    creating: a user's file dropped into its directory stays, and so does the directory,
+    until the user takes the file away."""
+    from runtime.files import sweep
+    nvme = tmp_path / "n"
+    proc = _spawn(nvme, "hang")
+    line = _read_line(proc)
+    assert line.startswith("IN_BACKWARD"), (line, proc.stderr.read())
+    stale = Path(line.split()[1])
+    ours = sorted(stale.glob("*.bin"))
+    assert ours
+    proc.kill()
+    proc.wait(timeout=300)
+    (stale / "mine-0123abcd.bin").write_bytes(b"user data")
+    assert sweep(nvme) == []
+    assert not any(p.exists() for p in ours)
+    assert (stale / "mine-0123abcd.bin").read_bytes() == b"user data"
+    (stale / "mine-0123abcd.bin").unlink()
+    assert sweep(nvme) == [str(stale)] and not stale.exists()
+
+
+def test_sweep_tells_a_live_owner_from_a_reused_pid(tmp_path):
+    """A free lock alone does not prove the owner gone: a directory whose owner file names a
+    running process (pid and start time) is kept; the same pid with another start time is a
+    reused pid, and that directory is swept."""
+    from runtime.files import _proc_start, sweep
+    live = _fake_runtime_dir(tmp_path / "a", os.getpid(), None)
+    assert _proc_start(os.getpid()) is not None
+    assert sweep(tmp_path / "a") == []
+    assert (live / "a-0123abcd.bin").exists()
+    reused = _fake_runtime_dir(tmp_path / "b", os.getpid(), "1")
+    assert sweep(tmp_path / "b") == [str(reused)] and not reused.exists()
+    # a file moved over the recorded one (another inode) is not the one that was created
+    other = _fake_runtime_dir(tmp_path / "c", os.getpid(), "1")
+    (tmp_path / "users.bin").write_text("the user's now")
+    os.replace(tmp_path / "users.bin", other / "a-0123abcd.bin")
+    assert sweep(tmp_path / "c") == []
+    assert (other / "a-0123abcd.bin").read_text() == "the user's now"
+
+
+FORK = textwrap.dedent("""
+    import gc, os, sys, torch
+    sys.path.insert(0, {tests!r})
+    from conftest import plan_for
+    from planner.models import build_model, load_config, make_inputs
+    from runtime import apply_plan
+    cfg = dict(load_config("gpt-tiny"), dtype="fp32", n_layers=4)
+    torch.manual_seed(0)
+    model = build_model(cfg, dtype="fp32")
+    h = apply_plan(model, plan_for(model, "offload-all", 2, 16, nvme_dir={nvme!r}))
+    out = model(**make_inputs(cfg, 2, 16))
+    d = h._r.mover.store.dir
+    before = sorted(os.listdir(d))
+    pid = os.fork()
+    if pid == 0:          # the child drops everything and exits normally (atexit runs)
+        del out, h
+        gc.collect()
+        sys.exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, status
+    assert sorted(os.listdir(d)) == before, (before, os.listdir(d))
+    out.loss.backward()
+    model(**make_inputs(cfg, 2, 16, seed=1)).loss.backward()
+    h.remove()
+    assert not os.path.exists(d)
+    print("PARENT OK", flush=True)
+""")
+
+
+def test_a_forked_childs_exit_leaves_the_parents_files(tmp_path):
+    """A child forked mid-step (a DataLoader worker, os.fork) that exits normally deletes
+    nothing of its parent's: the parent's backward and next step run, and its remove()
+    cleans up."""
+    code = FORK.format(tests=str(REPO / "tests"), nvme=str(tmp_path / "n"))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                       env=env, timeout=300)
+    assert r.returncode == 0 and "PARENT OK" in r.stdout, r.stderr[-3000:]
+    assert not (tmp_path / "n").exists()
+
+
+def test_a_forked_child_cannot_write_the_parents_files(tmp_path):
+    """In a forked child the store refuses every use (its files are the parent's), in one
+    line; the parent is unaffected."""
+    m = _model()
+    h = apply_plan(m, plan_for(m, "offload-all", B, S, nvme_dir=tmp_path / "n"))
+    store = h._r.mover.store
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            store.open("x")
+        except OffloadError as e:
+            code = 0 if "was forked from process" in str(e) and "\n" not in str(e) else 2
+        except BaseException:
+            code = 3
+        store.close()
+        os._exit(code)
+    deadline = time.monotonic() + 300
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError("the forked child did not finish within 300 s")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0
+    m(**_inputs()).loss.backward()
+    h.remove()
+    assert not (tmp_path / "n").exists()
