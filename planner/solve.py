@@ -33,6 +33,7 @@ from pathlib import Path
 from . import solvers
 from .costmodel import CostModel, evaluate
 from .errors import NoFitError, UserError
+from .fileio import _shown, path_problem
 from .formats import (Activation, Budgets, Home, LayerDecision, Plan, Policy, Profile,
                       SolverRecord, Tier, load_profile, write_json_atomic)
 from .milp import GB, Model, Options
@@ -546,6 +547,11 @@ def default_solver() -> str:
 
 def cli_solve(args) -> int:
     t_start = time.perf_counter()     # --time-limit bounds the whole command, loading included
+    if args.nvme_dir is not None:
+        why = path_problem(args.nvme_dir)
+        if why:
+            raise UserError(f"--nvme-dir '{_shown(args.nvme_dir)}': {why}; give a directory "
+                            "path (or leave --nvme-dir out for the default)")
     profile = load_profile(args.profile)
     if args.hardware:
         from .hardware import load_hardware

@@ -211,6 +211,15 @@ _MAX_OWNER_BYTES = 4096
 _MAX_MANIFEST_BYTES = 64 * 1024**2
 
 
+# The manifest is rewritten whole (live files only) before it holds this many lines, so its
+# size stays bounded however long training runs; a line is ~60 bytes for usual unit names.
+def _manifest_bound(live: int) -> int:
+    return 64 + 3 * live
+
+
+_MANIFEST_LINE_BYTES = 128
+
+
 def _proc_start(pid: int) -> str | None:
     """The start time of process ``pid`` (clock ticks after boot, field 22 of
     /proc/PID/stat), or None if there is no such process or no /proc. With the pid it names
@@ -255,6 +264,13 @@ def _alive(owner: dict) -> bool:
     except OSError:
         pass
     return True
+
+
+def _ours(owner: dict) -> bool:
+    """Whether an owner file names this process (pid, start time and boot)."""
+    pid = os.getpid()
+    return (owner.get("pid") == str(pid) and owner.get("start") == (_proc_start(pid) or "-")
+            and owner.get("boot") == (_boot_id() or "-"))
 
 
 def _read_small(dir_fd: int, name: str, limit: int) -> str | None:
@@ -321,8 +337,16 @@ def _sweep_dir(path: str, pid_in_name: int) -> bool:
         return False                      # its process holds the lock: alive
     try:
         owner = _read_owner(fd)
-        if owner is None or owner.get("pid") != str(pid_in_name) or _alive(owner):
-            return False                  # not made by the runtime, or its maker still runs
+        if owner is None or owner.get("pid") != str(pid_in_name):
+            return False                  # not made by the runtime
+        if _ours(owner):
+            # this very process made it: swept once no store of ours uses it (a handle whose
+            # removal could not delete everything, retried by the next apply_plan)
+            if any(s.dir is not None and os.path.samefile(s.dir, path) for s in list(_LIVE)
+                   if s.dir is not None and os.path.exists(s.dir)):
+                return False
+        elif _alive(owner):
+            return False                  # its maker still runs
         created = _created(_read_small(fd, MANIFEST, _MAX_MANIFEST_BYTES))
         for name, ino in created.items():
             with contextlib.suppress(OSError):
@@ -513,7 +537,7 @@ class NvmeStore:
         self._lock_fd: int | None = None    # our flock on self.dir, held while we live
         self._base_fd: int | None = None    # a shared flock on the base, held while we use it
         self._manifest_fd: int | None = None
-        self._manifest_lines = 0            # lines appended since the manifest was last written whole
+        self._manifest_lines = 0            # lines in the manifest after its header
         self._inos: dict[str, int] = {}     # path -> inode, for rewriting the manifest
         self._atexit = weakref.WeakMethod(self.close)
         atexit.register(_close_weak, self._atexit)
@@ -704,7 +728,10 @@ class NvmeStore:
         except BaseException:
             self._close_quietly()
             raise
-        need = int(need_bytes) + (int(files) + len(_BOOKKEEPING)) * block if need_bytes else 0
+        # free space is read with the owner file and the manifest already made; the
+        # manifest may still grow to _manifest_bound lines before it is rewritten
+        grow = -(-_MANIFEST_LINE_BYTES * (_manifest_bound(int(files)) + 1) // block) * block
+        need = int(need_bytes) + int(files) * block + grow if need_bytes else 0
         if need > free:
             self._close_quietly()
             raise NvmeDirError(
@@ -723,7 +750,7 @@ class NvmeStore:
             return
         os.write(mfd, (line + "\n").encode("utf-8", "surrogateescape"))
         self._manifest_lines += 1
-        if self._manifest_lines > 1024 + 4 * len(self.files):
+        if self._manifest_lines + 1 >= _manifest_bound(len(self.files)):
             self._rewrite_manifest()
 
     def _rewrite_manifest(self) -> None:
@@ -747,7 +774,7 @@ class NvmeStore:
             return
         os.close(self._manifest_fd)
         self._manifest_fd = fd
-        self._manifest_lines = 0
+        self._manifest_lines = len(body) - 1
 
     def open(self, label: str) -> tuple[int, str]:
         """A new empty file for ``label`` (fd, path), recorded in the manifest."""
