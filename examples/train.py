@@ -12,11 +12,18 @@ MODEL is a built-in name (``planner.models``), a model YAML, or ``package.module
 returning ``(module, inputs)``. Tokens are synthetic (seeded), or the bytes of ``--text FILE``
 taken as token ids. The optimizer is AdamW; the loss is printed every step and, under a plan,
 the measured report at the end (``--report-out FILE`` saves it as JSON).
+
+Exit codes (one line on stderr, never a traceback, for anything a user can cause): 0 done;
+2 bad input (``error: ...``: plan, model, paths, arguments); 4 training stopped by the
+runtime (``error: ...``: an NVMe file corrupted or unreadable, a full disk, a recomputation
+that did not match, out of memory); 130 Ctrl-C (``train: interrupted``); 143 SIGTERM
+(``train: terminated by SIGTERM``). On each, the runtime's files are deleted as it unwinds.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
 import sys
 import time
@@ -29,13 +36,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a chec
 from planner.errors import UserError  # noqa: E402
 from planner.sizes import fmt_seconds  # noqa: E402
 
+# Training stopped by the runtime, not by bad input: exit code 4 (see the module docstring).
+EXIT_RUNTIME = 4
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM: unwound like Ctrl-C, so the runtime's files go with the training loop."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
+def _runtime_errors() -> tuple:
+    """The errors a user can cause that stop training (exit 4)."""
+    from runtime.files import OffloadError
+    from runtime.recompute import RecomputeMismatch
+    return (OffloadError, RecomputeMismatch, torch.OutOfMemoryError, MemoryError)
+
 
 def _batches(vocab: int, batch: int, seq: int, text: str | None, device, rank: int = 0):
     """Yield ``(input_ids, labels)`` forever: next-token targets from synthetic ids or a file
     (each rank its own stream)."""
     g = torch.Generator().manual_seed(rank)
     if text:
-        data = torch.tensor(list(Path(text).read_bytes()), dtype=torch.long)
+        from planner.fileio import read_bytes
+        data = torch.tensor(list(read_bytes(text, "--text")), dtype=torch.long)
         if vocab < 256:
             raise UserError(f"--text needs a vocabulary of at least 256 (bytes), the model has {vocab}")
         if data.numel() < seq + 2:
@@ -113,6 +139,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     engine = "fsdp" if args.fsdp else "ddp" if args.ddp else None
     rank, world = 0, 1
+    previous = None
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         if engine:
             args.device = _start_ranks(engine, args.device)
@@ -187,11 +216,23 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"error{f' (rank {rank})' if world > 1 else ''}: {e}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
-        # Ctrl-C: one line, not a traceback; the runtime's files went with the unwinding
+    except KeyboardInterrupt as e:
+        # Ctrl-C or SIGTERM: one line, not a traceback; the runtime's files went with the
+        # unwinding (the runtime's own SIGTERM exception is a KeyboardInterrupt too)
+        if isinstance(e, _Terminated) or type(e).__name__ == "Terminated":
+            print("train: terminated by SIGTERM", file=sys.stderr)
+            return 128 + signal.SIGTERM
         print("train: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if not isinstance(e, _runtime_errors()):
+            raise
+        line = " ".join(str(e).split()) or type(e).__name__
+        print(f"error{f' (rank {rank})' if world > 1 else ''}: {line}", file=sys.stderr)
+        return EXIT_RUNTIME
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         if engine:
             import torch.distributed as dist
             if dist.is_initialized():

@@ -26,6 +26,7 @@ import os
 import re
 import stat
 import tempfile
+import unicodedata
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -40,6 +41,8 @@ MAX_INPUT_BYTES = 256 * 1024**2
 MAX_DEPTH = 64
 # A path longer than this (in bytes) is refused before the OS is asked (PATH_MAX is 4096).
 MAX_PATH_BYTES = 4096
+# The longest name of one folder or file the OS takes (NAME_MAX).
+MAX_NAME_BYTES = 255
 
 
 def _shown(path) -> str:
@@ -69,6 +72,37 @@ def _check_path_text(path, what: str) -> None:
     if len(os.fsencode(s)) > MAX_PATH_BYTES:
         raise UserError(f"{what} '{_shown(s)}': the path is {len(os.fsencode(s))} bytes long, "
                         f"more than {MAX_PATH_BYTES}; give a shorter path")
+
+
+def path_problem(path) -> str | None:
+    """Why ``path`` cannot name a directory tierplan keeps and prints (``nvme_dir``), or
+    None: empty, a control character (a newline would split every line that shows it), more
+    than the OS takes (PATH_MAX 4096 bytes with its terminating NUL, NAME_MAX 255 bytes a
+    component)."""
+    s = os.fsdecode(path) if isinstance(path, bytes) else str(path)
+    if not s:
+        return "the path is empty"
+    bad = next((c for c in s if unicodedata.category(c) in ("Cc", "Zl", "Zp")), None)
+    if bad is not None:
+        return f"the path contains the control character {ascii(bad)}"
+    n = _nbytes(s)
+    if n >= MAX_PATH_BYTES:
+        return (f"the path is {n} bytes long; the OS takes at most {MAX_PATH_BYTES - 1} "
+                "(PATH_MAX)")
+    for part in s.split("/"):
+        m = _nbytes(part)
+        if m > MAX_NAME_BYTES:
+            return (f"one of its names is {m} bytes long; the OS takes at most "
+                    f"{MAX_NAME_BYTES} a name (NAME_MAX)")
+    return None
+
+
+def _nbytes(s: str) -> int:
+    """The length of ``s`` as the OS gets it."""
+    try:
+        return len(os.fsencode(s))
+    except UnicodeEncodeError:
+        return len(s.encode("utf-8", "surrogatepass"))
 
 
 def _os_reason(e: OSError) -> str:

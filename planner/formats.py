@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from .errors import UserError
 from .events import Event, Op, Passes, Stream, TensorClass, event_id
+from .fileio import path_problem
 from .fileio import read_json, sha256_file, write_atomic, write_json_atomic  # noqa: F401 (re-exported)
 
 PROFILE_SCHEMA = "tierplan.profile/1"
@@ -161,9 +162,10 @@ _KINDS = {
              "a list of strings"),
     "strs?": (lambda v: v is None or (isinstance(v, list) and all(isinstance(x, str) for x in v)),
               "null or a list of strings"),
-    "path?": (lambda v: v is None or (isinstance(v, str) and v != "" and "\x00" not in v
-                                      and len(v) <= 4096),
-              "null or a path (a non-empty string without NUL, at most 4096 characters)"),
+    # a directory the runtime creates and every verb prints: what the OS takes, one line
+    "path?": (lambda v: v is None or (isinstance(v, str) and path_problem(v) is None),
+              "null or a path the OS takes (non-empty, no control characters such as a "
+              "newline, at most 4095 bytes, each name at most 255 bytes)"),
     "dict": (lambda v: isinstance(v, dict), "a JSON object"),
     "list": (lambda v: isinstance(v, list), "a JSON list"),
 }

@@ -33,6 +33,7 @@ from pathlib import Path
 from . import solvers
 from .costmodel import CostModel, evaluate
 from .errors import NoFitError, UserError
+from .fileio import _shown, path_problem
 from .formats import (Activation, Budgets, Home, LayerDecision, Plan, Policy, Profile,
                       SolverRecord, Tier, load_profile, write_json_atomic)
 from .milp import GB, Model, Options
@@ -562,9 +563,19 @@ def default_solver() -> str:
     return "highs" if solvers.highs_available() else "cbc"
 
 
+def check_nvme_dir(args) -> None:
+    """``--nvme-dir`` as a path the OS can make (one line, exit 2, before anything is read)."""
+    if getattr(args, "nvme_dir", None) is not None:
+        why = path_problem(args.nvme_dir)
+        if why:
+            raise UserError(f"--nvme-dir '{_shown(args.nvme_dir)}': {why}; give a directory "
+                            "path (or leave --nvme-dir out for the default)")
+
+
 def solve_options(args, profile: Profile) -> tuple:
     """``(hw, keyword arguments of solve_profile)`` from ``plan solve``'s options (also those
     of ``plan sweep``), each checked: one UserError line per bad value."""
+    check_nvme_dir(args)
     if args.hardware:
         from .hardware import load_hardware
         hw = load_hardware(args.hardware)
@@ -592,6 +603,7 @@ def solve_options(args, profile: Profile) -> tuple:
 
 def cli_solve(args) -> int:
     t_start = time.perf_counter()     # --time-limit bounds the whole command, loading included
+    check_nvme_dir(args)
     profile = load_profile(args.profile)
     hw, kw = solve_options(args, profile)
     budgets = parse_budgets(args, hw)

@@ -35,6 +35,7 @@ from planner.report import LINKS, Report, StepRecord
 from . import calls, engines
 from .binding import InputGuard, InputTooLargeError, PlanMismatchError, bind
 from .calls import find_hidden as _find_hidden, hidden_of as _hidden_of
+from .files import OffloadError, planned_files
 from .offload import Counters, Group, Mover
 from .recompute import Placeholder, RecomputeMismatch, Segment
 from .report import malloc_trim, read_status, reset_hwm
@@ -869,20 +870,36 @@ class Handle:
         r.unwrap()
         for undo in reversed(self._undo):
             undo()
+        # Every unit is brought home and every file deleted even when one unit fails (a
+        # corrupted weight, a read-only directory); then the first error is raised.
+        first = None
         for s in r.statics.values():
-            with contextlib.suppress(Exception):
-                s.wait()
-            if s.weights_out and not s.in_use:
-                s.use()
-            if s.grads_out:
-                s.sync_grads()
-                for k, g in s.store_of().submit(s.read_grads).result().items():
-                    s.params[k][1].grad = g
-            if r.phase is not None:
-                s.bring_state_home(r.phase.opt.state)
-            s.close()
-        r.close()
-        _ACTIVE.pop(r.model, None)
+            try:
+                with contextlib.suppress(Exception):
+                    s.wait()
+                if s.weights_out and not s.in_use:
+                    s.use()
+                if s.grads_out:
+                    s.sync_grads()
+                    for k, g in s.store_of().submit(s.read_grads).result().items():
+                        s.params[k][1].grad = g
+                if r.phase is not None:
+                    s.bring_state_home(r.phase.opt.state)
+            except BaseException as e:       # noqa: BLE001 -- raised after the clean-up
+                first = first or e
+            finally:
+                s.close()
+        try:
+            r.close()
+        except OffloadError as e:           # files it could not delete: one line
+            if first is None:
+                first = e
+            else:
+                warnings.warn(str(e), stacklevel=2)
+        finally:
+            _ACTIVE.pop(r.model, None)
+        if first is not None:
+            raise first
 
     def __enter__(self):
         return self
@@ -1124,7 +1141,8 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
         # plan's NVMe peak, or one line says why; not a raw OSError at the first forward, nor
         # a full disk found at the backward after the whole forward.
         try:
-            runner.mover.nvme_store().prepare(int(plan.predicted.peak_nvme_bytes), src)
+            runner.mover.nvme_store().prepare(int(plan.predicted.peak_nvme_bytes), src,
+                                              files=planned_files(plan))
         except BaseException:
             runner.close()
             raise

@@ -207,7 +207,7 @@ BAD = {
     "flops_map": [{}, {"fp32": 0}, {"fp32": -1}, {"fp32": NAN}, {"fp32": 1e-300}, {"bf16": 1e12},
                   {"fp32": "fast"}, {"fp32": 1e30}, [1e12], 5],
     "schema": ["tierplan.plan/9", "", None, 3, "tierplan.profile/1 "],
-    "path?": ["", 5, ["x"], "a\u0000b", "x" * 5000],
+    "path?": ["", 5, ["x"], "a\u0000b", "x" * 5000, "/tmp/a\nb", "/tmp/" + "y" * 300],
     "micro": [0, -1, 4097, 1.5, "2", None, True],
     "stage": [-1, 1.5, "3", None, HUGE_INT],
 }

@@ -411,3 +411,99 @@ def test_ctrl_c_in_the_training_example_is_one_line_and_leaves_no_file(tmp_path)
     assert proc.returncode == 130, err[-800:]
     assert err.strip().splitlines()[-1] == "train: interrupted" and "Traceback" not in err
     assert not any(p.is_file() for p in nvme.rglob("*"))
+
+
+def _train_plan(tmp_path):
+    nvme = tmp_path / "nvme"
+    plan = tmp_path / "p.json"
+    from planner.cli import main
+    assert main(["profile", "gpt-tiny", "--batch", "2", "--seq", "32", "--dtype", "fp32",
+                 "--device", "cpu", "--timing", "estimate", "-o", str(tmp_path / "prof.json")]) == 0
+    assert main(["solve", str(tmp_path / "prof.json"), "--policy", "offload-all",
+                 "--gpu-mem", "1G", "--nvme-mem", "1G", "--nvme-dir", str(nvme),
+                 "-o", str(plan)]) == 0
+    return nvme, plan
+
+
+def test_sigterm_in_the_training_example_exits_143_with_one_line(tmp_path):
+    """SIGTERM mid-training: 'train: terminated by SIGTERM', exit 143 (it was 130, as for
+    Ctrl-C), no traceback, no offload file left."""
+    nvme, plan = _train_plan(tmp_path)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "train.py"), "--model",
+                             "gpt-tiny", "--batch", "2", "--seq", "32", "--dtype", "fp32",
+                             "--steps", "100000", "--plan", str(plan)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("step 2/"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-800:]
+    assert err.strip().splitlines()[-1] == "train: terminated by SIGTERM" and "Traceback" not in err
+    assert not any(p.is_file() for p in nvme.rglob("*"))
+
+
+FULL_DISK = """
+import errno, os, runpy, sys
+real, n = os.pwrite, [0]
+def pwrite(fd, data, off):
+    n[0] += 1
+    if n[0] > 40:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return real(fd, data, off)
+os.pwrite = pwrite
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_full_disk_in_the_training_example_is_one_line_exit_4(tmp_path):
+    """The disk fills during training (the runtime's OffloadError): 'error: tierplan: cannot
+    write offload file ... the disk is full', exit 4, no traceback (it was a traceback, exit
+    1), no offload file left."""
+    nvme, plan = _train_plan(tmp_path)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", FULL_DISK, str(ROOT / "examples" / "train.py"),
+                        "--model", "gpt-tiny", "--batch", "2", "--seq", "32", "--dtype", "fp32",
+                        "--steps", "100", "--plan", str(plan)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 4, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: tierplan: cannot write offload file") and "disk is full" in last
+    assert "Traceback" not in r.stderr
+    assert not any(p.is_file() for p in nvme.rglob("*"))
+
+
+@pytest.mark.parametrize("case", ["nvme-dir-empty", "nvme-dir-newline", "nvme-dir-5000",
+                                  "nvme-dir-long-name", "plan-nvme-dir-newline",
+                                  "plan-nvme-dir-5000", "profile-3000-char-model",
+                                  "profile-long-yaml-name"])
+def test_issue_27_paths_exit_2_with_one_line(files, case, tmp_path):
+    """Paths the OS cannot take (or that would split a line): refused in one line, exit 2,
+    at solve time and by the plan loader, never a traceback or a plan every other verb
+    refuses."""
+    d, prof, plan = files
+    t = tmp_path
+    out = str(t / "out.json")
+    argv, needle = {
+        "nvme-dir-empty": lambda: (["solve", str(prof), "--gpu-mem=80G", "--nvme-dir=", "-o",
+                                    out], "empty"),
+        "nvme-dir-newline": lambda: (["solve", str(prof), "--gpu-mem=80G", "--nvme-dir", "a\nb",
+                                      "-o", out], "control character"),
+        "nvme-dir-5000": lambda: (["solve", str(prof), "--gpu-mem=80G", "--nvme-dir",
+                                   "/tmp/" + "d/" * 2500, "-o", out], "PATH_MAX"),
+        "nvme-dir-long-name": lambda: (["solve", str(prof), "--gpu-mem=80G", "--nvme-dir",
+                                        "/tmp/" + "n" * 300, "-o", out], "NAME_MAX"),
+        "plan-nvme-dir-newline": lambda: (["inspect", str(_edit(plan, t / "p.json", lambda x:
+                                           x.update(nvme_dir="/tmp/a\nb")))], "nvme_dir"),
+        "plan-nvme-dir-5000": lambda: (["simulate", str(_edit(plan, t / "p.json", lambda x:
+                                        x.update(nvme_dir="/tmp/" + "d/" * 2500)))], "nvme_dir"),
+        "profile-3000-char-model": lambda: (["profile", "m" * 3000, "--batch", "1", "--seq",
+                                             "8"], "unknown"),
+        "profile-long-yaml-name": lambda: (["profile", "m" * 300 + ".yaml", "--batch", "1",
+                                            "--seq", "8"], "File name too long"),
+    }[case]()
+    err = _one_line_no_traceback(run(*argv, cwd=t), 2)
+    assert needle in err, err
+    assert not os.path.exists(out)

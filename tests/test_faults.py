@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from conftest import plan_for
+from planner.errors import UserError
 from planner.formats import Home, Tier
 from planner.models import build_model, load_config, make_inputs
 from runtime import apply_plan
@@ -148,11 +149,18 @@ def test_checkpoint_file_corruption_is_caught(tmp_path):
 
 
 def _remove_after_fault(h, what):
-    """remove() cannot put a corrupted home copy back either, and says so the same way; the
-    files go with the store (closed here by hand; at exit by its exit handler)."""
-    with pytest.raises(OffloadCorrupted, match=what):
+    """remove() cannot put a corrupted home copy back either, and says so the same way, in
+    one line, after cleaning up everything else: every file and folder is gone (they stayed
+    until exit before) and the model is free for another plan."""
+    with pytest.raises(OffloadCorrupted, match=what) as e:
         h.remove()
-    h._r.close()
+    _one_line(str(e.value))
+    assert h._r.model not in _active()
+
+
+def _active():
+    from runtime.apply import _ACTIVE
+    return _ACTIVE
 
 
 def _streamed(tmp_path, home: Home, micro_batches=1):
@@ -440,3 +448,262 @@ def test_existing_folder_marked_by_nobody_is_kept(tmp_path):
     (keep / "made" / "user-file.txt").write_text("x")      # someone else's file appears
     h.remove()
     assert keep.is_dir() and (keep / "made" / "user-file.txt").exists()
+
+
+# ----------------------------------------------------------------------------- the sweeper
+
+def _fake_runtime_dir(base: Path, pid: int, start: str | None, files=("a-0123abcd.bin",)):
+    """A directory as a runtime process makes it (owner file, manifest listing ``files``),
+    with its lock free, as if its process had ended without cleaning up."""
+    from runtime import files as rf
+    d = base / f"tierplan-{pid}-0badcafe"
+    d.mkdir(parents=True)
+    text = rf._owner_text(pid)
+    if start is not None:
+        text = "\n".join(f"start={start}" if ln.startswith("start=") else ln
+                         for ln in text.splitlines()) + "\n"
+    (d / rf.OWNER).write_text(text)
+    lines = [rf._MANIFEST_HEAD]
+    for name in files:
+        (d / name).write_bytes(b"x" * 100)
+        lines.append(f"+{name} {(d / name).stat().st_ino}")
+    (d / rf.MANIFEST).write_text("\n".join(lines) + "\n")
+    return d
+
+
+def test_sweep_keeps_a_users_files_named_like_the_runtimes(tmp_path):
+    """A folder named like the runtime's without its owner file is nobody's to sweep: a
+    user's ``*-<8 hex>.bin`` in it and a ``.tierplan-*.new`` folder older than a minute, with
+    a user's file in it, are kept."""
+    from runtime.files import sweep
+    nvme = tmp_path / "n"
+    mine = nvme / "tierplan-4194303-deadbeef"
+    mine.mkdir(parents=True)
+    (mine / "results-0123abcd.bin").write_bytes(b"user data")
+    new = nvme / ".tierplan-4194303-cafebabe.new"
+    new.mkdir()
+    (new / "notes.txt").write_text("user notes")
+    old = time.time() - 3600
+    for p in (mine, new):
+        os.utime(p, (old, old))
+    assert sweep(nvme) == []
+    m = _model()
+    h = apply_plan(m, plan_for(m, "offload-all", B, S, nvme_dir=nvme))
+    m(**_inputs()).loss.backward()
+    h.remove()
+    assert (mine / "results-0123abcd.bin").read_bytes() == b"user data"
+    assert (new / "notes.txt").read_text() == "user notes"
+
+
+def test_sweep_deletes_a_dead_runs_files_but_not_a_users_file_beside_them(tmp_path):
+    """After a SIGKILL the next sweep deletes exactly the files the dead run recorded
+    creating: a user's file dropped into its directory stays, and so does the directory,
+    until the user takes the file away."""
+    from runtime.files import sweep
+    nvme = tmp_path / "n"
+    proc = _spawn(nvme, "hang")
+    line = _read_line(proc)
+    assert line.startswith("IN_BACKWARD"), (line, proc.stderr.read())
+    stale = Path(line.split()[1])
+    ours = sorted(stale.glob("*.bin"))
+    assert ours
+    proc.kill()
+    proc.wait(timeout=300)
+    (stale / "mine-0123abcd.bin").write_bytes(b"user data")
+    assert sweep(nvme) == []
+    assert not any(p.exists() for p in ours)
+    assert (stale / "mine-0123abcd.bin").read_bytes() == b"user data"
+    (stale / "mine-0123abcd.bin").unlink()
+    assert sweep(nvme) == [str(stale)] and not stale.exists()
+
+
+def test_sweep_tells_a_live_owner_from_a_reused_pid(tmp_path):
+    """A free lock alone does not prove the owner gone: a directory whose owner file names a
+    running process (pid and start time) is kept; the same pid with another start time is a
+    reused pid, and that directory is swept."""
+    from runtime.files import _proc_start, sweep
+    live = _fake_runtime_dir(tmp_path / "a", os.getppid(), None)    # pytest's parent runs
+    assert _proc_start(os.getppid()) is not None
+    assert sweep(tmp_path / "a") == []
+    assert (live / "a-0123abcd.bin").exists()
+    reused = _fake_runtime_dir(tmp_path / "b", os.getppid(), "1")
+    assert sweep(tmp_path / "b") == [str(reused)] and not reused.exists()
+    # a file moved over the recorded one (another inode) is not the one that was created
+    other = _fake_runtime_dir(tmp_path / "c", os.getppid(), "1")
+    (tmp_path / "users.bin").write_text("the user's now")
+    os.replace(tmp_path / "users.bin", other / "a-0123abcd.bin")
+    assert sweep(tmp_path / "c") == []
+    assert (other / "a-0123abcd.bin").read_text() == "the user's now"
+
+
+FORK = textwrap.dedent("""
+    import gc, os, sys, torch
+    sys.path.insert(0, {tests!r})
+    from conftest import plan_for
+    from planner.models import build_model, load_config, make_inputs
+    from runtime import apply_plan
+    cfg = dict(load_config("gpt-tiny"), dtype="fp32", n_layers=4)
+    torch.manual_seed(0)
+    model = build_model(cfg, dtype="fp32")
+    h = apply_plan(model, plan_for(model, "offload-all", 2, 16, nvme_dir={nvme!r}))
+    out = model(**make_inputs(cfg, 2, 16))
+    d = h._r.mover.store.dir
+    before = sorted(os.listdir(d))
+    pid = os.fork()
+    if pid == 0:          # the child drops everything and exits normally (atexit runs)
+        del out, h
+        gc.collect()
+        sys.exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, status
+    assert sorted(os.listdir(d)) == before, (before, os.listdir(d))
+    out.loss.backward()
+    model(**make_inputs(cfg, 2, 16, seed=1)).loss.backward()
+    h.remove()
+    assert not os.path.exists(d)
+    print("PARENT OK", flush=True)
+""")
+
+
+def test_a_forked_childs_exit_leaves_the_parents_files(tmp_path):
+    """A child forked mid-step (a DataLoader worker, os.fork) that exits normally deletes
+    nothing of its parent's: the parent's backward and next step run, and its remove()
+    cleans up."""
+    code = FORK.format(tests=str(REPO / "tests"), nvme=str(tmp_path / "n"))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                       env=env, timeout=300)
+    assert r.returncode == 0 and "PARENT OK" in r.stdout, r.stderr[-3000:]
+    assert not (tmp_path / "n").exists()
+
+
+def test_a_forked_child_cannot_write_the_parents_files(tmp_path):
+    """In a forked child the store refuses every use (its files are the parent's), in one
+    line; the parent is unaffected."""
+    m = _model()
+    h = apply_plan(m, plan_for(m, "offload-all", B, S, nvme_dir=tmp_path / "n"))
+    store = h._r.mover.store
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            store.open("x")
+        except OffloadError as e:
+            code = 0 if "was forked from process" in str(e) and "\n" not in str(e) else 2
+        except BaseException:
+            code = 3
+        store.close()
+        os._exit(code)
+    deadline = time.monotonic() + 300
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError("the forked child did not finish within 300 s")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0
+    m(**_inputs()).loss.backward()
+    h.remove()
+    assert not (tmp_path / "n").exists()
+
+
+# ----------------------------------------------------------------------------- unclean errors
+
+def test_read_only_nvme_dir_at_remove_is_one_line_and_nothing_is_dropped(tmp_path, monkeypatch):
+    """The NVMe directory turns read-only mid-run (deletions refused): remove() still brings
+    every weight home and deletes what it can, then says in one line which file it could
+    not delete; that file stays recorded, and once the directory is writable again the next
+    sweep deletes it (before: a raw PermissionError, the file dropped from the list)."""
+    from runtime.files import sweep
+    m, opt, h = _streamed(tmp_path, Home(Tier.NVME, Tier.GPU, Tier.NVME, Tier.GPU))
+    ref = list(_model().parameters())          # the same weights (seed 0), not stepped
+    m(**_inputs()).loss.backward()
+    _drain(h)
+    d = h._r.mover.store.dir
+    real = os.unlink
+
+    def unlink(path, *a, **kw):
+        if str(path).startswith(str(d)) and str(path).endswith(".bin"):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real(path, *a, **kw)
+    monkeypatch.setattr(os, "unlink", unlink)
+    with pytest.raises(OffloadError, match="cannot delete offload file") as e:
+        h.remove()
+    msg = _one_line(str(e.value))
+    assert "Permission denied" in msg and "next apply_plan" in msg
+    monkeypatch.setattr(os, "unlink", real)
+    left = _bins(tmp_path / "n")
+    assert left, "the files it could not delete are still there"
+    assert _maxdiff(list(m.parameters()), ref) == 0.0   # the weights came home all the same
+    assert sweep(tmp_path / "n") == [str(d)]
+    assert not any(p.exists() for p in left)
+
+
+def test_failed_mkdir_of_a_deep_nvme_dir_leaves_no_folder(tmp_path, monkeypatch):
+    """Creating a missing nvme_dir three levels deep fails at the last level (a full disk):
+    one line, and the two folders it made before are removed again."""
+    real = os.mkdir
+
+    def mkdir(path, *a, **kw):
+        if os.path.basename(os.fspath(path)) == "c":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(path))
+        return real(path, *a, **kw)
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    m = _model()
+    with pytest.raises(NvmeDirError, match="No space left") as e:
+        apply_plan(m, plan_for(m, "offload-all", B, S, nvme_dir=tmp_path / "a" / "b" / "c"))
+    _one_line(str(e.value))
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("nvme", ["", "a\nb", "x/" * 2100, "y" * 300])
+def test_nvme_dir_the_os_cannot_take_is_refused_before_anything_is_made(tmp_path, nvme):
+    m = _model()
+    plan = plan_for(m, "offload-all", B, S, nvme_dir=tmp_path / "n")
+    target = nvme and str(tmp_path / nvme)
+    with pytest.raises(UserError) as e:      # NvmeDirError; "" names no directory at all
+        apply_plan(m, plan, nvme_dir=target)
+    _one_line(str(e.value))
+    assert os.listdir(tmp_path) == []
+
+
+def _tmpfs(where: Path, size: int):
+    """Mount a tmpfs of ``size`` bytes at ``where`` (root only); None where not allowed."""
+    where.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                       capture_output=True)
+    return where if r.returncode == 0 else None
+
+
+def test_room_check_counts_the_file_systems_blocks(tmp_path):
+    """A tmpfs one page larger than the plan's NVMe peak, too small once every file is
+    rounded up to whole pages: refused up front in one line (it was accepted, then the
+    forward ran out of space). A tmpfs with exactly the peak plus one page per planned file
+    and the room its manifest may grow to passes the check."""
+    from runtime.files import _MANIFEST_LINE_BYTES, _manifest_bound, planned_files
+    m = _model()
+    plan = plan_for(m, "offload-all", B, S, nvme_dir=tmp_path / "n")
+    peak = int(plan.predicted.peak_nvme_bytes)
+    mnt = _tmpfs(tmp_path / "mnt", peak + 4096)
+    if mnt is None:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        assert os.statvfs(mnt).f_frsize == 4096
+        with pytest.raises(NvmeDirError, match="blocks") as e:
+            apply_plan(m, plan, nvme_dir=mnt / "n")
+        _one_line(str(e.value))
+        assert os.listdir(mnt) == []
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+    n = planned_files(plan)
+    grow = -(-_MANIFEST_LINE_BYTES * (_manifest_bound(n) + 1) // 4096) * 4096
+    # + 2 pages: the owner file and the manifest, made before free space is read
+    mnt = _tmpfs(tmp_path / "mnt2", peak + 4096 * n + grow + 2 * 4096)
+    try:
+        apply_plan(m, plan, nvme_dir=mnt / "n").remove()
+        assert os.listdir(mnt) == []
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
