@@ -4,9 +4,13 @@ Every verb gets its share of cases from ``tests/fuzzcases.py`` (Hypothesis strat
 mutated arguments and mutated profile, plan, report, hardware and model files, plus FIFOs,
 devices, directories, link loops, huge and over-long names), each run through the CLI's real
 entry point in a forked child with a deadline, and judged: tracebacks, hangs, invalid inputs
-accepted with exit 0, refusals that are not one line, clobbered files, temporaries left.
+accepted with exit 0, refusals that are not one line, clobbered files, temporaries left. Two
+more targets call ``apply_plan`` itself in the child: ``apply`` (edited streaming plans with
+homes) and ``checkpoint`` (hostile safetensors checkpoints for a meta-device model); an
+accepted case there must also be right (a step equal to plain PyTorch's, every weight the
+file's, no file left behind).
 
-    .venv/bin/python bench/fuzz.py                    # 10,800 invocations (docs/reliability.md)
+    .venv/bin/python bench/fuzz.py                    # 13,800 cases (docs/reliability.md)
     .venv/bin/python bench/fuzz.py --scale 0.05       # a quick look
     .venv/bin/python bench/fuzz.py --verb solve --n 500 --seed 7
     .venv/bin/python bench/fuzz.py --counts checkpoint=2000,apply=2000

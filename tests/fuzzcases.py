@@ -602,7 +602,7 @@ def json_file(draw, seed: bytes, fmt: str, odd_only: bool = False):
     if how == "bytes":
         return _bytes_mutation(draw, seed)
     obj = json.loads(seed)
-    if how == "structure" and fmt == "plan" and any(
+    if how == "structure" and fmt == "plan" and obj.get("model", {}).get("params") and any(
             x.get("weights") == "nvme" for x in obj.get("layers", ())) and draw(st.booleans()):
         why, label = _stream_mutation(draw, obj, runtime=False)
         return _to_json(obj), why
