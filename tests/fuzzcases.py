@@ -225,6 +225,7 @@ BAD = {
     "enum": ["", "bogus", 3, None, ["keep"], "KEEP "],
     "bool": ["yes", 1, 0, None, "true", []],
     "dict": [3, "x", [], None, True],
+    "dict?": [3, "x", [], True],               # optional: null is allowed
     "list": [3, "x", {}, None],
     "rate": [-1, -1e-300, 1e-300, 0.5, 1e16, 1e308, "fast", None, NAN, INF, HUGE_INT, True],
     "rate+": [0, -1, 1e-300, 0.5, 1e16, "fast", None, NAN, INF],
@@ -255,7 +256,7 @@ HW_FIELDS = {
     "efficiency": "fraction", "memory_bandwidth": "rate+", "h2d_bandwidth": "rate",
     "d2h_bandwidth": "rate", "nvme_read_bandwidth": "rate", "nvme_write_bandwidth": "rate",
     "duplex_bandwidth": "rate", "host_memory_bandwidth": "rate", "cpu_adam_params_per_s": "rate",
-    "sources": "dict", "schema": "schema",
+    "sources": "dict?", "schema": "schema",
 }
 HW_REQUIRED = ("name", "description", "device", "unified_memory", "memory_bytes",
                "host_memory_bytes", "peak_flops", "efficiency", "memory_bandwidth",
