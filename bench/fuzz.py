@@ -4,11 +4,16 @@ Every verb gets its share of cases from ``tests/fuzzcases.py`` (Hypothesis strat
 mutated arguments and mutated profile, plan, report, hardware and model files, plus FIFOs,
 devices, directories, link loops, huge and over-long names), each run through the CLI's real
 entry point in a forked child with a deadline, and judged: tracebacks, hangs, invalid inputs
-accepted with exit 0, refusals that are not one line, clobbered files, temporaries left.
+accepted with exit 0, refusals that are not one line, clobbered files, temporaries left. Two
+more targets call ``apply_plan`` itself in the child: ``apply`` (edited streaming plans with
+homes) and ``checkpoint`` (hostile safetensors checkpoints for a meta-device model); an
+accepted case there must also be right (a step equal to plain PyTorch's, every weight the
+file's, no file left behind).
 
-    .venv/bin/python bench/fuzz.py                    # 10,800 invocations (docs/reliability.md)
+    .venv/bin/python bench/fuzz.py                    # 13,800 cases (docs/reliability.md)
     .venv/bin/python bench/fuzz.py --scale 0.05       # a quick look
     .venv/bin/python bench/fuzz.py --verb solve --n 500 --seed 7
+    .venv/bin/python bench/fuzz.py --counts checkpoint=2000,apply=2000
 
 It prints one row per verb and writes the tally and every problem (with its command line) as
 JSON (``--out``). Exit code 1 when anything went wrong.
@@ -35,10 +40,13 @@ sys.path.insert(0, str(ROOT / "tests"))
 # Invocations per verb at --scale 1: 10,800 in all. profile and hardware cost seconds each
 # when they run in full (torch, disk probes), so they get fewer; every verb's refusals are
 # cheap.
+# apply and checkpoint are apply_plan itself, with mutated streaming plans and mutated
+# safetensors checkpoints (tests/fuzzcases.py, "the runtime's inputs").
 PLAN_N = {"simulate": 2400, "inspect": 2400, "diff": 2000, "solve": 2400, "profile": 1000,
-          "hardware": 600}
+          "hardware": 600, "apply": 1500, "checkpoint": 1500}
 CATEGORIES = ("traceback", "hang", "accepted invalid", "not one line", "exit code", "crash",
-              "clobbered", "left behind", "folder created too deep")
+              "clobbered", "left behind", "folder created too deep", "wrong result",
+              "refused valid")
 
 
 def run_verb(verb: str, n: int, seed: int, work: Path, seeds) -> dict:
@@ -94,6 +102,8 @@ def _preimport() -> None:
     import planner.report  # noqa: F401
     import planner.simulate  # noqa: F401
     import planner.solve  # noqa: F401
+    import fuzzcases
+    fuzzcases.preimport_runtime()
     try:
         import matplotlib  # noqa: F401
         matplotlib.use("Agg")
@@ -123,6 +133,8 @@ def main() -> int:
     ap.add_argument("--scale", type=float, default=1.0, help="fraction of the default counts")
     ap.add_argument("--verb", choices=list(PLAN_N), default=None, help="one verb only")
     ap.add_argument("--n", type=int, default=None, help="invocations (with --verb)")
+    ap.add_argument("--counts", default=None,
+                    help="invocations per verb, e.g. simulate=3000,apply=1000 (others 0)")
     ap.add_argument("--seed", type=int, default=20251130, help="Hypothesis seed (per verb: +k)")
     ap.add_argument("--jobs", type=int, default=max(1, min(4, os.cpu_count() or 1)),
                     help="worker processes (default: the cores, at most 4)")
@@ -136,6 +148,11 @@ def main() -> int:
     counts = {v: max(1, round(n * args.scale)) for v, n in PLAN_N.items()}
     if args.verb:
         counts = {args.verb: args.n or counts[args.verb]}
+    if args.counts:
+        counts = {v: int(n) for v, n in (kv.split("=") for kv in args.counts.split(","))}
+        unknown = set(counts) - set(PLAN_N)
+        if unknown:
+            ap.error(f"--counts: no verb {sorted(unknown)[0]!r}; the verbs: {', '.join(PLAN_N)}")
     # split each verb's count into chunks, dealt to the workers round robin
     chunks = []
     for k, (verb, n) in enumerate(counts.items()):

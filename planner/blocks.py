@@ -833,6 +833,39 @@ def param_table(model, owner: dict) -> dict:
     return table
 
 
+def check_param_table(table, units, where: str) -> None:
+    """``model.params`` as ``param_table`` writes it: a map of unit name (one of ``units``) to
+    rows ``[name, shape, dtype]``, every parameter in one row of one unit. A name listed twice
+    (in one unit or in two) would have the runtime move, step and restore that parameter
+    twice, so it is refused whatever the identity hash says (a crafted plan can recompute
+    it). ``None`` (a plan from before the table) passes; one ``UserError`` line otherwise."""
+    if table is None:
+        return
+    fix = "profile and solve again"
+    if not isinstance(table, dict):
+        raise UserError(f"{where}: model.params must map each unit to its parameters; {fix}")
+    seen: dict = {}
+    for unit, rows in table.items():
+        if unit not in units:
+            raise UserError(f"{where}: model.params charges parameters to {str(unit)[:60]!r}, "
+                            f"which is not a unit of the plan; {fix}")
+        if not isinstance(rows, list):
+            raise UserError(f"{where}: model.params[{unit!r}] must be a list of [name, shape, "
+                            f"dtype] rows; {fix}")
+        for row in rows:
+            if not (isinstance(row, list) and len(row) >= 2 and isinstance(row[0], str)
+                    and isinstance(row[1], list)
+                    and all(type(s) is int and s >= 0 for s in row[1])):
+                raise UserError(f"{where}: model.params[{unit!r}] has the row {str(row)[:60]}, "
+                                f"not [name, shape, dtype]; {fix}")
+            if row[0] in seen:
+                twice = f"twice in unit {unit!r}" if seen[row[0]] == unit else \
+                    f"in units {seen[row[0]]!r} and {unit!r}"
+                raise UserError(f"{where} lists parameter {row[0][:80]!r} {twice}; a parameter "
+                                f"belongs to one unit, once: {fix}")
+            seen[row[0]] = unit
+
+
 def _bind_names(fn, args, kwargs, sig=None) -> list:
     """``[(name, value)]`` of a call's arguments under ``fn``'s parameter names (positional
     arguments get their names; ``*args`` become ``args.0``...), in call order."""

@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from .blocks import check_param_table
 from .costmodel import RESOURCES, TIERS, CostModel, View, decision_choice, evaluate
-from .errors import UserError
+from .errors import NoFitError, UserError
 from .events import Op, Stream
 from .formats import Plan, Tier
 from .schedule import build_schedule, event_ids, segments, shares_of
@@ -174,11 +175,37 @@ def _stage_seconds(cm: CostModel, s: int, v: View, rest: bool) -> tuple[float, d
     return max([max(chains, default=0.0), *vals.values()]), vals
 
 
+def check_plan(plan: Plan, source: str | None = None) -> tuple[CostModel, dict]:
+    """A plan's own consistency, which every reader checks before using it (the verbs
+    through ``simulate``, ``apply_plan`` directly): its parameter table (each parameter in
+    one unit, once), every decision and home possible for its unit under the plan's spec and
+    budgets, and its events exactly those the decisions imply (``_check_schedule``). A plan
+    edited by hand, homes changed and the schedule left as it was, is refused here in one
+    line (naming ``source``) before anything acts on its events. Returns the cost model and
+    the transfer shares read from the events."""
+    name = f"plan '{source}'" if source else "plan"
+    try:
+        check_param_table(plan.model.get("params"), {u.name for u in plan.units}, name)
+    except UserError as e:
+        raise PlanInconsistent(str(e)) from None
+    try:
+        cm = cost_model_of(plan)
+        events = [e for evs in plan.schedule.values() for e in evs]
+        shares = shares_of(cm, plan.layers, events)
+        _check_schedule(plan, cm, shares)
+    except NoFitError:
+        raise
+    except UserError as e:
+        msg = str(e)
+        msg = msg[len("plan: "):] if msg.startswith("plan: ") else msg
+        if ";" not in msg:
+            msg += " (its schedule is not what its decisions imply); regenerate it with 'plan solve'"
+        raise PlanInconsistent(f"{name}: {msg}") from None
+    return cm, shares
+
+
 def simulate(plan: Plan) -> SimResult:
-    cm = cost_model_of(plan)
-    events = [e for evs in plan.schedule.values() for e in evs]
-    shares = shares_of(cm, plan.layers, events)
-    _check_schedule(plan, cm, shares)
+    cm, shares = check_plan(plan)
     v = PlanView(cm, plan.layers, shares)
     L, K = cm.L, cm.K
     rest = cm.needs_rest_pass()
@@ -325,9 +352,9 @@ def simulate_file(plan: Plan, source: str) -> SimResult:
     try:
         return simulate(plan)
     except PlanInconsistent as e:
-        msg = str(e)
-        msg = msg[len("plan: "):] if msg.startswith("plan: ") else msg
-        raise PlanInconsistent(f"plan '{source}': {msg}") from None
+        msg = str(e)                       # "plan: ..." or "plan lists ...": name the file
+        msg = msg[len("plan"):] if msg.startswith(("plan:", "plan ")) else ": " + msg
+        raise PlanInconsistent(f"plan '{source}'{msg}") from None
 
 
 def cli_simulate(args) -> int:
@@ -343,4 +370,4 @@ def cli_simulate(args) -> int:
     return 0
 
 
-__all__ = ["SimResult", "StageRecord", "simulate", "cost_model_of", "Tier"]
+__all__ = ["SimResult", "StageRecord", "check_plan", "simulate", "cost_model_of", "Tier"]

@@ -1064,6 +1064,8 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
         plan_path = str(plan)
         plan = load_plan(plan)
     src = plan_path or "the plan"
+    from planner.simulate import check_plan
+    check_plan(plan, plan_path)          # its events are those its decisions imply, as simulate checks
     blocks = bind(model, plan, src)      # runtime/binding.py: exact names, shapes, identity
     engines.check(plan, engine, model, blocks, src)
     table = plan.model.get("params") or {}

@@ -24,10 +24,10 @@ import warnings
 
 import torch
 
-from planner.blocks import (dtype_name, find_blocks, identity_hash, input_table,
-                            structure_hash)
+from planner.blocks import (check_param_table, dtype_name, find_blocks, identity_hash,
+                            input_table, structure_hash)
 from planner.errors import UserError
-from planner.formats import Plan, UnitKind
+from planner.formats import Plan, Tier, UnitKind
 
 _FIX = "profile and solve for this model"
 
@@ -50,7 +50,8 @@ def bind(model: torch.nn.Module, plan: Plan, src: str) -> list[tuple[str, torch.
     m = plan.model
     want = [u.name for u in plan.units if u.kind == UnitKind.BLOCK.value]
     named = m.get("blocks") is not None
-    blocks = _bind_named(model, m, src, want) if named else _bind_legacy(model, plan, src, want)
+    blocks = (_bind_named(model, m, src, want, {u.name for u in plan.units}) if named
+              else _bind_legacy(model, plan, src, want))
     h = structure_hash(blocks)
     if m.get("structure_hash") != h:
         raise PlanMismatchError(f"{src} has structure hash {m.get('structure_hash')} but "
@@ -58,6 +59,7 @@ def bind(model: torch.nn.Module, plan: Plan, src: str) -> list[tuple[str, torch.
                                 f"{_FIX}")
     if named:
         _check_params(model, m, src)
+        _check_ties(model, plan, blocks, src)
     _warn_precision(blocks, m, src)
     cache = m.get("state_bytes") or 0
     if cache and getattr(getattr(model, "config", None), "use_cache", False):
@@ -85,12 +87,17 @@ def _bind_legacy(model, plan, src, want):
     return blocks
 
 
-def _bind_named(model, m, src, want):
+def _bind_named(model, m, src, want, units):
     names = m["blocks"]
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise PlanMismatchError(f"{src}: model.blocks must be a list of module names; "
                                 "regenerate the plan with 'plan profile' and 'plan solve'")
-    if m.get("identity") != identity_hash(m):
+    _check_table(m, src, units)
+    try:
+        identity = identity_hash(m)
+    except (TypeError, ValueError, AttributeError):
+        identity = None                          # model.inputs malformed: not what was hashed
+    if identity is None or m.get("identity") != identity:
         raise PlanMismatchError(f"{src}: its model section (blocks, parameters or input shapes) "
                                 f"does not match its identity hash {m.get('identity')!r}, so it "
                                 "was edited after profiling; profile and solve again")
@@ -113,6 +120,15 @@ def _bind_named(model, m, src, want):
                 raise PlanMismatchError(f"{src}: block {n!r} is inside block {other!r}; "
                                         "regenerate the plan")
     return blocks
+
+
+def _check_table(m, src, units):
+    """The parameter table's own rules (``planner.blocks.check_param_table``: each parameter
+    in one unit, once), as a ``PlanMismatchError``."""
+    try:
+        check_param_table(m.get("params"), units, src)
+    except UserError as e:
+        raise PlanMismatchError(str(e)) from None
 
 
 def _check_params(model, m, src):
@@ -139,8 +155,42 @@ def _check_params(model, m, src):
     missing = [n for n in planned if n not in have]
     if missing:
         unit = planned[missing[0]][0]
+        alias = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
+        if missing[0] in alias:
+            first = next(n for n, p in model.named_parameters() if p is alias[missing[0]])
+            raise PlanMismatchError(f"{src}: unit {unit!r} holds {missing[0]!r}, which in the "
+                                    f"model is the same parameter as {first!r} (tied); the plan "
+                                    f"must list it once; {_FIX}")
         raise PlanMismatchError(f"{src}: unit {unit!r} holds {missing[0]!r}, which the model "
                                 f"does not have; {_FIX}")
+
+
+def _check_ties(model, plan: Plan, blocks, src):
+    """A parameter the model knows by names in two units (a tied embedding and head, a weight
+    shared by two blocks) is used by both, so the unit that owns it must keep its weights and
+    gradients on the device, as the planner plans them: streamed, the other unit would find
+    it without storage. A name belongs to the block it is under; a name outside every block
+    to the embedding's side when the model registers it before the first block's
+    parameters, to the head's side otherwise."""
+    homes = {d.name: d.home for d in plan.layers}
+    owner = {row[0]: unit for unit, rows in plan.model["params"].items() for row in rows}
+    prefixes = [n + "." for n, _ in blocks]
+    side, seen_block, names = {}, False, {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        blk = next((b for b in prefixes if n.startswith(b)), None)
+        seen_block = seen_block or blk is not None
+        side[n] = blk or ("after the blocks" if seen_block else "before the blocks")
+        names.setdefault(id(p), []).append(n)
+    for ns in names.values():
+        if len({side[n] for n in ns}) < 2:
+            continue
+        unit = owner.get(ns[0])
+        home = homes.get(unit)
+        if home is not None and (home.weights is not Tier.GPU or home.grads is not Tier.GPU):
+            raise PlanMismatchError(
+                f"{src}: unit {unit!r} homes its weights or gradients off the device, but its "
+                f"{ns[0]!r} is tied to {ns[1]!r}, which another unit uses; a tied weight stays "
+                f"on the device: {_FIX}")
 
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -41,6 +41,7 @@ from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parents[1]
 VERBS = ("profile", "solve", "simulate", "inspect", "diff", "hardware")
+RUNTIME_VERBS = ("checkpoint", "apply")     # apply_plan(checkpoint=...), apply_plan(plan)
 # Exit codes each verb documents (DESIGN.md): 0 done, 2 bad input, 3 no plan fits.
 CODES = {"solve": (0, 2, 3)}
 DEFAULT_CODES = (0, 2)
@@ -58,6 +59,12 @@ class Case:
     protect: tuple = ()              # names that must be exactly as they were afterwards
     timeout: float = 60.0
     max_new_depth: int = 1           # folders the command may create below the case folder
+
+    @property
+    def prefix(self) -> str:
+        """How its refusal line starts: ``plan: error:`` for the CLI, ``apply_plan: error:``
+        for the runtime targets (their children print the error that way)."""
+        return "apply_plan" if self.verb in RUNTIME_VERBS else "plan"
 
     @property
     def codes(self) -> tuple:
@@ -129,6 +136,24 @@ class Seeds:
             self.files[f"{hw}.yaml"] = (ROOT / "profiles" / "hardware" / f"{hw}.yaml").read_bytes()
         self.files["tiny.yaml"] = (ROOT / "profiles" / "models" / "gpt-tiny.yaml").read_bytes()
         self.files["fz_factory.py"] = FACTORY.encode()
+        self._stream_seeds(folder)
+
+    def _stream_seeds(self, folder: Path) -> None:
+        """A streaming plan with homes (every block's weights, gradients and optimizer state
+        on NVMe) for STREAM_CFG's model, and that model's checkpoint as one safetensors file
+        and as two shards with an index. Made in a fresh interpreter: this process forks the
+        cases, and a torch that has run ops (its thread pools started) is not safe to fork."""
+        import subprocess
+        out = folder / "stream"
+        out.mkdir(exist_ok=True)
+        code = f"import fuzzcases; fuzzcases._write_stream_seeds({str(out)!r})"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+        subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=ROOT,
+                       stdin=subprocess.DEVNULL, timeout=600)
+        for p in sorted(out.iterdir()):
+            self.files[p.name] = p.read_bytes()
+        self.plans.append("plan_stream.json")
+        self.shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
 
     def json(self, name: str):
         return json.loads(self.files[name])
@@ -200,6 +225,7 @@ BAD = {
     "enum": ["", "bogus", 3, None, ["keep"], "KEEP "],
     "bool": ["yes", 1, 0, None, "true", []],
     "dict": [3, "x", [], None, True],
+    "dict?": [3, "x", [], True],               # optional: null is allowed
     "list": [3, "x", {}, None],
     "rate": [-1, -1e-300, 1e-300, 0.5, 1e16, 1e308, "fast", None, NAN, INF, HUGE_INT, True],
     "rate+": [0, -1, 1e-300, 0.5, 1e16, "fast", None, NAN, INF],
@@ -230,7 +256,7 @@ HW_FIELDS = {
     "efficiency": "fraction", "memory_bandwidth": "rate+", "h2d_bandwidth": "rate",
     "d2h_bandwidth": "rate", "nvme_read_bandwidth": "rate", "nvme_write_bandwidth": "rate",
     "duplex_bandwidth": "rate", "host_memory_bandwidth": "rate", "cpu_adam_params_per_s": "rate",
-    "sources": "dict", "schema": "schema",
+    "sources": "dict?", "schema": "schema",
 }
 HW_REQUIRED = ("name", "description", "device", "unified_memory", "memory_bytes",
                "host_memory_bytes", "peak_flops", "efficiency", "memory_bandwidth",
@@ -577,6 +603,10 @@ def json_file(draw, seed: bytes, fmt: str, odd_only: bool = False):
     if how == "bytes":
         return _bytes_mutation(draw, seed)
     obj = json.loads(seed)
+    if how == "structure" and fmt == "plan" and obj.get("model", {}).get("params") and any(
+            x.get("weights") == "nvme" for x in obj.get("layers", ())) and draw(st.booleans()):
+        why, label = _stream_mutation(draw, obj, runtime=False)
+        return _to_json(obj), why
     if how == "structure":
         why, label = _structural(draw, obj, fmt)
         return _to_json(obj), why
@@ -1098,8 +1128,614 @@ def case_hardware(draw, seeds: Seeds):
     return Case("hardware", argv, files, _first(*whys), tuple(protect), 180)
 
 
+# ----------------------------------------------------------------------------- the runtime's inputs
+# Streaming plans (homes off the device) and safetensors checkpoints, given to apply_plan in a
+# forked child: "apply" mutates the plan, "checkpoint" the checkpoint a meta-device model is
+# filled from. An accepted case must also be right: one training step equal to plain PyTorch's
+# ("apply"), every weight equal to what the safetensors library reads for it ("checkpoint"),
+# and no file left in the NVMe folder after remove().
+
+STREAM_CFG = {"n_layers": 2, "dtype": "fp32"}       # over gpt-tiny's config
+STREAM_B, STREAM_S = 2, 16
+
+
+def _stream_model(meta: bool = False):
+    import torch
+    from planner.models import build_model, load_config
+    cfg = dict(load_config("gpt-tiny"), **STREAM_CFG)
+    torch.manual_seed(0)
+    if meta:
+        from runtime import meta_parameters
+        with meta_parameters():
+            return cfg, build_model(cfg, dtype="fp32")
+    return cfg, build_model(cfg, dtype="fp32")
+
+
+def _write_stream_seeds(out: str) -> None:
+    """Run in a fresh interpreter by ``Seeds``: plan_stream.json, model.safetensors and its two
+    shards with their index (the tied embedding stored once, as safetensors' save_model does)."""
+    import warnings
+
+    from safetensors.torch import save_file, save_model
+
+    from conftest import plan_for
+    from planner.formats import Home, Tier
+    out_p = Path(out)
+    _, model = _stream_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = plan_for(model, "keep-all", STREAM_B, STREAM_S, nvme_dir="/tmp/tierplan-fuzz-nvme",
+                        homes={"blocks": Home(Tier.NVME, Tier.NVME, Tier.NVME, Tier.GPU)})
+    (out_p / "plan_stream.json").write_bytes(_to_json(plan.to_dict()))
+    save_model(model, str(out_p / "model.safetensors"))
+    from safetensors import safe_open
+    with safe_open(str(out_p / "model.safetensors"), framework="pt") as f:
+        sd = {k: f.get_tensor(k) for k in f.keys()}
+    names = sorted(sd)
+    half = len(names) // 2
+    wm = {}
+    for j, part in enumerate((names[:half], names[half:])):
+        shard = f"model-0000{j + 1}-of-00002.safetensors"
+        save_file({k: sd[k] for k in part}, str(out_p / shard), metadata={"format": "pt"})
+        wm.update({k: shard for k in part})
+    (out_p / "model.safetensors.index.json").write_bytes(
+        _to_json({"metadata": {"total_size": sum(v.numel() * v.element_size()
+                                                 for v in sd.values())}, "weight_map": wm}))
+
+
+# -- plan mutations with homes
+
+HOME_CLASSES = ("weights", "grads", "optimizer", "step")
+
+
+def _recompute_identity(obj: dict) -> None:
+    from planner.blocks import identity_hash
+    obj["model"]["identity"] = identity_hash(obj["model"])
+
+
+def _regenerate_schedule(obj: dict) -> bool:
+    """The schedule the (edited) decisions imply, written into ``obj``; False when the planner
+    refuses those decisions (the edit stays invalid)."""
+    from planner.errors import UserError
+    from planner.formats import Plan
+    from planner.schedule import build_schedule
+    from planner.simulate import cost_model_of
+    try:
+        plan = Plan.from_dict(copy.deepcopy(obj))
+        cm = cost_model_of(plan)
+        sched = build_schedule(cm, plan.layers)
+        if any(cm.homes[i].count(d.home) == 0 for i, d in enumerate(plan.layers)):
+            return False
+    except UserError:
+        return False
+    obj["schedule"] = {s.value if hasattr(s, "value") else s: [e.to_dict() for e in evs]
+                       for s, evs in sched.items()}
+    return True
+
+
+def _stream_mutation(draw, obj: dict, runtime: bool = True) -> tuple[str | None, str]:
+    """An edit of a streaming plan's homes, micro-batches, parameter table or events:
+    (why the contract refuses it or None, label), applied to ``obj``. ``runtime``: judged as
+    apply_plan sees it (with the model: its tie, its parameters); else as the verbs do, which
+    have no model (a table that no longer matches the model is only odd to them)."""
+    op = draw(st.sampled_from(["home", "home", "home_consistent", "micro", "param_dup",
+                               "param_two_units", "param_drop", "param_rename", "param_shape",
+                               "param_unit", "identity_only", "structural"]))
+    layers, units = obj["layers"], obj["units"]
+    params = obj["model"]["params"]
+    if op in ("home", "home_consistent"):
+        i = draw(st.integers(0, len(layers) - 1))
+        cls = draw(st.sampled_from(HOME_CLASSES))
+        new = draw(st.sampled_from(["gpu", "cpu", "nvme"]))
+        old = layers[i].get(cls, "gpu")
+        layers[i][cls] = new
+        if new == old:
+            return None, f"{op} unchanged"
+        if op == "home":
+            return f"unit {layers[i]['name']} {cls} {old} -> {new}, schedule left", op
+        if not runtime:
+            return (None if _regenerate_schedule(obj) else f"{cls} -> {new} not possible"), op
+        if i == 0 and cls in ("weights", "grads"):
+            return f"the tied embedding's {cls} -> {new}", op     # tok_emb is lm_head
+        if units[i]["kind"] == "head":
+            # the seed charges pos_emb (used before the blocks) to the head: streaming the
+            # head's weights would be a plan that profile could not have made
+            return (None, "head home") if cls in ("optimizer", "step") and \
+                _regenerate_schedule(obj) else (f"head {cls} -> {new}", op)
+        if not _regenerate_schedule(obj):
+            return f"unit {layers[i]['name']} {cls} -> {new} (not possible here)", op
+        return None, op
+    if op == "micro":
+        k = draw(st.sampled_from([1, 2, 3, 4]))
+        obj["micro_batches"] = k
+        return None, op                   # these homes imply the same events whatever K is
+    blocks = [u["name"] for u in units if u["kind"] == "block"]
+    b = draw(st.sampled_from(blocks))
+    rows = params[b]
+    recompute = draw(st.integers(0, 4)) != 0     # most crafted edits recompute the hash
+    why = None
+    if op == "param_dup":
+        rows.append(copy.deepcopy(draw(st.sampled_from(rows))))
+        why = "a parameter listed twice in one unit"
+    elif op == "param_two_units":
+        other = draw(st.sampled_from([u for u in params if u != b]))
+        params[other].append(copy.deepcopy(draw(st.sampled_from(rows))))
+        why = "a parameter in two units"
+    elif op == "param_drop":
+        rows.pop(draw(st.integers(0, len(rows) - 1)))
+        why = "a model parameter in no unit"
+    elif op == "param_rename":
+        r = draw(st.sampled_from(rows))
+        r[0] = r[0] + draw(st.sampled_from(["x", ".w", "\n"]))
+        why = "a parameter the model lacks"
+    elif op == "param_shape":
+        r = draw(st.sampled_from(rows))
+        r[1] = draw(st.sampled_from([[], [0], [r[1][0] + 1] + r[1][1:], [-1], [1.5], "3"]))
+        why = "a parameter of another shape"
+        if not runtime and not (isinstance(r[1], list) and
+                                all(type(s) is int and s >= 0 for s in r[1])):
+            return "a malformed parameter row", op
+    elif op == "param_unit":
+        params[draw(st.sampled_from(["blocks.9", "", "head "]))] = [rows.pop()]
+        why = "a table charging a unit the plan does not have"
+    elif op == "identity_only":
+        obj["model"]["identity"] = draw(st.sampled_from(["0" * 16, "", None, 7]))
+        if runtime:
+            return "an identity hash that is not the plan's", op
+        return ("identity is not a string" if obj["model"]["identity"] == 7 else None), op
+    else:
+        why, label = _structural(draw, obj, "plan")
+        return why, f"structural {label}"
+    if recompute:
+        try:
+            _recompute_identity(obj)
+        except (TypeError, ValueError, AttributeError):
+            pass
+    else:
+        why = why or "an edited table under the old identity hash"
+    if not runtime and op not in ("param_dup", "param_two_units", "param_unit"):
+        why = None        # without the model a verb cannot tell; the table's own rules it can
+    return why, op + (" (hash recomputed)" if recompute else "")
+
+
+@st.composite
+def stream_plan_file(draw, seeds: Seeds):
+    """The streaming plan, as is (one in five), edited (``_stream_mutation``) or mutated like
+    any plan (``json_file``)."""
+    seed = seeds.files["plan_stream.json"]
+    r = draw(st.integers(0, 9))
+    if r < 2:
+        return seed, None
+    if r < 8:
+        obj = json.loads(seed)
+        why, _ = _stream_mutation(draw, obj)
+        return _to_json(obj), why
+    return draw(json_file(seed, "plan"))
+
+
+@st.composite
+def case_apply(draw, seeds: Seeds):
+    """apply_plan(gpt-tiny, PLAN, optimizer=opt, nvme_dir=nv), then one step."""
+    files: dict = {}
+    if draw(st.integers(0, 30)) == 0:
+        files["plan.json"], why = special_path(draw)
+    else:
+        files["plan.json"], why = draw(stream_plan_file(seeds))
+    return Case("apply", ["plan.json"], files, why, ("plan.json",), 120, max_new_depth=3)
+
+
+# -- checkpoint mutations
+
+def _st_split(raw: bytes):
+    n = int.from_bytes(raw[:8], "little")
+    return n, raw[8:8 + n], raw[8 + n:]
+
+
+def _st_join(header: bytes, data: bytes) -> bytes:
+    return len(header).to_bytes(8, "little") + header + data
+
+
+def _ck_explicit(draw, seeds: Seeds, files: dict) -> tuple[str, str | None]:
+    """One of issue 27's hostile checkpoints (or a valid oddity); (file to give, why invalid)."""
+    good = seeds.files["model.safetensors"]
+    n, head, data = _st_split(good)
+    h = json.loads(head)
+    names = sorted(k for k in h if k != "__metadata__")
+    a, b = draw(st.sampled_from([(x, y) for x in names[:6] for y in names[-6:] if x != y]))
+    kind = draw(st.sampled_from([
+        "dup_key", "overlap", "gap", "float_offsets", "negative", "out_of_bounds", "bad_count",
+        "big_header", "deep", "utf16", "bom", "fifo", "fifo_shard", "dev_shard", "dir_shard",
+        "map_other_copy", "map_missing", "map_escape", "extra_tensor", "missing_tensor",
+        "wrong_shape", "int_dtype", "half_dtype", "metadata_int", "padding", "sharded_ok",
+        "index_dup_key", "index_not_object"]))
+    name = "model.safetensors"
+
+    def with_header(obj, raw=None, dat=data):
+        files[name] = _st_join(raw if raw is not None else json.dumps(obj).encode(), dat)
+
+    if kind == "dup_key":
+        body = head.rstrip()[:-1] + b"," + json.dumps(a).encode() + b":" + \
+            json.dumps(h[b]).encode() + b"}"
+        with_header(None, body)
+        return name, "a duplicate header key"
+    if kind == "overlap":
+        lo, hi = h[b]["data_offsets"]
+        h[b]["data_offsets"] = [lo - 4, hi - 4] if lo >= 4 else [lo + 4, hi + 4]
+        with_header(h)
+        return name, "overlapping data ranges"
+    if kind == "gap":
+        with_header(h, dat=data + b"\0" * draw(st.sampled_from([1, 4, 4096])))
+        return name, "bytes past the last range"
+    if kind == "float_offsets":
+        lo, hi = h[a]["data_offsets"]
+        h[a]["data_offsets"] = [float(lo), hi]
+        with_header(h)
+        return name, "float offsets"
+    if kind == "negative":
+        h[a]["data_offsets"] = [-8, h[a]["data_offsets"][1]]
+        with_header(h)
+        return name, "a negative offset"
+    if kind == "out_of_bounds":
+        h[a]["data_offsets"] = [h[a]["data_offsets"][0], len(data) + 4]
+        with_header(h)
+        return name, "a range past the end"
+    if kind == "bad_count":
+        h[a]["shape"] = [x + 1 for x in h[a]["shape"]] or [2]
+        with_header(h)
+        return name, "a byte count not the range's"
+    if kind == "big_header":
+        from runtime.checkpoint import MAX_HEADER_BYTES
+        with_header(None, head + b" " * (MAX_HEADER_BYTES + 1 - len(head)))
+        return name, "a header over the bound"
+    if kind == "deep":
+        d = draw(st.sampled_from([200, 5000, 100_000]))
+        with_header(None, b'{"__metadata__":' + b"[" * d + b"]" * d + b"}")
+        return name, "deep nesting"
+    if kind == "utf16":
+        with_header(None, head.decode().encode("utf-16"))
+        return name, "a UTF-16 header"
+    if kind == "bom":
+        with_header(None, b"\xef\xbb\xbf" + head)
+        return name, "a byte-order mark"
+    if kind == "metadata_int":
+        h["__metadata__"] = {"format": 1}
+        with_header(h)
+        return name, "metadata not strings"
+    if kind == "padding":
+        with_header(None, head + b" " * draw(st.sampled_from([1, 7, 1000])))
+        return name, None
+    if kind == "extra_tensor":
+        h2 = dict(h)
+        h2["zz.extra"] = {"dtype": "F32", "shape": [1], "data_offsets": [len(data), len(data) + 4]}
+        with_header(h2, dat=data + b"\0\0\x80\x3f")
+        return name, None                                    # a warning, as HF's loader gives
+    if kind in ("missing_tensor", "wrong_shape", "int_dtype", "half_dtype"):
+        return _ck_rewrite(files, seeds, kind, a)
+    if kind == "fifo":
+        files[name] = ("special", "fifo")
+        return name, "a FIFO"
+    # sharded checkpoints: the index and two shards
+    idx = json.loads(seeds.files["model.safetensors.index.json"])
+    for s in seeds.shards:
+        files[s] = seeds.files[s]
+    wm = idx["weight_map"]
+    t = draw(st.sampled_from(sorted(wm)))
+    index_name = "model.safetensors.index.json"
+    why = None
+    if kind in ("fifo_shard", "dev_shard", "dir_shard"):
+        files[wm[t]] = ("special", {"fifo_shard": "fifo", "dev_shard": "devzero",
+                                    "dir_shard": "dir"}[kind])
+        why = f"a shard that is {kind}"
+    elif kind == "map_other_copy":
+        # the tensor also in the other shard, with other values: the index decides
+        other = [s for s in seeds.shards if s != wm[t]][0]
+        n2, h2raw, d2 = _st_split(files[other])
+        h2 = json.loads(h2raw)
+        n1, h1raw, d1 = _st_split(files[wm[t]])
+        h1 = json.loads(h1raw)
+        lo, hi = h1[t]["data_offsets"]
+        copy_ = bytes((x + 1) % 256 for x in d1[lo:hi])
+        h2[t] = dict(h1[t], data_offsets=[len(d2), len(d2) + len(copy_)])
+        files[other] = _st_join(json.dumps(h2).encode(), d2 + copy_)
+        why = None                                # valid: read from the shard the map names
+    elif kind == "map_missing":
+        wm[t] = [s for s in seeds.shards if s != wm[t]][0]
+        why = "an index naming a shard without the tensor"
+    elif kind == "map_escape":
+        wm[t] = draw(st.sampled_from(["../" + wm[t], "/etc/passwd", "", "sub/../../x"]))
+        why = "a shard outside the index's folder"
+    elif kind == "index_dup_key":
+        body = json.dumps(idx)[:-1] + ', "weight_map": {}}'
+        files[index_name] = body.encode()
+        return index_name, "an index with a duplicate key"
+    elif kind == "index_not_object":
+        files[index_name] = draw(st.sampled_from([b"[]", b"", b"\xff\xfe{}", b"{" * 5000]))
+        return index_name, "an index that is not a JSON object"
+    files[index_name] = _to_json(idx)
+    return (draw(st.sampled_from([index_name, "."])), why)
+
+
+def _ck_rewrite(files: dict, seeds: Seeds, kind: str, a: str) -> tuple[str, str | None]:
+    """A checkpoint rewritten through the library: one tensor dropped, reshaped or retyped."""
+    import numpy as np
+    from safetensors.numpy import load, save
+    sd = load(seeds.files["model.safetensors"])
+    why = None
+    if kind == "missing_tensor":
+        sd.pop(a)
+        why = "a parameter missing"
+    elif kind == "wrong_shape":
+        sd[a] = np.zeros((3,) + sd[a].shape, dtype=sd[a].dtype)
+        why = "a tensor of another shape"
+    elif kind == "int_dtype":
+        sd[a] = sd[a].astype(np.int32)
+        why = "an integer tensor for a float parameter"
+    else:
+        sd[a] = sd[a].astype(np.float16)           # valid: cast to the model's dtype
+    files["model.safetensors"] = save(sd)
+    return "model.safetensors", why
+
+
+def _ck_random(draw, seeds: Seeds, files: dict) -> tuple[str, str | None]:
+    """A random mutation of a valid file (header bytes, its length, offsets, dtype names,
+    truncation, data bytes) or of one shard; validity is decided in the child by the
+    safetensors library (``_ck_oracle``), so the case's own ``invalid`` stays None."""
+    sharded = draw(st.integers(0, 3)) == 0
+    if sharded:
+        for s in seeds.shards:
+            files[s] = seeds.files[s]
+        files["model.safetensors.index.json"] = seeds.files["model.safetensors.index.json"]
+        target = draw(st.sampled_from(seeds.shards))
+    else:
+        target = "model.safetensors"
+    raw = bytearray(seeds.files[target] if sharded else seeds.files["model.safetensors"])
+    n, head, data = _st_split(bytes(raw))
+    how = draw(st.sampled_from(["cut", "scribble_data", "scribble_header", "length", "offsets",
+                                "dtype", "shape", "header_byte"]))
+    if how == "cut":
+        out = bytes(raw[:draw(st.integers(0, len(raw) - 1))])
+    elif how == "scribble_data":
+        at = 8 + n + draw(st.integers(0, max(0, len(data) - 1)))
+        raw[at] = draw(st.integers(0, 255))
+        out = bytes(raw)
+    elif how == "scribble_header":
+        for _ in range(draw(st.integers(1, 3))):
+            raw[8 + draw(st.integers(0, n - 1))] = draw(st.integers(0, 255))
+        out = bytes(raw)
+    elif how == "length":
+        n2 = draw(st.sampled_from([0, 1, n - 1, n + 1, n + 8, len(raw), 2**40, 2**64 - 1]))
+        out = (n2 % 2**64).to_bytes(8, "little") + bytes(raw[8:])
+    elif how == "header_byte":
+        raw[8 + draw(st.integers(0, n - 1))] = draw(st.sampled_from(list(b'{}[]",:019 -.eE\\\x00')))
+        out = bytes(raw)
+    else:
+        h = json.loads(head)
+        t = draw(st.sampled_from(sorted(k for k in h if k != "__metadata__")))
+        if how == "offsets":
+            lo, hi = h[t]["data_offsets"]
+            h[t]["data_offsets"] = [lo + draw(st.integers(-4, 4)), hi + draw(st.integers(-4, 4))]
+        elif how == "dtype":
+            h[t]["dtype"] = draw(st.sampled_from(["F32", "F16", "BF16", "I32", "F64", "U8", "BOOL",
+                                                  "f32", "Q9", "", "I64"]))
+        else:
+            h[t]["shape"] = draw(st.sampled_from([[], [0], [1], h[t]["shape"][::-1],
+                                                  h[t]["shape"] + [1], [2.0], [-1]]))
+        out = _st_join(json.dumps(h).encode(), data)
+    files[target] = out
+    return ("model.safetensors.index.json" if sharded else target), None
+
+
+@st.composite
+def case_checkpoint(draw, seeds: Seeds):
+    """apply_plan(meta-device gpt-tiny, the streaming plan, checkpoint=FILE)."""
+    files: dict = {"plan.json": seeds.files["plan_stream.json"]}
+    r = draw(st.integers(0, 9))
+    if r == 0:
+        files["model.safetensors"] = seeds.files["model.safetensors"]
+        given, why = "model.safetensors", None
+    elif r < 5:
+        given, why = _ck_explicit(draw, seeds, files)
+    else:
+        given, why = _ck_random(draw, seeds, files)
+    protect = tuple(k for k in files if k != "plan.json")
+    return Case("checkpoint", [given], files, why, protect, 60, max_new_depth=3)
+
+
+# -- the children's targets
+
+def _runtime_child(case: Case, run) -> int:
+    """Run ``run()`` (which prints its result line) with warnings as ``apply_plan: warning:``
+    lines and a UserError or OffloadError as one ``apply_plan: error:`` line (exit 2)."""
+    import warnings
+
+    import torch
+
+    from planner.errors import UserError
+    from runtime.files import OffloadError
+    torch.set_num_threads(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            run()
+            code = 0
+        except (UserError, OffloadError) as e:
+            print(f"apply_plan: error: {e}", file=sys.stderr)
+            code = 2
+    for w in caught:
+        print(f"apply_plan: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
+    return code
+
+
+def _nvme_files(folder: str = "nv") -> list:
+    return sorted(str(p) for p in Path(folder).rglob("*") if p.is_file()) \
+        if os.path.isdir(folder) else []
+
+
+def _target_apply(case: Case) -> int:
+    def run():
+        import torch
+
+        from planner.models import make_inputs
+        from runtime import apply_plan
+        cfg, ref = _stream_model()
+        _, m = _stream_model()
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        h = apply_plan(m, case.argv[0], optimizer=opt, nvme_dir="nv")
+        batch = make_inputs(cfg, STREAM_B, STREAM_S, seed=1)
+        for model, o in ((ref, ropt), (m, opt)):
+            torch.manual_seed(123)
+            model(**batch).loss.backward()
+            o.step()
+            o.zero_grad()
+        got, want = m.state_dict(), ref.state_dict()
+        diff = max((got[k].float() - want[k].float()).abs().max().item() for k in want)
+        h.remove()
+        print(json.dumps({"max_diff": diff, "keys_match": sorted(got) == sorted(want),
+                          "left": _nvme_files()}))
+    return _runtime_child(case, run)
+
+
+def _ck_oracle(given: str) -> tuple[str | None, dict]:
+    """What the safetensors library reads from ``given`` for this model: (why the checkpoint
+    must be refused or None, {name: tensor}). An index is followed as its weight_map says."""
+    import torch
+    from safetensors import safe_open
+    from runtime.checkpoint import MAX_HEADER_BYTES
+    path = given
+    if os.path.isdir(path):
+        path = os.path.join(path, "model.safetensors.index.json") if os.path.lexists(
+            os.path.join(path, "model.safetensors.index.json")) else \
+            os.path.join(path, "model.safetensors")
+    files = {path: None}
+    if path.endswith(".json"):
+        try:
+            wm = json.loads(Path(path).read_bytes())["weight_map"]
+        except Exception:                                         # noqa: BLE001
+            return "an unreadable index", {}
+        files = {}
+        for k, s in wm.items():
+            files.setdefault(os.path.join(os.path.dirname(path), s), []).append(k)
+    values = {}
+    for f, only in files.items():
+        if not os.path.isfile(f):
+            return f"{f} is not a regular file", {}
+        raw = Path(f).read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        if n > MAX_HEADER_BYTES:
+            return "a header over the bound", {}
+        try:
+            json.loads(raw[8:8 + n], object_pairs_hook=_no_dup_pairs)
+        except _DupKey:
+            return "a duplicate header key", {}
+        except (ValueError, RecursionError):
+            pass                                     # the library's verdict below
+        try:
+            with safe_open(f, framework="pt") as g:
+                keys = list(g.keys())
+                for k in keys if only is None else only:
+                    if k not in keys:
+                        return f"{k} not in the shard its index names", {}
+                    values[k] = g.get_tensor(k)
+        except Exception as e:                                    # noqa: BLE001
+            return f"safetensors refuses it: {str(e)[:80]}", {}
+    _, m = _stream_model(meta=True)
+    names = {}
+    for n_, p in m.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), (p, []))[1].append(n_)
+    for p, ns in names.values():
+        k = next((x for x in ns if x in values), None)
+        if k is None:
+            return f"no tensor for {ns[0]}", values
+        if tuple(values[k].shape) != tuple(p.shape):
+            return f"{k} has another shape", values
+        if values[k].dtype.is_floating_point != p.dtype.is_floating_point:
+            return f"{k} is not a float tensor", values
+    return None, values
+
+
+class _DupKey(ValueError):
+    pass
+
+
+def _no_dup_pairs(pairs):
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise _DupKey(k)
+        d[k] = v
+    return d
+
+
+def _target_checkpoint(case: Case) -> int:
+    def run():
+        import torch
+
+        from runtime import apply_plan
+        why, values = _ck_oracle(case.argv[0])
+        print(json.dumps({"oracle": why}), flush=True)
+        _, m = _stream_model(meta=True)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        h = apply_plan(m, "plan.json", optimizer=opt, nvme_dir="nv", checkpoint=case.argv[0])
+        sd = m.state_dict()
+        bad = []
+        for n_, p in m.named_parameters(remove_duplicate=False):
+            k = n_ if n_ in values else next((x for x, q in m.named_parameters(
+                remove_duplicate=False) if q is p and x in values), None)
+            if k is None or not torch.equal(sd[n_], values[k].to(sd[n_].dtype)):
+                bad.append(n_)
+        h.remove()
+        print(json.dumps({"wrong": bad[:3], "left": _nvme_files()}))
+    return _runtime_child(case, run)
+
+
+RUNTIME_TARGETS = {"apply": _target_apply, "checkpoint": _target_checkpoint}
+
+
+def preimport_runtime() -> None:
+    """What the runtime targets import, once, before the forks: torch's meta-device
+    initialisers import its reference implementations on first use (13 s each child on the
+    shared host); a meta op runs no kernel and starts no thread pool, so forking stays safe."""
+    import safetensors.numpy  # noqa: F401
+    import safetensors.torch  # noqa: F401
+    import torch
+
+    import planner.models  # noqa: F401
+    import planner.schedule  # noqa: F401
+    import planner.simulate  # noqa: F401
+    import runtime  # noqa: F401
+    import runtime.checkpoint  # noqa: F401
+    torch.empty(1, device="meta").normal_()
+
+
+def _judge_runtime(case: Case, outcome: Outcome) -> list[str]:
+    """The runtime targets' own verdicts from their result lines: a checkpoint the library's
+    reading calls invalid accepted, a valid one refused, weights not what the file holds, a
+    step not equal to plain PyTorch's, files left in the NVMe folder."""
+    out = []
+    lines = [json.loads(ln) for ln in outcome.stdout.splitlines() if ln.startswith("{")]
+    info = {k: v for d in lines for k, v in d.items()}
+    if case.verb == "checkpoint" and "oracle" in info:
+        if info["oracle"] and outcome.rc == 0:
+            out.append(f"accepted invalid: {info['oracle']}")
+        if info["oracle"] is None and case.invalid is None and outcome.rc == 2:
+            out.append("refused valid: the safetensors library reads it and it fits the model")
+    if outcome.rc == 0:
+        if case.verb == "checkpoint" and info.get("wrong"):
+            out.append(f"wrong result: weights {info['wrong']} are not the file's")
+        if case.verb == "apply" and (not info.get("keys_match", True) or
+                                     info.get("max_diff", 0.0) > 1e-6):
+            out.append(f"wrong result: a step {info.get('max_diff')} off plain PyTorch")
+        if info.get("left"):
+            out.append(f"left behind: {info['left'][:2]}")
+        if "left" not in info:
+            out.append("wrong result: no result line")
+    return out
+
+
 STRATEGIES = {"simulate": case_simulate, "inspect": case_inspect, "diff": case_diff,
-              "solve": case_solve, "profile": case_profile, "hardware": case_hardware}
+              "solve": case_solve, "profile": case_profile, "hardware": case_hardware,
+              "apply": case_apply, "checkpoint": case_checkpoint}
 
 
 # ----------------------------------------------------------------------------- running
@@ -1171,7 +1807,8 @@ def run_case(case: Case, folder: Path, before: dict | None = None) -> Outcome:
                 signal.signal(sig, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
             try:
-                code = main(list(case.argv))
+                code = RUNTIME_TARGETS[case.verb](case) if case.verb in RUNTIME_TARGETS \
+                    else main(list(case.argv))
             except SystemExit as e:
                 code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
             except BaseException:                                 # noqa: BLE001
@@ -1237,13 +1874,16 @@ def judge(case: Case, folder: Path, outcome: Outcome, before: dict) -> list[str]
         problems.append(f"exit code: {outcome.rc} (documented: {case.codes})")
     elif outcome.rc != 0:
         lines = [ln for ln in err.splitlines() if ln.strip()]
-        errors = [ln for ln in lines if ln.startswith("plan: error:")]
-        other = [ln for ln in lines if not ln.startswith(("plan: error:", "plan: warning:",
-                                                          "plan: note:"))]
+        who = case.prefix
+        errors = [ln for ln in lines if ln.startswith(f"{who}: error:")]
+        other = [ln for ln in lines if not ln.startswith((f"{who}: error:", f"{who}: warning:",
+                                                          f"{who}: note:"))]
         if len(errors) != 1 or other:
             problems.append(f"not one line: {lines[:3]}")
     if case.invalid and outcome.rc == 0:
         problems.append(f"accepted invalid: {case.invalid}")
+    if case.verb in RUNTIME_TARGETS and not outcome.hung:
+        problems += _judge_runtime(case, outcome)
     for name, fp in before.items():
         if _fingerprint(folder / name) != fp:
             problems.append(f"clobbered: {name} changed ({fp[0]} -> "

@@ -246,8 +246,12 @@ def test_checkpoint_none_across_stacks_is_refused_at_apply():
     layers[idx - 1] = LayerDecision("encoder.block.1", Activation.RECOMPUTE, Tier.GPU)
     layers[idx] = LayerDecision("decoder.block.0", Activation.RECOMPUTE, Tier.NONE)
     model, _ = hf.t5(B, S)
+    # the schedule these decisions imply (a schedule left as it was is refused before this)
+    from planner.schedule import build_schedule
+    from planner.simulate import cost_model_of
+    schedule = build_schedule(cost_model_of(plan), layers)
     with pytest.raises(PlanMismatchError) as e:
-        apply_plan(model, dataclasses.replace(plan, layers=layers))
+        apply_plan(model, dataclasses.replace(plan, layers=layers, schedule=schedule))
     assert one_line(e) == ("the plan: decoder.block.0 has checkpoint 'none' but its input is "
                            "not the previous block's output (another stack starts there), so "
                            "it cannot be recomputed from it; re-plan with a checkpoint tier for "

@@ -23,8 +23,11 @@ import fuzzcases as fc
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN = str(Path(sys.executable).parent / "plan")
-# Examples per verb: together about 90 s on the 2-core host (profile and hardware cost most).
-N = {"simulate": 70, "inspect": 50, "diff": 50, "solve": 45, "profile": 18, "hardware": 8}
+# Examples per verb: together about 90 s on the 2-core host (profile and hardware cost most);
+# apply and checkpoint (apply_plan with edited streaming plans and hostile checkpoints) about
+# 0.5 s a case more.
+N = {"simulate": 70, "inspect": 50, "diff": 50, "solve": 45, "profile": 18, "hardware": 8,
+     "apply": 30, "checkpoint": 40}
 
 
 # The cases run in children forked from the test process. Forked from a process whose earlier
@@ -54,6 +57,7 @@ def test_in_a_fresh_interpreter(tmp_path):
 
 @pytest.fixture(scope="module")
 def seeds(tmp_path_factory):
+    fc.preimport_runtime()
     return fc.Seeds(tmp_path_factory.mktemp("fuzz-seeds"))
 
 
