@@ -758,37 +758,6 @@ def _unit_params(model, plan: Plan, blocks: dict) -> dict:
     return out
 
 
-def _refuse_streamed_shares(model, plan: Plan, blocks: dict, src: str) -> None:
-    """A unit whose weights or gradients leave the device must share no parameter with
-    another unit: the other would compute with weights that are not there, or write a
-    gradient that has left. Shares are found by identity (the same Parameter reachable from
-    two blocks' modules, or charged to one unit and held by another block), and from the
-    profile's ``tied_to``; the planner keeps such units' weights and gradients on the device."""
-    owner = {id(p): unit for unit, ps in _unit_params(model, plan, blocks).items()
-             for _, p in ps}
-    users: dict = {}
-    for bname, mod in blocks.items():
-        for n, p in mod.named_parameters():
-            users.setdefault(id(p), {}).setdefault(bname, f"{bname}.{n}")
-    for u, d in zip(plan.units, plan.layers):
-        if d.home.weights is Tier.GPU and d.home.grads is Tier.GPU:
-            continue
-        others = set(u.tied_to)
-        shared = None
-        for pid, by in users.items():
-            units = set(by) | ({owner[pid]} if pid in owner else set())
-            if u.name in units and len(units) > 1:
-                others |= units - {u.name}
-                shared = shared or next(iter(by.values()))
-        if others:
-            what = f" ({shared!r})" if shared else ""
-            raise PlanMismatchError(
-                f"{src}: unit {u.name} streams its weights or gradients, but it shares a "
-                f"parameter{what} with {sorted(others)[0]}; units that share a parameter keep "
-                "their weights and gradients on the device: re-profile the model and solve "
-                "again")
-
-
 def _predicted_moved(plan: Plan) -> dict:
     """Bytes per optimizer step the schedule moves per link (as the report keys them)."""
     U = len(plan.units)
@@ -1084,7 +1053,6 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
                     f"{src}: unit {u.name} streams its weights or gradients, but it holds "
                     f"{outside[0]!r}, which code between blocks uses; such a unit keeps its "
                     "weights and gradients on the device: regenerate the plan")
-    _refuse_streamed_shares(model, plan, dict(blocks), src)
     p0 = next(model.parameters(), None)
     dev = p0.device.type if p0 is not None else "cpu"
     plan_dev = plan.hardware.get("device")

@@ -191,6 +191,16 @@ def _check_ties(model, plan: Plan, blocks, src):
                 f"{src}: unit {unit!r} homes its weights or gradients off the device, but its "
                 f"{ns[0]!r} is tied to {ns[1]!r}, which another unit uses; a tied weight stays "
                 f"on the device: {_FIX}")
+    # a use the names do not show (a block calling another's layer through a reference): the
+    # profile saw it and recorded the tie
+    for u in plan.units:
+        home = homes.get(u.name)
+        if u.tied_to and home is not None and (home.weights is not Tier.GPU
+                                               or home.grads is not Tier.GPU):
+            raise PlanMismatchError(
+                f"{src}: unit {u.name!r} homes its weights or gradients off the device, but it "
+                f"shares a parameter with {u.tied_to[0]!r} (tied_to); a tied weight stays on "
+                f"the device: {_FIX}")
 
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
