@@ -389,14 +389,7 @@ def test_ctrl_c_in_the_training_example_is_one_line_and_leaves_no_file(tmp_path)
     """examples/train.py under an offload plan, interrupted in its third step: one line
     ('train: interrupted'), exit 130, no traceback, no offload file left (it printed a
     KeyboardInterrupt traceback from inside autograd's unpack before)."""
-    nvme = tmp_path / "nvme"
-    plan = tmp_path / "p.json"
-    from planner.cli import main
-    assert main(["profile", "gpt-tiny", "--batch", "2", "--seq", "32", "--dtype", "fp32",
-                 "--device", "cpu", "--timing", "estimate", "-o", str(tmp_path / "prof.json")]) == 0
-    assert main(["solve", str(tmp_path / "prof.json"), "--policy", "offload-all",
-                 "--gpu-mem", "1G", "--nvme-mem", "1G", "--nvme-dir", str(nvme),
-                 "-o", str(plan)]) == 0
+    nvme, plan = _train_plan(tmp_path)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "train.py"), "--model",
                              "gpt-tiny", "--batch", "2", "--seq", "32", "--dtype", "fp32",

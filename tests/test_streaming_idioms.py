@@ -175,17 +175,23 @@ def _first_block(model):
     return blocks[0][0]
 
 
-def test_a_parameter_that_takes_no_part_keeps_no_gradient(tmp_path):
-    """A parameter no step uses has ``grad is None`` under the plan as in plain PyTorch, so
-    AdamW's weight decay leaves it alone (it once got a zero gradient and drifted 2.5e-6 in
-    two steps; an expert that receives no tokens would drift the same way)."""
-    cfg, model = _model(_add_unused)
+def _trained_side_by_side(tmp_path, extra=None):
+    """The model trained plainly (``ref``) and under the streaming plan (``model``)."""
+    cfg, model = _model(extra)
     data = _data(cfg)
     ref = copy.deepcopy(model)
     ref_opt = _opt(ref)
     _train(ref, data, ref_opt)
     handle, opt, _ = _streamed(model, tmp_path)
     _train(model, data, opt)
+    return model, ref, data, handle, opt, ref_opt
+
+
+def test_a_parameter_that_takes_no_part_keeps_no_gradient(tmp_path):
+    """A parameter no step uses has ``grad is None`` under the plan as in plain PyTorch, so
+    AdamW's weight decay leaves it alone (it once got a zero gradient and drifted 2.5e-6 in
+    two steps; an expert that receives no tokens would drift the same way)."""
+    model, ref, data, handle, opt, ref_opt = _trained_side_by_side(tmp_path, _add_unused)
     blk = _first_block(model)
     sd, want = model.state_dict(), ref.state_dict()
     assert torch.equal(sd[blk + ".unused"], want[blk + ".unused"])
@@ -200,13 +206,7 @@ def test_state_dicts_of_a_wrapper_or_one_block_hold_the_real_weights(form, tmp_p
     """``nn.ModuleDict({"model": m}).state_dict()`` (Lightning, PEFT and every wrapper) and
     ``block.state_dict()`` give the weights that live on disk, and loading them puts the values
     in their home (both once gave 0-byte tensors, and reading them segfaulted)."""
-    cfg, model = _model()
-    data = _data(cfg)
-    ref = copy.deepcopy(model)
-    ref_opt = _opt(ref)
-    _train(ref, data, ref_opt)
-    handle, opt, _ = _streamed(model, tmp_path)
-    _train(model, data, opt)
+    model, ref, data, handle, opt, ref_opt = _trained_side_by_side(tmp_path)
     blk = _first_block(model)
     if form == "wrapper":
         outer, outer_ref = torch.nn.ModuleDict({"model": model}), torch.nn.ModuleDict({"model": ref})
