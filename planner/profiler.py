@@ -1330,7 +1330,14 @@ def _positive_int(value, what) -> int:
                         f"e.g. --{what} 8") from None
     if v <= 0:
         raise UserError(f"--{what} {v}: must be a positive integer, e.g. --{what} 8")
+    if v > MAX_DIM:
+        # torch takes tensor sizes as int64: 1e30 ended in a TypeError traceback
+        raise UserError(f"--{what} {v}: at most {MAX_DIM:,}")
     return v
+
+
+MAX_DIM = 2**31 - 1           # one input dimension (batch or sequence length)
+MAX_TOKENS = 2**40            # batch x seq: an activation of hidden 2^17 stays within int64
 
 
 def _load_factory(spec: str):
@@ -1474,6 +1481,9 @@ def cli_profile(args) -> int:
 
     batch = _positive_int(args.batch, "batch")
     seq = _positive_int(args.seq, "seq")
+    if batch * seq > MAX_TOKENS:
+        raise UserError(f"--batch {batch} x --seq {seq} = {batch * seq:,} tokens a pass: at most "
+                        f"{MAX_TOKENS:,}")
     if args.output and Path(args.output).is_dir():   # say so before a long profile, not after
         raise UserError(f"output '{args.output}' is a directory; give a file name")
     hardware = load_hardware(args.hardware)

@@ -54,7 +54,8 @@ def _one_line_no_traceback(r, code):
     "malformed-json", "empty-file", "not-an-object", "missing-file", "directory",
     "profile-for-plan", "plan-for-profile", "malformed-size", "negative-size", "dash-value",
     "unknown-model", "unimportable-function", "factory-raises", "non-numeric-batch",
-    "zero-batch", "negative-seq", "unknown-hardware", "unknown-verb", "diff-plan-profile",
+    "zero-batch", "negative-seq", "huge-batch", "huge-tokens", "unknown-hardware",
+    "unknown-verb", "diff-plan-profile",
 ])
 def test_bad_input_exits_2_with_one_line(files, case):
     d, prof, plan = files
@@ -78,6 +79,11 @@ def test_bad_input_exits_2_with_one_line(files, case):
                               "--batch"),
         "zero-batch": (["profile", "gpt-tiny", "--batch", "0", "--seq", "8"], "--batch"),
         "negative-seq": (["profile", "gpt-tiny", "--batch", "1", "--seq", "-3"], "--seq"),
+        # found by bench/fuzz.py: torch's int64 sizes ended in a TypeError traceback
+        "huge-batch": (["profile", "gpt-tiny", "--batch", "1" + "0" * 30, "--seq", "8",
+                        "--device", "meta"], "--batch"),
+        "huge-tokens": (["profile", "gpt-tiny", "--batch", "2000000000", "--seq", "2000000000",
+                         "--device", "meta"], "tokens a pass"),
         "unknown-hardware": (["solve", str(prof), "--gpu-mem", "80G", "--hardware", "tpu9"],
                              "tpu9"),
         "unknown-verb": (["optimise", str(prof)], "optimise"),
