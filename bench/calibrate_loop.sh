@@ -4,7 +4,7 @@
 # measured median step (steps 2-6) for both plans. Run it on a quiet host.
 set -euo pipefail
 R=$(cd "$(dirname "$0")/.." && pwd); P=$R/.venv/bin/python; PLAN=$R/.venv/bin/plan
-D=$(mktemp -d); cd $D
+D=$(mktemp -d); trap 'kill $HOG 2>/dev/null; rm -rf "$D"' EXIT; HOG=; cd "$D"
 uptime
 python3 -c 'while True: pass' & HOG=$!
 $PLAN profile gpt-tiny --batch 8 --seq 256 --dtype fp32 --device cpu -o busy.json >/dev/null
