@@ -188,6 +188,7 @@ class UnitStatic:
         self.placeholders: dict = {}
         self.lent: set = set()               # k whose placeholder a backward took (``.grad`` None)
         self.dev_grads = None                # the backward's gradients, until they have left
+        self.scales_now: dict = {}           # the scales their accumulators take as they are added
         self.placeholders_due = False
         self.state_layout = None             # [(param index, key)] of state tensors on NVMe
         self.s_off: dict = {}                # (param index, key) -> (offset, bytes) in the state file
