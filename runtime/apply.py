@@ -263,7 +263,7 @@ class _SegUnit:
 
 class _Runner:
     def __init__(self, model, plan: Plan, plan_path: str | None, blocks, nvme_dir, trim: bool,
-                 optimizer):
+                 optimizer, cost_model):
         self.guard = InputGuard(model, plan, plan_path or "the plan")
         self.model = model
         self.plan = plan
@@ -322,8 +322,7 @@ class _Runner:
                                for s, _ in subs}
         self.hwm_ok = True
         self.trim = trim
-        from planner.simulate import cost_model_of
-        cm = cost_model_of(plan)
+        cm = cost_model           # the one apply_plan's consistency check built
         self.grads_late = cm.grads_from_backward()     # gradients counted from the backward
         # what is resident on the device before a step: weights and optimizer state at home
         # there; not the gradients, which zero_grad frees and the backward makes again (they
@@ -1034,7 +1033,9 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
         plan = load_plan(plan)
     src = plan_path or "the plan"
     from planner.simulate import check_plan
-    check_plan(plan, plan_path)          # its events are those its decisions imply, as simulate checks
+    # its events are those its decisions imply, as simulate checks; its cost model serves the
+    # runner's gradient timing and predicted static bytes too
+    cost_model, _ = check_plan(plan, plan_path)
     blocks = bind(model, plan, src)      # runtime/binding.py: exact names, shapes, identity
     engines.check(plan, engine, model, blocks, src)
     table = plan.model.get("params") or {}
@@ -1105,7 +1106,7 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
         except BaseException:
             ck.close()
             raise
-    runner = _Runner(model, plan, plan_path, blocks, nvme, trim_heap, optimizer)
+    runner = _Runner(model, plan, plan_path, blocks, nvme, trim_heap, optimizer, cost_model)
     if nvme_needed:
         # Up front (docs/reliability.md): the directory is made, writable and has room for the
         # plan's NVMe peak, or one line says why; not a raw OSError at the first forward, nor
