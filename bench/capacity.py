@@ -177,6 +177,9 @@ def run_case(case: Case, args, tmp: Path) -> dict:
         return row
     solve_s = time.perf_counter() - t1
     plan, sim = out.plan, out.sim
+    if getattr(args, "save_plans", None):
+        from planner.plans import save_plan
+        save_plan(plan, Path(args.save_plans) / (case.key.replace("/", "_") + ".json"))
     homes = {k: Counter() for k in ("weights", "grads", "optimizer", "step")}
     for d in plan.layers:
         for k in homes:
@@ -264,6 +267,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default=None,
                     help="comma-separated case keys or prefixes (default: all)")
     ap.add_argument("--list", action="store_true", help="print the cases and exit")
+    ap.add_argument("--save-plans", metavar="DIR", default=None,
+                    help="also write each case's plan to DIR/<case>.json (to compare versions)")
     args = ap.parse_args(argv)
     args.solver = args.solver or default_solver()
     cases = CASES

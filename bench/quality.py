@@ -75,6 +75,9 @@ def compute_only(profile, hw, budgets) -> float:
     return cost_model(profile, hw, budgets).compute_only()
 
 
+SAVE_PLANS: Path | None = None     # --save-plans: every solved plan written here
+
+
 def row(profile, hw, budget: int, cpu: int, solver: str, time_limit: float) -> dict:
     b = Budgets(budget, cpu, 0)
     out = {"notes": []}
@@ -88,6 +91,9 @@ def row(profile, hw, budget: int, cpu: int, solver: str, time_limit: float) -> d
             out[pol + "_s"] = time.perf_counter() - t0
             continue
         out[pol + "_s"] = time.perf_counter() - t0
+        if SAVE_PLANS is not None:
+            from planner.plans import save_plan
+            save_plan(o.plan, SAVE_PLANS / f"{profile.name}-{budget}-{pol}.json")
         out[pol] = o.sim.step_s / comp if o.sim.fits else None
         out[pol + "_origin"] = o.plan.solver.origin
         out[pol + "_gap"] = o.plan.solver.gap
@@ -185,7 +191,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-llama-check", action="store_true")
     ap.add_argument("--solver", default=None, help="cbc or highs (default: plan solve's)")
     ap.add_argument("--time-limit", type=float, default=30.0, help="per plan solve")
+    ap.add_argument("--save-plans", metavar="DIR", default=None,
+                    help="also write every solved plan to DIR (to compare versions)")
     args = ap.parse_args(argv)
+    global SAVE_PLANS
+    SAVE_PLANS = Path(args.save_plans) if args.save_plans else None
     solver = args.solver or default_solver()
     if args.fractions:
         fr = [float(x) for x in args.fractions.split(",")]
