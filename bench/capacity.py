@@ -148,7 +148,7 @@ _PROFILES: dict = {}
 
 
 def run_case(case: Case, args, tmp: Path) -> dict:
-    from planner.profiler import profile_model
+    from planner.profile import profile_model
     hw = _spec(case)
     key = (case.model, case.batch, case.seq, case.hardware, case.host_is_budget)
     t0 = time.perf_counter()

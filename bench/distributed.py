@@ -54,11 +54,11 @@ def _summary(plan) -> str:
 
 
 def table(a) -> list[dict]:
-    from planner.baselines import baseline_layers
+    from planner.costmodel.baselines import baseline_layers
     from planner.formats import Budgets, write_json_atomic
     from planner.hardware import load_hardware
     from planner.plans import cost_model, plan_and_sim
-    from planner.profiler import profile_model
+    from planner.profile import profile_model
     from planner.solve import solve_profile
     hw = load_hardware("h100-80g")
     out_dir = Path(a.out)
@@ -141,8 +141,8 @@ def fidelity_child(a) -> None:
     from planner.formats import Budgets
     from planner.hardware import load_hardware
     from planner.plans import cost_model, make_plan, save_plan
-    from planner.baselines import baseline_layers
-    from planner.profiler import profile_module
+    from planner.costmodel.baselines import baseline_layers
+    from planner.profile import profile_module
     from planner.solve import solve_profile
 
     cfg = {"name": "gpt-fid", "family": "gpt", "n_layers": a.layers, "d_model": a.d_model,

@@ -95,12 +95,12 @@ def _preimport() -> None:
     import torch  # noqa: F401
     import yaml  # noqa: F401
 
-    import planner.diff  # noqa: F401
-    import planner.inspect  # noqa: F401
-    import planner.measure  # noqa: F401
-    import planner.profiler  # noqa: F401
-    import planner.report  # noqa: F401
-    import planner.simulate  # noqa: F401
+    import planner.cli.diff  # noqa: F401
+    import planner.cli.inspect  # noqa: F401
+    import planner.hardware.measure  # noqa: F401
+    import planner.profile  # noqa: F401
+    import planner.formats.report  # noqa: F401
+    import planner.plans.simulate  # noqa: F401
     import planner.solve  # noqa: F401
     import fuzzcases
     fuzzcases.preimport_runtime()

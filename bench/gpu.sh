@@ -47,7 +47,7 @@ one() {   # one TAG MODEL BATCH SEQ FRACTION STEPS: measured profile, plan, plai
         "$PLAN profile $model --batch $b --seq $s --device cuda --hardware $W/this-gpu.yaml --optimizer adamw-pure -o $W/$tag-prof.json 2>&1 | tail -3"
     [ -f "$W/$tag-prof.json" ] || return
     local budget
-    budget=$($PY -m planner.budget "$W/$tag-prof.json" --fraction "$f")
+    budget=$($PY -m planner.solve.budget "$W/$tag-prof.json" --fraction "$f")
     stage "$tag: solve at $f of the blocks' activations ($budget B), host 64G" 90 \
         "$PLAN solve $W/$tag-prof.json --gpu-mem $budget --cpu-mem 64G --time-limit 40 --stream off -o $W/$tag-plan.json 2>&1 | tail -4 && $PLAN inspect $W/$tag-plan.json | head -25"
     stage "$tag: $n steps plainly" 120 \

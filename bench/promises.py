@@ -7,11 +7,11 @@ Four parts, each printed as a table (docs/promises.md has the figures and the co
 2. monotonicity: GPU budget scans; the written plan's simulated step must not rise by more
    than the gap as the budget grows;
 3. exhaustive: on profiles of at most four blocks, the written plan against
-   ``planner.exhaustive.best_plan`` (true optimum) and exit 3's named budget against
-   ``planner.exhaustive.smallest_budget`` (true minimum);
+   ``exhaustive.best_plan`` (true optimum) and exit 3's named budget against
+   ``exhaustive.smallest_budget`` (true minimum);
 4. the gpt2-xl scan: ``--gpu-mem`` 30G..46G in 1.25G steps on the a100-80g spec.
 
-Profiles come from ``planner.synthetic.random_profile(seed, hw, n_blocks=...)`` over the shipped
+Profiles come from ``synthetic.random_profile(seed, hw, n_blocks=...)`` over the shipped
 specs. Every case is drawn from ``random.Random(seed)`` alone (spec, blocks, streaming mode,
 budgets), and every failure is printed with its seed, so
 
@@ -37,16 +37,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # not bench/ itself: bench/profile.py would shadow the standard library's profile module
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]     # tests/: the synthetic profiles, the brute force
 
-from planner.baselines import baseline_layers                      # noqa: E402
+from planner.costmodel.baselines import baseline_layers                      # noqa: E402
 from planner.errors import NoFitError                              # noqa: E402
 from planner.formats import Budgets                                # noqa: E402
 from planner.hardware import load_hardware                         # noqa: E402
 from planner.plans import cost_model, plan_and_sim                 # noqa: E402
-from planner.simulate import simulate                              # noqa: E402
+from planner.plans.simulate import simulate                              # noqa: E402
 from planner.solve import baselines, default_solver, solve_profile  # noqa: E402
-from planner.synthetic import random_profile                       # noqa: E402
+from synthetic import random_profile                       # noqa: E402
 
 SPECS = ("a100-80g", "h100-80g", "h200", "rtx4090", "cpu-host")
 GAP = 0.005            # plan solve's default --gap
@@ -331,7 +331,7 @@ def part2(seeds, steps, time_limit, nmax, jobs=1):
 # ----------------------------------------------------------------------------- part 3
 
 def part3_case(seed, stream_on):
-    from planner.exhaustive import best_plan, smallest_budget
+    from exhaustive import best_plan, smallest_budget
     rng = random.Random(seed)
     spec = rng.choice(SPECS)
     hw = load_hardware(spec)
@@ -430,7 +430,7 @@ def part3(seeds_off, seeds_on):
 # ----------------------------------------------------------------------------- part 4
 
 def part4(step_g, time_limit):
-    from planner.profiler import profile_model
+    from planner.profile import profile_model
     from planner.sizes import parse_size
     solver = default_solver()
     log(f"\n## 4. gpt2-xl scan (batch 8, seq 1024, --device meta, a100-80g; --gpu-mem 30G.."

@@ -1,6 +1,6 @@
 """Plan quality: step time / compute-only per policy over GPU-budget sweeps.
 
-Profiles come from ``planner.profiler.profile_model(..., device="meta")`` (shapes and FLOPs,
+Profiles come from ``planner.profile.profile_model(..., device="meta")`` (shapes and FLOPs,
 times estimated from the spec). Columns: ``optimal`` and ``remat-only`` (the MILP with
 offloading disabled) through ``plan solve``'s own path (``planner.solve.solve_profile``:
 baselines, MILPs, the pick), with the strategy that won (``origin``) and the MILP's gap;
@@ -9,7 +9,7 @@ whose activations fit, recompute the rest with a GPU checkpoint; judged by our s
 it ignores the backward peak); and the baselines of ``planner.solve.baselines`` (keep-all,
 recompute-all, sqrt, offload-all, and the best stream-all variant where the host budget
 allows homes off the device), each simulated. "-" = does not fit. The GPU budget is
-``planner.budget.fraction_budget``: static + embedding + head + workspace + shared + F x the
+``planner.solve.budget.fraction_budget``: static + embedding + head + workspace + shared + F x the
 blocks' saved bytes + the spec's reserve.
 
     python bench/quality.py                 # three budgets per model, a few minutes
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # the runtime package: import from the repository root, never from bench/
 sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 
-from planner.budget import fraction_budget  # noqa: E402
+from planner.solve.budget import fraction_budget  # noqa: E402
 from planner.errors import NoFitError  # noqa: E402
 from planner.formats import Activation, Budgets, LayerDecision, Tier  # noqa: E402
 from planner.hardware import load_hardware  # noqa: E402
@@ -119,7 +119,7 @@ def fmt(v):
 
 
 def sweep(name, batch, seq, hw_name, fractions, cpu, solver, time_limit):
-    from planner.profiler import profile_model
+    from planner.profile import profile_model
     hw = load_hardware(hw_name)
     p = profile_model(name, batch, seq, device="meta", hardware=hw)
     print(f"\n{name}, b={batch}, s={seq}, {hw_name}, --cpu-mem {cpu // GiB}G, {solver} "
@@ -157,7 +157,7 @@ def sweep(name, batch, seq, hw_name, fractions, cpu, solver, time_limit):
 
 def llama_check(solver, time_limit):
     """llama3.2-3b, b=2, s=8192, h200, 512G host, half the blocks' activations on the GPU."""
-    from planner.profiler import profile_model
+    from planner.profile import profile_model
     hw = load_hardware("h200")
     p = profile_model("llama3.2-3b", 2, 8192, device="meta", hardware=hw)
     budget = fraction_budget(p, 0.5)

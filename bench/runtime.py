@@ -50,7 +50,7 @@ sys.path[0] = str(REPO)
 from planner.hardware import load_hardware  # noqa: E402
 from planner.models import build_model, load_config, make_inputs  # noqa: E402
 from planner.plans import baseline_plan  # noqa: E402
-from planner.profiler import profile_module  # noqa: E402
+from planner.profile import profile_module  # noqa: E402
 from planner.sizes import fmt_bytes, fmt_seconds  # noqa: E402
 from runtime import apply_plan  # noqa: E402
 

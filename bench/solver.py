@@ -1,10 +1,10 @@
 """Solver scaling: solve seconds, size, gap, and MILP objective against the simulated step,
 across depths, for CBC and HiGHS.
 
-Cases: synthetic near-uniform chains (``planner.synthetic.uniform_profile``, design brief
+Cases: synthetic near-uniform chains (``synthetic.uniform_profile``, design brief
 calibration: 7 ms forward, 1.27 GB saved per block, 2% jitter) on the h200 spec at each of
 ``--depths``, and built-in models profiled on the meta device (``--models``, default gpt2-xl at
-b=8, s=1024 on a100-80g). GPU budget = ``planner.budget.fraction_budget(profile, 0.5)`` (static
+b=8, s=1024 on a100-80g). GPU budget = ``planner.solve.budget.fraction_budget(profile, 0.5)`` (static
 + embedding + head + workspace + shared + half of the blocks' saved bytes + the spec's
 reserve), ``--cpu-mem`` 512 GiB, no NVMe.
 
@@ -15,7 +15,7 @@ reserve), ``--cpu-mem`` 512 GiB, no NVMe.
 
 The default times one MILP: the activation-only model ``plan solve`` always runs
 (``solve_profile``'s ``milp-act``: every tensor class at home on the device), built from
-``planner.plans.cost_model`` and solved by ``planner.solvers.solve`` with the GPU budget less
+``planner.plans.cost_model`` and solved by ``planner.solve.solvers.solve`` with the GPU budget less
 ``MARGIN_BYTES``, as ``plan solve`` does. Its plan is then built and simulated
 (``plan_and_sim``): the MILP and the simulator evaluate the same cost model, so the objective
 should equal the simulated step; the column says by how much it does not. ``--joint`` times the
@@ -40,17 +40,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # bench/profile.py and bench/runtime.py would shadow the standard library's ``profile`` and
 # the runtime package: import from the repository root, never from bench/
-sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
+sys.path[:] = [str(ROOT), str(ROOT / "tests")] + [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 
 from planner import solvers  # noqa: E402
-from planner.budget import fraction_budget  # noqa: E402
+from planner.solve.budget import fraction_budget  # noqa: E402
 from planner.errors import NoFitError, UserError  # noqa: E402
 from planner.formats import Budgets  # noqa: E402
 from planner.hardware import load_hardware  # noqa: E402
-from planner.milp import Model  # noqa: E402
+from planner.solve.milp import Model  # noqa: E402
 from planner.plans import cost_model, plan_and_sim  # noqa: E402
 from planner.solve import MARGIN_BYTES, solve_profile  # noqa: E402
-from planner.synthetic import uniform_profile  # noqa: E402
+from synthetic import uniform_profile  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 GiB = 1024**3
@@ -64,7 +64,7 @@ def cases(args):
     for spec in [m for m in args.models.split(",") if m]:
         parts = spec.split(":")
         name, b, s, hw_name = parts + [None, "8", "1024", "a100-80g"][len(parts):]
-        from planner.profiler import profile_model
+        from planner.profile import profile_model
         mhw = load_hardware(hw_name)
         p = profile_model(name, int(b), int(s), device="meta", hardware=mhw)
         yield f"{name} b{b} s{s} {hw_name}", p, mhw
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     ap.add_argument("--end-to-end", action="store_true", help="time plan solve's whole work")
     ap.add_argument("--fractions", default="0.5",
                     help="end to end: GPU budgets as fractions of the blocks' activations "
-                         "(planner.budget.fraction_budget), comma-separated")
+                         "(planner.solve.budget.fraction_budget), comma-separated")
     args = ap.parse_args(argv)
     names = [s for s in args.solvers.split(",") if s]
     if "highs" in names and not solvers.highs_available():

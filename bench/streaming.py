@@ -82,7 +82,7 @@ def worker(args) -> None:
     (comparing with them); writes a JSON result."""
     import torch
 
-    from planner.profiler import resolve_model
+    from planner.profile import resolve_model
     from runtime import apply_plan
 
     torch.manual_seed(0)

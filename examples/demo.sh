@@ -16,7 +16,7 @@ NVME_DIR=${NVME_DIR:-$OUT_DIR/tierplan-nvme}
 echo "== plan profile: measure $MODEL (batch $BATCH, seq $SEQ) on this CPU"
 "$PLAN" profile "$MODEL" --batch "$BATCH" --seq "$SEQ" --dtype fp32 --device cpu --hardware cpu-host -o "$PROFILE"
 # The budget: static state + embedding + head + workspace + half of the blocks' activations.
-BUDGET=$("$PY" -m planner.budget "$PROFILE" --fraction 0.5)
+BUDGET=$("$PY" -m planner.solve.budget "$PROFILE" --fraction 0.5)
 echo "== plan solve: GPU budget $BUDGET bytes (half of the blocks' activations), 1G on disk"
 "$PLAN" solve "$PROFILE" --gpu-mem "$BUDGET" --nvme-mem 1G --nvme-dir "$NVME_DIR" -o "$PLANFILE"
 echo "== plan inspect"

@@ -60,7 +60,7 @@ def _batches(vocab: int, batch: int, seq: int, text: str | None, device, rank: i
     (each rank its own stream)."""
     g = torch.Generator().manual_seed(rank)
     if text:
-        from planner.fileio import read_bytes
+        from planner.formats.fileio import read_bytes
         data = torch.tensor(list(read_bytes(text, "--text")), dtype=torch.long)
         if vocab < 256:
             raise UserError(f"--text needs a vocabulary of at least 256 (bytes), the model has {vocab}")
@@ -78,7 +78,7 @@ def _batches(vocab: int, batch: int, seq: int, text: str | None, device, rank: i
 def _build(spec: str, batch: int, seq: int, dtype: str | None, device: str):
     """(model, vocab, labels_shifted): built-in models take next-token labels, Hugging Face
     models shift the labels themselves."""
-    from planner.profiler import resolve_model
+    from planner.profile import resolve_model
     model, inputs, _, cfg, _ = resolve_model(spec, batch, seq, dtype, device)
     if ":" in spec and not spec.endswith((".yaml", ".yml")):
         vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 256

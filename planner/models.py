@@ -28,9 +28,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import PROFILES_DIR
-from .errors import UserError
-from .hardware import read_yaml_mapping
+from planner import PROFILES_DIR
+from planner.errors import UserError
+from planner.hardware import read_yaml_mapping
 
 MODELS_DIR = PROFILES_DIR / "models"
 

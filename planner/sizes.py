@@ -6,7 +6,7 @@ a bare integer is bytes (the design brief fixes this).
 import re
 from fractions import Fraction
 
-from .errors import UserError
+from planner.errors import UserError
 
 _UNITS = {
     "": 1,

@@ -28,9 +28,9 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
 from planner.errors import UserError
-from planner.events import Op, Stream, TensorClass
+from planner.formats.events import Op, Stream, TensorClass
 from planner.formats import Activation, Plan, Tier, UnitKind, load_plan
-from planner.report import LINKS, Report, StepRecord
+from planner.formats.report import LINKS, Report, StepRecord
 
 from . import calls, engines
 from .binding import InputGuard, InputTooLargeError, PlanMismatchError, bind
@@ -1032,7 +1032,7 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
         plan_path = str(plan)
         plan = load_plan(plan)
     src = plan_path or "the plan"
-    from planner.simulate import check_plan
+    from planner.plans.simulate import check_plan
     # its events are those its decisions imply, as simulate checks; its cost model serves the
     # runner's gradient timing and predicted static bytes too
     cost_model, _ = check_plan(plan, plan_path)

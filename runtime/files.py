@@ -46,7 +46,7 @@ from pathlib import Path
 import xxhash
 
 from planner.errors import UserError
-from planner.fileio import _is_dir, _shown, lock_dir, path_problem
+from planner.formats.fileio import _is_dir, _shown, lock_dir, path_problem
 
 from .timing import LINKS
 

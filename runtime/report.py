@@ -1,4 +1,4 @@
-"""Measuring a step on this host: the probes behind the report (``planner.report`` holds the
+"""Measuring a step on this host: the probes behind the report (``planner.formats.report`` holds the
 report's format).
 
 A step is the forward pass(es), the backward(s) and the optimizer step; it starts at the first

@@ -1,5 +1,5 @@
 """Replaying the plan's stages: at each stage's start, wait for the previous stage's transfers
-(the stage barrier of ``planner.events``) and issue this stage's.
+(the stage barrier of ``planner.formats.events``) and issue this stage's.
 
 The training thread tells the driver when a compute event starts (``enter(stage)``: a block's
 forward, a backward reached through a gradient hook, the start of a forward pass); the driver
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from planner.events import Op, Stream, TensorClass
+from planner.formats.events import Op, Stream, TensorClass
 
 
 class Action:

@@ -60,7 +60,7 @@ def plan_for(model, layers, batch, seq, *, hardware="cpu-host", nvme_dir=None,
     is recorded; without, the blocks are found by the container rule and the input guard
     checks ``batch`` x ``seq``. ``homes`` maps a unit name (or "blocks" for every block) to a
     ``Home`` (weights, grads, optimizer, step)."""
-    from planner.baselines import baseline_layers
+    from planner.costmodel.baselines import baseline_layers
     from planner.blocks import identity_hash, input_table
     from planner.formats import Activation, Budgets, LayerDecision, Profile, Tier
     from planner.hardware import load_hardware

@@ -85,7 +85,7 @@ def wrap(model, engine: str):
 def profile(name: str, hardware: str = "cpu-host"):
     """The model's profile for ``hardware`` (bytes measured on CPU, times estimated)."""
     from planner.hardware import load_hardware
-    from planner.profiler import profile_module
+    from planner.profile import profile_module
     model, batches = _build_cpu(name, 0)
     return profile_module(model, batches[0], name=name, hardware=load_hardware(hardware),
                           timing="estimate", batch=B, seq=S)
@@ -100,7 +100,7 @@ def plans(name: str, engine: str, folder, world: int = 2) -> list[tuple]:
     """``(model, policy, plan file, nvme dir)`` for every policy of ``POLICIES``: the baselines
     (offload-all sends every block to NVMe, this host's offload tier) and the optimal plan at a
     tight per-rank budget: 40% of the way from the lowest baseline peak to keep-all's."""
-    from planner.baselines import baseline_layers
+    from planner.costmodel.baselines import baseline_layers
     from planner.formats import Budgets
     from planner.hardware import load_hardware
     from planner.plans import cost_model, make_plan, save_plan

@@ -82,9 +82,9 @@ class Seeds:
     def __init__(self, folder: Path):
         from planner.formats import load_plan
         from planner.hardware import load_hardware
-        from planner.report import Report, StepRecord
+        from planner.formats.report import Report, StepRecord
         from planner.solve import solve_profile
-        from planner.synthetic import uniform_profile
+        from synthetic import uniform_profile
 
         folder.mkdir(parents=True, exist_ok=True)
         self.folder = folder
@@ -1200,8 +1200,8 @@ def _regenerate_schedule(obj: dict) -> bool:
     refuses those decisions (the edit stays invalid)."""
     from planner.errors import UserError
     from planner.formats import Plan
-    from planner.schedule import build_schedule
-    from planner.simulate import cost_model_of
+    from planner.costmodel.schedule import build_schedule
+    from planner.plans.simulate import cost_model_of
     try:
         plan = Plan.from_dict(copy.deepcopy(obj))
         cm = cost_model_of(plan)
@@ -1703,8 +1703,8 @@ def preimport_runtime() -> None:
     import torch
 
     import planner.models  # noqa: F401
-    import planner.schedule  # noqa: F401
-    import planner.simulate  # noqa: F401
+    import planner.costmodel.schedule  # noqa: F401
+    import planner.plans.simulate  # noqa: F401
     import runtime  # noqa: F401
     import runtime.checkpoint  # noqa: F401
     torch.empty(1, device="meta").normal_()

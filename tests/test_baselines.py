@@ -4,12 +4,12 @@ from pathlib import Path
 
 import pytest
 
-from planner.baselines import baseline_layers, sqrt_stride
+from planner.costmodel.baselines import baseline_layers, sqrt_stride
 from planner.formats import Activation as Act, Tier, load_plan
 from planner.plans import baseline_plan, make_plan
-from planner.schedule import build_schedule, segments
-from planner.simulate import simulate
-from planner.synthetic import uniform_profile
+from planner.costmodel.schedule import build_schedule, segments
+from planner.plans.simulate import simulate
+from synthetic import uniform_profile
 
 from test_schedule import spec
 

@@ -18,7 +18,7 @@ from planner.formats import Plan
 from planner.hardware import load_hardware
 from planner.models import build_model, load_config, make_inputs
 from planner.plans import baseline_plan
-from planner.profiler import profile_module
+from planner.profile import profile_module
 from runtime import InputTooLargeError, PlanMismatchError, RecomputeMismatch, apply_plan
 
 CPU = load_hardware("cpu-host")
@@ -246,11 +246,11 @@ def test_checkpoint_none_across_stacks_is_refused_at_apply():
     layers[idx - 1] = LayerDecision("encoder.block.1", Activation.RECOMPUTE, Tier.GPU)
     layers[idx] = LayerDecision("decoder.block.0", Activation.RECOMPUTE, Tier.NONE)
     model, _ = hf.t5(B, S)
-    # no schedule can be built for these decisions (planner/schedule.py refuses them), so a
+    # no schedule can be built for these decisions (planner/costmodel/schedule.py refuses them), so a
     # plan file that has them is refused by apply_plan's consistency check, naming the block
     from planner.errors import UserError
-    from planner.schedule import build_schedule
-    from planner.simulate import cost_model_of
+    from planner.costmodel.schedule import build_schedule
+    from planner.plans.simulate import cost_model_of
     with pytest.raises(UserError, match="decoder.block.0.*chain_breaks"):
         build_schedule(cost_model_of(plan), layers)
     with pytest.raises(UserError) as e:
@@ -311,7 +311,7 @@ def test_the_cache_use_cache_fills_is_weighed_and_warned_about():
     # and counted: the same plan without it peaks exactly that much lower at every stage
     import dataclasses
 
-    from planner.simulate import simulate
+    from planner.plans.simulate import simulate
     bare = dataclasses.replace(plan, model=dict(plan.model, state_bytes=0))
     with_cache, without = simulate(plan), simulate(bare)
     assert [a.memory["gpu"] - b.memory["gpu"] for a, b in zip(with_cache.stages, without.stages)] \

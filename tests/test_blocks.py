@@ -518,11 +518,11 @@ def test_no_plan_continues_a_segment_into_a_chain_break(tmp_path):
     block's output: the solver and the sqrt baseline give them a checkpoint of their own (a
     segment cannot be replayed into them; apply_plan refuses checkpoint 'none' there), and
     the judge refuses a plan that does not."""
-    from planner.baselines import baseline_layers
+    from planner.costmodel.baselines import baseline_layers
     from planner.formats import Activation, Budgets, Tier
     from planner.hardware import load_hardware
     from planner.plans import make_plan
-    from planner.profiler import profile_module
+    from planner.profile import profile_module
     from planner.solve import solve_profile
     from runtime import apply_plan
 

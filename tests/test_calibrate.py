@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from conftest import plan_for
-from planner.calibrate import calibrate
+from planner.profile.calibrate import calibrate
 from planner.cli import main
 from planner.formats import load_profile, write_json_atomic
 from planner.models import build_model, load_config, make_inputs
-from planner.report import Report, StepRecord, load_report
+from planner.formats.report import Report, StepRecord, load_report
 from runtime import apply_plan
 from runtime.timing import LinkClock, StageClock
 
@@ -185,14 +185,14 @@ def _profile_and_report(tmp_path, trained):
 
 
 def test_calibrate_writes_the_measured_medians_and_bandwidths(tmp_path, trained, monkeypatch):
-    import planner.calibrate
+    import planner.profile.calibrate
     pp, rp, rep = _profile_and_report(tmp_path, trained)
     rates = rep.link_rates()
     # this small model moves less than a MiB a link: below the floor the spec's figure stays
-    assert all(r["bytes"] < planner.calibrate.MIN_LINK_BYTES for r in rates.values())
+    assert all(r["bytes"] < planner.profile.calibrate.MIN_LINK_BYTES for r in rates.values())
     cal0, _ = calibrate(load_profile(pp), rep, str(pp), str(rp))
     assert cal0.hardware["nvme_read_bandwidth"] == load_profile(pp).hardware["nvme_read_bandwidth"]
-    monkeypatch.setattr(planner.calibrate, "MIN_LINK_BYTES", 1)
+    monkeypatch.setattr(planner.profile.calibrate, "MIN_LINK_BYTES", 1)
     before = pp.read_bytes()
     out = tmp_path / "cal.json"
     assert main(["calibrate", str(pp), "--report", str(rp), "-o", str(out)]) == 0

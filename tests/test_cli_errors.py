@@ -15,7 +15,7 @@ import pytest
 from planner.formats import write_json_atomic
 from planner.hardware import load_hardware
 from planner.sizes import parse_size
-from planner.synthetic import uniform_profile
+from synthetic import uniform_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN = str(Path(sys.executable).parent / "plan")

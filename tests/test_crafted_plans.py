@@ -121,7 +121,7 @@ def test_micro_batches_changed_alone_is_a_consistent_plan(streaming):
     """Not every edit is a mistake: these homes imply the same events whatever K is, so K
     changed alone leaves a plan whose schedule is what its decisions imply (only its
     prediction is stale); the check accepts it rather than refuse a valid plan."""
-    from planner.simulate import check_plan
+    from planner.plans.simulate import check_plan
     d = copy.deepcopy(streaming)
     d["micro_batches"] = 2
     check_plan(Plan.from_dict(d))

@@ -5,13 +5,13 @@ from pathlib import Path
 import pytest
 
 from planner.cli import main
-from planner.diff import diff_plans, format_diff
+from planner.cli.diff import diff_plans, format_diff
 from planner.costmodel import CostModel
 from planner.formats import (Activation, Budgets, LayerDecision, Plan, Prediction, SolverRecord,
                              Tier, load_plan, write_json_atomic)
 from planner.hardware import load_hardware
-from planner.schedule import build_schedule
-from planner.synthetic import uniform_profile
+from planner.costmodel.schedule import build_schedule
+from synthetic import uniform_profile
 
 N_BLOCKS = 14
 

@@ -16,15 +16,15 @@ import pytest
 import torch
 
 import dist_harness as H
-from planner.baselines import baseline_layers
+from planner.costmodel.baselines import baseline_layers
 from planner.errors import UserError
-from planner.events import Op, Stream
+from planner.formats.events import Op, Stream
 from planner.formats import Activation, Budgets, LayerDecision, Tier, load_plan
 from planner.hardware import load_hardware
 from planner.plans import cost_model, make_plan, plan_and_sim
-from planner.schedule import validate_layers
+from planner.costmodel.schedule import validate_layers
 from planner.solve import solve_profile
-from planner.synthetic import uniform_profile
+from synthetic import uniform_profile
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1024**3
@@ -91,7 +91,7 @@ def test_fsdp2_counts_a_tied_gradient_once():
     """A tied embedding's gradient part: one process holds it as autograd's buffer from the
     head's backward to the embedding's; under FSDP2 the root's unsharded gradients (engine
     memory) hold it already, so with K = 1 it is not counted a second time."""
-    from planner.synthetic import random_profile
+    from synthetic import random_profile
     p = random_profile(2, H100)
     assert any(u.tied_grad_bytes for u in p.layers)
     b = Budgets(80 * GIB, 512 * GIB, 0)
@@ -171,7 +171,7 @@ def test_milp_objective_is_the_simulated_step(engine, tmp_path):
         assert out.milp_objective == pytest.approx(out.sim.step_s, rel=1e-6)
     # the written plan replays to its prediction from the file alone
     from planner.plans import save_plan
-    from planner.simulate import simulate
+    from planner.plans.simulate import simulate
     save_plan(out.plan, tmp_path / "p.json")
     again = simulate(load_plan(tmp_path / "p.json"))
     assert again.step_s == out.plan.predicted.step_s
@@ -180,7 +180,7 @@ def test_milp_objective_is_the_simulated_step(engine, tmp_path):
 
 def test_edited_distributed_plans_are_refused(tmp_path):
     from planner.plans import save_plan
-    from planner.simulate import PlanInconsistent, simulate
+    from planner.plans.simulate import PlanInconsistent, simulate
     p = _prof()
     b = Budgets(80 * GIB, 0, 0)
     cm = cost_model(p, H100, b, world_size=4, ranks_per_node=4, engine="fsdp2")

@@ -2,7 +2,7 @@
 
 A plan is its decisions (per unit: activation choice and home) and the shares of every
 transfer. For each decision vector the rules allow, the best shares are an LP (the MILP with
-its binaries fixed, ``planner.exhaustive``); the smallest GPU budget it fits in is another LP.
+its binaries fixed, ``exhaustive``); the smallest GPU budget it fits in is another LP.
 Enumerating decision vectors therefore gives the true optimum of the plan space, and the
 planner must (1) write a plan no slower than it beyond its gap, (2) exit 3 only when nothing
 fits, naming a budget within 0.5% above the true minimum.
@@ -14,11 +14,11 @@ import random
 import pytest
 
 from planner.errors import NoFitError
-from planner.exhaustive import best_plan, smallest_budget
+from exhaustive import best_plan, smallest_budget
 from planner.formats import Budgets
 from planner.hardware import load_hardware
 from planner.solve import solve_profile
-from planner.synthetic import random_profile
+from synthetic import random_profile
 
 GAP = 0.005
 

@@ -11,7 +11,7 @@ from planner.cli import main
 from planner.errors import UserError
 from planner.formats import load_plan, load_profile, write_atomic, write_json_atomic
 from planner.hardware import load_hardware
-from planner.synthetic import uniform_profile
+from synthetic import uniform_profile
 
 GOLDEN = PLANS_DIR / "golden" / "h200-mixed.json"   # has every stream, issues and afters
 

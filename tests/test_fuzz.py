@@ -133,7 +133,7 @@ def test_ten_thousand_units_end_within_the_time_limit(tmp_path):
     backstop gives 3 s more to write), with a plan or one line saying what did not fit."""
     from planner.formats import write_json_atomic
     from planner.hardware import load_hardware
-    from planner.synthetic import uniform_profile
+    from synthetic import uniform_profile
     prof = uniform_profile(10_000, load_hardware("h100-80g"), jitter=0.02, fwd_s=1e-3,
                            saved_bytes=20_000_000, input_bytes=1_000_000,
                            param_bytes=1_000_000, workspace_bytes=2_000_000,

@@ -9,12 +9,12 @@ from planner.cli import main
 from planner.formats import (REPORT_SCHEMA, Activation, Budgets, Home, LayerDecision, Tier,
                              write_json_atomic)
 from planner.hardware import load_hardware
-from planner.inspect import binding, time_breakdown
+from planner.cli.inspect import binding, time_breakdown
 from planner.plans import make_plan, plan_and_sim
-from planner.simulate import simulate
+from planner.plans.simulate import simulate
 from planner.sizes import fmt_bytes
-from planner.synthetic import uniform_profile
-from planner.table import unit_table
+from synthetic import uniform_profile
+from planner.cli.table import unit_table
 
 N_BLOCKS = 14
 GIB = 1024 ** 3
@@ -157,7 +157,7 @@ def test_memory_binds_when_no_saving_can_be_undone_within_the_budget():
 
 def test_parameter_counts_carry_their_unit(plan_file, tmp_path, capsys):
     """A 199,232-parameter model printed "0 M params"."""
-    from planner.inspect import fmt_count
+    from planner.cli.inspect import fmt_count
     assert [fmt_count(n) for n in (0, 999, 1000, 199_232, 1_500_000, 124_439_808,
                                    7_241_732_096, 999_999)] == \
         ["0", "999", "1K", "199K", "1.5M", "124M", "7.24B", "1M"]

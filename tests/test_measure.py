@@ -3,7 +3,7 @@ import pytest
 
 from planner.cli import main
 from planner.hardware import load_hardware
-from planner.measure import disk_bandwidth
+from planner.hardware.measure import disk_bandwidth
 
 
 def test_hardware_writes_a_loadable_spec(tmp_path, capsys):

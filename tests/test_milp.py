@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from planner.baselines import baseline_layers
+from planner.costmodel.baselines import baseline_layers
 from planner.costmodel import REC
 from planner.errors import NoFitError
 from planner.formats import Activation, Budgets
 from planner.hardware import load_hardware
-from planner.milp import Model
+from planner.solve.milp import Model
 from planner.plans import cost_model, plan_and_sim
 from planner.solve import solve_profile
-from planner.synthetic import random_profile, uniform_profile
+from synthetic import random_profile, uniform_profile
 
 SPECS = ("a100-80g", "h100-80g", "rtx4090", "cpu-host")
 
@@ -131,7 +131,7 @@ def test_a_search_that_finds_nothing_but_its_warm_start_has_no_incumbent(monkeyp
     whose transfer shares the model leaves unset): no solution, not that start read back as
     one (it crashed as a TypeError, then as 'its gdc transfer has no share': seeds 1018 and
     1068 of bench/promises.py part 1 at a 10 s limit)."""
-    from planner import solvers
+    from planner.solve import solvers
     hw = load_hardware("a100-80g")
     prof = uniform_profile(4, hw, jitter=0.02)
     b = Budgets(10**15, 10**15, 0)
@@ -175,7 +175,7 @@ def test_hidden_transfers_leave_early_and_arrive_late():
     in one stage leaves in the first stage after its forward and comes back in the last stage
     before its backward (the solve's second phase, ``solvers._settle``; before it, the solver
     left shares wherever its vertex put them)."""
-    from planner import solvers
+    from planner.solve import solvers
 
     hw = load_hardware("cpu-host")
     prof = uniform_profile(6, hw, fwd_s=1.0, saved_bytes=100_000_000, input_bytes=1_000_000,
@@ -223,7 +223,7 @@ def test_a_strategy_that_cannot_beat_the_incumbent_stops_at_its_bound():
     already proves that nothing beats it by more than the gap stops there (the joint MILP
     after an activation-only plan at the bound: 48 blocks went from 20 s to 5 s); one that
     might beat it searches as before."""
-    from planner import solvers
+    from planner.solve import solvers
 
     hw = load_hardware("a100-80g")
     prof = uniform_profile(6, hw, jitter=0.02, seed=6)
@@ -240,7 +240,7 @@ def test_a_strategy_that_cannot_beat_the_incumbent_stops_at_its_bound():
 
 def test_settling_that_fails_leaves_the_solution_as_it_was(monkeypatch):
     """Phase two's LP stopped with no point (or infeasible): the solve's own values stand."""
-    from planner import solvers
+    from planner.solve import solvers
 
     hw = load_hardware("a100-80g")
     prof = uniform_profile(4, hw, jitter=0.02, seed=4)
@@ -287,7 +287,7 @@ def _live_children() -> list[int]:
 def test_a_highs_search_past_its_deadline_is_killed_and_the_dives_plan_kept(monkeypatch):
     """A HiGHS MIP that runs on past its time limit is killed at its hard deadline: the solve
     ends within it, with the dive's plan (status feasible), and leaves no process behind."""
-    from planner import solvers
+    from planner.solve import solvers
     hw = load_hardware("a100-80g")
     prof = uniform_profile(6, hw, jitter=0.02)
     m = Model(cost_model(prof, hw, Budgets(10**15, 10**15, 0)))
@@ -317,7 +317,7 @@ def test_a_race_ends_with_the_search_or_a_winning_rival_and_leaves_no_process():
     minute, is killed); a rival that does not win is waited past; a search that answers
     first ends it (the rival killed); a rival that fails counts as no answer; what runs
     meanwhile in this process decides it with a winning result, or stops when told."""
-    from planner import solvers
+    from planner.solve import solvers
 
     def slow(x):
         def f():
@@ -364,7 +364,7 @@ def test_a_rivals_plan_is_taken_where_it_is_better_and_its_bound_where_it_proves
     pytest.importorskip("highspy")
     import pulp
 
-    from planner import solvers
+    from planner.solve import solvers
     hw = load_hardware("a100-80g")
     prof = uniform_profile(6, hw, jitter=0.02)
     m = Model(cost_model(prof, hw, Budgets(10**15, 10**15, 0)))
@@ -387,7 +387,7 @@ def test_a_rivals_plan_is_taken_where_it_is_better_and_its_bound_where_it_proves
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the child run is Linux-only")
 def test_a_highs_child_that_fails_is_a_solver_failure(monkeypatch):
-    from planner import solvers
+    from planner.solve import solvers
 
     class Crashes:
         def actualSolve(self, lp, **kw):       # noqa: N802
@@ -412,7 +412,7 @@ def test_promises_seed_1299_ends_within_its_time_limit(tmp_path):
     out = solve_profile(prof, None, hw, Budgets(10019853143, 11649178124, 10**13),
                         nvme_dir=str(tmp_path), stream="auto", time_limit=10, gap=0.005)
     assert time.perf_counter() - t0 < 20
-    from planner.simulate import simulate
+    from planner.plans.simulate import simulate
     assert simulate(out.plan).fits
 
 
@@ -422,7 +422,7 @@ def test_the_held_lp_answers_what_a_fresh_lp_answers(seed):
     gives the relaxation PuLP builds from scratch: with nothing fixed, with a unit's choice
     fixed, after that fixing is released again; a fixing that cannot fit gives (None, None)."""
     pytest.importorskip("highspy")
-    from planner import solvers
+    from planner.solve import solvers
     rng = random.Random(seed)
     hw = load_hardware(SPECS[seed % len(SPECS)])
     prof = random_profile(seed, hw, n_blocks=6)
@@ -449,7 +449,7 @@ def test_unit_by_unit_fixing_gives_a_complete_plan_that_fits(tmp_path):
     as rounded, or the first of its other choices that fits), and the plan those choices make
     is the LP it reports, and fits in the simulator."""
     pytest.importorskip("highspy")
-    from planner import solvers
+    from planner.solve import solvers
     rng = random.Random(7)
     hw = load_hardware("a100-80g")
     prof = random_profile(7, hw, n_blocks=6)
@@ -478,8 +478,8 @@ def test_the_relaxation_charges_a_whole_segment_rebuild():
     of the optimum (0.995 of it; the chain rows it replaced: 0.980), so within 1.5% of any
     plan within the solve's gap of it."""
     pytest.importorskip("highspy")
-    from planner import solvers
-    from planner.budget import fraction_budget
+    from planner.solve import solvers
+    from planner.solve.budget import fraction_budget
     hw = load_hardware("h200")
     prof = uniform_profile(16, hw, jitter=0.02, seed=16)
     b = Budgets(fraction_budget(prof, 0.25), 512 * 2**30, 0)
@@ -499,8 +499,8 @@ def test_a_search_improves_a_poor_plan_and_leaves_the_held_lp_as_it_was(search):
     first plan within the gap of the bound: it finds one here, the relaxation being within
     a fraction of a percent of the optimum on these chains."""
     pytest.importorskip("highspy")
-    from planner import solvers
-    from planner.budget import fraction_budget
+    from planner.solve import solvers
+    from planner.solve.budget import fraction_budget
     hw = load_hardware("h200")
     prof = uniform_profile(24, hw, jitter=0.02, seed=24)
     b = Budgets(fraction_budget(prof, 0.25), 512 * 2**30, 0)
@@ -528,7 +528,7 @@ def _big_relaxation():
     """A model big enough to search in a child (``CHILD_MIN_BINARIES``), its relaxation held:
     (model, held instance, bound, relaxed values)."""
     pytest.importorskip("highspy")
-    from planner import solvers
+    from planner.solve import solvers
     hw = load_hardware("h200")
     prof = uniform_profile(16, hw, jitter=0.02, seed=16)
     m = Model(cost_model(prof, hw, Budgets(10**15, 10**15, 0), allow_streaming=False))
@@ -548,7 +548,7 @@ def test_a_polish_past_its_deadline_is_killed_and_the_dives_plan_kept(monkeypatc
     """On a model big enough to search in a child (``CHILD_MIN_BINARIES``), a search that
     never returns is killed at the hard deadline: the dive's plan comes back unchanged,
     within the deadline, and no process is left."""
-    from planner import solvers
+    from planner.solve import solvers
     m, held, bound, lp = _big_relaxation()
     before = set(_live_children())
     t0 = time.perf_counter()
@@ -564,7 +564,7 @@ def test_a_proof_beside_the_polish_ends_it_or_waits_for_it():
     """``_guarded`` with ``prove`` (the count bound, in this process): a proof of the dive's
     plan kills a polish that would run on and returns that plan at once; a proof that
     fails waits for the polish, whose plan comes back; no process is left."""
-    from planner import solvers
+    from planner.solve import solvers
     m, held, bound, lp = _big_relaxation()
     plan = (dict(lp), bound * 1.1)
 
@@ -596,7 +596,7 @@ def test_the_integer_optimizer_floor_lies_between_the_relaxation_and_every_whole
     import itertools
 
     from planner.costmodel import View
-    from planner.milp import opt_floor_int
+    from planner.solve.milp import opt_floor_int
     pytest.importorskip("highspy")
 
     class OneHome(View):
@@ -637,8 +637,8 @@ def test_the_count_bound_lies_between_the_relaxation_and_the_optimum(which):
     the relaxation's and at most the optimum (HiGHS to a gap of 1e-9), and above the
     relaxation where the relaxation spreads a home over the blocks."""
     pytest.importorskip("highspy")
-    from planner import solvers
-    from planner.budget import fraction_budget
+    from planner.solve import solvers
+    from planner.solve.budget import fraction_budget
 
     hw = load_hardware("a100-80g")
     # parameters large against the activations, and less device memory than the static
@@ -669,7 +669,7 @@ def test_a_step_of_microseconds_keeps_its_promises():
     340.75 us ("optimal", gap 0) for plans the simulator timed at 341.50-343.75 us, rising
     0.66% as the budget grew. In the model's own time unit the objective is the simulated
     step and the step does not rise."""
-    from planner.simulate import simulate
+    from planner.plans.simulate import simulate
 
     hw = load_hardware("a100-80g")
     prof = random_profile(2015, hw, n_blocks=3)

@@ -516,7 +516,7 @@ def test_gradients_kept_into_the_next_forward_are_said_once(tmp_path):
         assert len(said) == expected, keep
 
 def test_report_counts_and_saves(tmp_path):
-    from planner.report import load_report
+    from planner.formats.report import load_report
     cfg = dict(load_config("gpt-tiny"), dtype="fp32")
     model = build_model(cfg, dtype="fp32")
     plan = plan_for(model, "offload-all", B, S, nvme_dir=tmp_path / "n")

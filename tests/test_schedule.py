@@ -4,13 +4,13 @@ import dataclasses
 
 import pytest
 
-from planner.baselines import baseline_layers
+from planner.costmodel.baselines import baseline_layers
 from planner.costmodel import CostModel
 from planner.errors import UserError
-from planner.events import Op, Passes, Stream, TensorClass, event_id
+from planner.formats.events import Op, Passes, Stream, TensorClass, event_id
 from planner.formats import Activation as Act, HardwareSpec, Home, LayerDecision as LD, Tier as T
-from planner.schedule import build_schedule, greedy_shares, segments
-from planner.synthetic import uniform_profile
+from planner.costmodel.schedule import build_schedule, greedy_shares, segments
+from synthetic import uniform_profile
 
 
 def spec(unified=False, link=250.0, nvme_r=50.0, nvme_w=25.0, adam=1e9):
@@ -229,7 +229,7 @@ def test_a_solvers_rounding_in_the_order_of_shares_is_settled_not_refused():
     bytes follow exactly, so that the events rebuilt from the plan's own events are the same
     (promises seed 1296: one byte moved by rounding made the simulator refuse the plan), and
     still refuses a real inversion."""
-    from planner.schedule import _check_order, event_ids, order_values, shares_of
+    from planner.costmodel.schedule import _check_order, event_ids, order_values, shares_of
     hw = spec()
     units = uniform_profile(4, hw, fwd_s=1.0, saved_bytes=569, input_bytes=100, param_bytes=10,
                             workspace_bytes=50, head_saved_bytes=2000).layers

@@ -7,14 +7,15 @@ import sys
 
 import pytest
 
-from planner.baselines import baseline_layers
+from planner.costmodel.baselines import baseline_layers
 from planner.errors import UserError
-from planner.events import Op, Stream
+from planner.formats.events import Op, Stream
 from planner.formats import (Activation as Act, Budgets, HardwareSpec, Home, LayerDecision as LD,
                              Tier as T, load_plan)
-from planner.plans import golden_plans, make_plan, plan_and_sim, save_plan
-from planner.simulate import PlanInconsistent, simulate
-from planner.synthetic import uniform_profile
+from golden import golden_plans
+from planner.plans import make_plan, plan_and_sim, save_plan
+from planner.plans.simulate import PlanInconsistent, simulate
+from synthetic import uniform_profile
 
 
 def spec(unified=False, link=100.0, duplex=0.0, nvme_r=50.0, nvme_w=25.0):
@@ -183,8 +184,7 @@ def test_golden_plans_simulate_to_their_prediction(name, tmp_path):
     assert r.peak_gpu_bytes == plan.predicted.peak_gpu_bytes
     fresh = golden_plans()[name]
     assert fresh.to_dict()["schedule"] == plan.to_dict()["schedule"], \
-        "plans/golden is stale: python -c 'from planner.plans import write_golden_plans; " \
-        "write_golden_plans()'"
+        "plans/golden is stale: python tests/golden.py"
 
 
 def test_golden_plans_cover_every_kind_of_event():

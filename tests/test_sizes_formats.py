@@ -9,7 +9,7 @@ from planner.formats import (PLAN_SCHEMA, Activation, LayerDecision, Profile, Ti
                              load_plan, load_profile, write_json_atomic)
 from planner.hardware import load_hardware, shipped_names
 from planner.sizes import fmt_bytes, parse_size
-from planner.synthetic import uniform_profile
+from synthetic import uniform_profile
 
 
 @pytest.mark.parametrize("text,expected", [

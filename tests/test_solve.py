@@ -8,9 +8,9 @@ import pytest
 from planner.cli import main
 from planner.formats import load_plan, write_json_atomic
 from planner.hardware import load_hardware
-from planner.simulate import simulate
+from planner.plans.simulate import simulate
 from planner.sizes import fmt_bytes
-from planner.synthetic import uniform_profile
+from synthetic import uniform_profile
 
 H200 = load_hardware("h200")
 A100 = load_hardware("a100-80g")
@@ -125,7 +125,7 @@ def test_static_state_too_big_without_other_tiers_says_so(tmp_path, capsys):
 def test_gpt3_175b_streams_through_one_80g_gpu(tmp_path, capsys):
     """A real gpt3-175b profile (meta, ~3 s): 2.8 TB of static state streams through one
     A100-80G from host memory and NVMe; without them it exits 3 saying why."""
-    from planner.profiler import profile_model
+    from planner.profile import profile_model
     p = profile_model("gpt3-175b", 1, 2048, device="meta", hardware=A100)
     path = tmp_path / "gpt3-175b.json"
     write_json_atomic(path, p.to_dict())
@@ -164,7 +164,7 @@ def test_highs_through_cli_is_silent_when_piped(prof, tmp_path, capsys):
 
 def test_highs_progress_line(capsys):
     from types import SimpleNamespace
-    from planner.solvers import _HighsCallback
+    from planner.solve.solvers import _HighsCallback
     cb = _HighsCallback(progress=True)
     ev = lambda t, inc, bound: SimpleNamespace(data_out=SimpleNamespace(   # noqa: E731
         running_time=t, mip_primal_bound=inc, mip_dual_bound=bound))

@@ -400,12 +400,12 @@ def test_a_block_charged_parameters_used_between_blocks_keeps_them_on_the_device
     streams them anyway is refused at ``apply_plan``."""
     import dataclasses
 
-    from planner.baselines import baseline_layers
+    from planner.costmodel.baselines import baseline_layers
     from planner.errors import UserError
     from planner.formats import load_plan, write_json_atomic
     from planner.hardware import load_hardware
     from planner.plans import cost_model, make_plan
-    from planner.profiler import profile_module
+    from planner.profile import profile_module
     torch.manual_seed(0)
     model, x = _Between(), torch.randn(4, 16)
     prof = profile_module(model, (x,), name="between", hardware=load_hardware("cpu-host"),

@@ -291,7 +291,7 @@ def test_a_layer_shared_by_two_blocks_is_found_and_never_streamed(tmp_path):
     trains like plain PyTorch."""
     from planner.formats import Budgets
     from planner.hardware import load_hardware
-    from planner.profiler import profile_module
+    from planner.profile import profile_module
     from planner.solve import solve_profile
     from runtime import PlanMismatchError
 

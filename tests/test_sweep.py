@@ -8,10 +8,10 @@ import pytest
 from planner.cli import main
 from planner.formats import Budgets, write_json_atomic
 from planner.hardware import load_hardware
-from planner.simulate import simulate
+from planner.plans.simulate import simulate
 from planner.solve import _seed_candidates, solve_profile
-from planner.sweep import Point, knee
-from planner.synthetic import uniform_profile
+from planner.solve.sweep import Point, knee
+from synthetic import uniform_profile
 
 H200 = load_hardware("h200")
 GIB = 1024 ** 3
@@ -95,7 +95,7 @@ def test_table_marks_the_knee_and_the_changes(prof, capsys, tmp_path):
 
 def test_changes_count_each_choice_once():
     from planner.formats import Activation as A, Home, LayerDecision as LD, Tier as T
-    from planner.sweep import changes
+    from planner.solve.sweep import changes
 
     class P:
         def __init__(self, layers):

@@ -10,11 +10,11 @@ import sys
 import pytest
 import torch
 
-import planner.profiler as P
+import planner.profile as P
 from planner.cli import main
 from planner.formats import UnitRecord
 from planner.hardware import load_hardware
-from planner.profiler import profile_model
+from planner.profile import profile_model
 
 CPU = load_hardware("cpu-host")
 

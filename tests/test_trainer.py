@@ -24,7 +24,7 @@ pytest.importorskip("accelerate")
 from planner.errors import NoFitError  # noqa: E402
 from planner.formats import Budgets, Tier  # noqa: E402
 from planner.hardware import load_hardware  # noqa: E402
-from planner.profiler import profile_module  # noqa: E402
+from planner.profile import profile_module  # noqa: E402
 from planner.solve import solve_profile  # noqa: E402
 from runtime import PlanMismatchError, apply_plan  # noqa: E402
 

@@ -94,7 +94,7 @@ def loss_of(out):
 
 def profile(name):
     from planner.hardware import load_hardware
-    from planner.profiler import profile_module
+    from planner.profile import profile_module
     model, inputs = factory(name)(B, S)
     return profile_module(model, inputs, name=name, hardware=load_hardware("cpu-host"),
                           timing="estimate", batch=B, seq=S)
@@ -103,7 +103,7 @@ def profile(name):
 def make_plans(prof, nvme_dir):
     """The four plans for ``prof``: the three baselines and the optimal plan at a budget half
     of the blocks' activations below keep-all's peak."""
-    from planner.baselines import baseline_layers
+    from planner.costmodel.baselines import baseline_layers
     from planner.formats import Budgets
     from planner.plans import make_plan
     from planner.solve import solve_profile
@@ -208,7 +208,7 @@ def test_meta_and_cpu_profiles_agree_on_every_byte(name):
     from torch.utils._pytree import tree_map
 
     from planner.hardware import load_hardware
-    from planner.profiler import _move, _move_input, profile_module
+    from planner.profile import _move, _move_input, profile_module
     cpu = profile(name)
     model, inputs = factory(name)(B, S)
     meta = torch.device("meta")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 
-from .errors import UserError
-from .formats import Activation, HardwareSpec, LayerDecision, Policy, Tier, UnitKind, UnitRecord
+from planner.errors import UserError
+from planner.formats import Activation, HardwareSpec, LayerDecision, Policy, Tier, UnitKind, UnitRecord
 
 BASELINES = (Policy.KEEP_ALL, Policy.RECOMPUTE_ALL, Policy.SQRT, Policy.OFFLOAD_ALL)
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pandas as pd
 
-from .costmodel import KINDS, decision_choice
-from .events import Op, Stream, TensorClass
-from .formats import Activation, LayerDecision, Plan
+from planner.costmodel import KINDS, decision_choice
+from planner.formats.events import Op, Stream, TensorClass
+from planner.formats import Activation, LayerDecision, Plan
 
 CHOICE_LABEL = {"keep": "keep", "cpu": "cpu", "nvme": "nvme", "rg": "recompute/gpu",
                 "rc": "recompute/cpu", "rn": "recompute/nvme", "rz": "recompute/none"}
@@ -25,7 +25,7 @@ def unit_table(plan: Plan, sim=None) -> pd.DataFrame:
     """Per unit: its decisions, its bytes and times from the profile, what the schedule moves
     for it per optimizer step, and (with ``sim``) the duration and binding resource of its
     forward and backward stages."""
-    from .simulate import cost_model_of
+    from planner.plans.simulate import cost_model_of
     cm = cost_model_of(plan)
     moved = {}
     for e in plan.all_events():

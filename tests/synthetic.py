@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from .formats import PROFILE_SCHEMA, HardwareSpec, Profile, UnitRecord
+from planner.formats import PROFILE_SCHEMA, HardwareSpec, Profile, UnitRecord
 
 
 def uniform_profile(

@@ -31,7 +31,7 @@ import re
 import types
 from collections.abc import Mapping
 
-from .errors import UserError
+from planner.errors import UserError
 
 # A stack of blocks is "nothing but" its inner runs when they hold at least this share of its
 # FLOPs: a T5 stack's blocks hold 100% (its embedding lookup, final norm and dropout count no
@@ -356,7 +356,7 @@ def trace_calls(model, run) -> list[Call]:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from .flops import op_flops
+    from planner.profile.flops import op_flops
 
     names = {id(m): n for n, m in model.named_modules()}
     calls: list[Call] = []

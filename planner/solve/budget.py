@@ -1,4 +1,4 @@
-"""``python -m planner.budget PROFILE --fraction F``: a GPU budget for experiments.
+"""``python -m planner.solve.budget PROFILE --fraction F``: a GPU budget for experiments.
 
 Prints, in bytes, the static state + the embedding's and head's saved bytes + the largest
 workspace + the shared tensors + the fraction F of the blocks' saved bytes + the reserve of the
@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .errors import UserError
-from .formats import Profile, load_profile
+from planner.errors import UserError
+from planner.formats import Profile, load_profile
 
 
 def fraction_budget(profile: Profile, fraction: float) -> int:
@@ -27,7 +27,7 @@ def fraction_budget(profile: Profile, fraction: float) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m planner.budget", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m planner.solve.budget", description=__doc__)
     ap.add_argument("profile")
     ap.add_argument("--fraction", type=float, default=0.5)
     args = ap.parse_args(argv)
@@ -36,7 +36,7 @@ def main(argv=None) -> int:
             raise UserError(f"--fraction {args.fraction}: give a number between 0 and 1")
         print(fraction_budget(load_profile(args.profile), args.fraction))
     except UserError as e:
-        print(f"planner.budget: error: {e}", file=sys.stderr)
+        print(f"planner.solve.budget: error: {e}", file=sys.stderr)
         return e.exit_code
     return 0
 

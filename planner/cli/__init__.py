@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 
-from .errors import UserError
+from planner.errors import UserError
 
 EPILOG = {
     "profile": "example: plan profile gpt2-small --batch 8 --seq 1024 --device meta --hardware a100-80g",
@@ -155,21 +155,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _dispatch(args) -> int:
     if args.verb == "profile":
-        from .profiler import cli_profile as run
+        from planner.profile import cli_profile as run
     elif args.verb == "solve":
-        from .solve import cli_solve as run
+        from planner.solve import cli_solve as run
     elif args.verb == "simulate":
-        from .simulate import cli_simulate as run
+        from planner.plans.simulate import cli_simulate as run
     elif args.verb == "inspect":
-        from .inspect import cli_inspect as run
+        from planner.cli.inspect import cli_inspect as run
     elif args.verb == "diff":
-        from .diff import cli_diff as run
+        from planner.cli.diff import cli_diff as run
     elif args.verb == "hardware":
-        from .measure import cli_hardware as run
+        from planner.hardware.measure import cli_hardware as run
     elif args.verb == "sweep":
-        from .sweep import cli_sweep as run
+        from planner.solve.sweep import cli_sweep as run
     elif args.verb == "calibrate":
-        from .calibrate import cli_calibrate as run
+        from planner.profile.calibrate import cli_calibrate as run
     else:
         raise AssertionError(args.verb)
     return run(args) or 0
@@ -191,7 +191,7 @@ def check_outputs(args) -> None:
     """Refuse, before any work, an output the verb must not write (``fileio.check_output``):
     a directory, a device, a FIFO, a socket, one of the command's own inputs, or a path whose
     folders are missing beyond the one level ``-o`` creates."""
-    from .fileio import check_output
+    from planner.formats.fileio import check_output
     inputs = _inputs(args)
     for flag, attr in (("-o", "output"), ("--plot", "plot")):
         v = getattr(args, attr, None)

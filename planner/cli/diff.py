@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 import sys
 
-from .errors import UserError
-from .formats import PLAN_SCHEMA, PLAN_SCHEMA_V1, PROFILE_SCHEMA, Plan, read_json
-from .sizes import fmt_bytes, fmt_seconds
-from .table import unit_table
+from planner.errors import UserError
+from planner.formats import PLAN_SCHEMA, PLAN_SCHEMA_V1, PROFILE_SCHEMA, Plan, read_json
+from planner.sizes import fmt_bytes, fmt_seconds
+from planner.cli.table import unit_table
 
 PREDICTED_KEYS = ("step_s", "compute_s", "pass_s", "optimizer_s", "peak_gpu_bytes",
                   "peak_cpu_bytes", "peak_nvme_bytes")
@@ -175,7 +175,7 @@ def format_diff(d: dict) -> str:
 
 
 def cli_diff(args) -> int:
-    from .simulate import simulate_file
+    from planner.plans.simulate import simulate_file
     a = load_plan_for(args.a, "A")
     b = load_plan_for(args.b, "B")
     # A plan whose schedule is not what its decisions imply is refused here as by simulate

@@ -14,10 +14,10 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-from .errors import UserError
-from .events import Event, Op, Passes, Stream, TensorClass, event_id
-from .fileio import path_problem
-from .fileio import read_json, sha256_file, write_atomic, write_json_atomic  # noqa: F401 (re-exported)
+from planner.errors import UserError
+from planner.formats.events import Event, Op, Passes, Stream, TensorClass, event_id
+from planner.formats.fileio import path_problem
+from planner.formats.fileio import read_json, sha256_file, write_atomic, write_json_atomic  # noqa: F401 (re-exported)
 
 PROFILE_SCHEMA = "tierplan.profile/1"
 PLAN_SCHEMA = "tierplan.plan/2"
@@ -703,7 +703,7 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict, source: str = "plan") -> "Plan":
         if d.get("schema") == PLAN_SCHEMA_V1:
-            from .upgrade import plan_v1_to_v2   # rebuilds the schedule: lazy, rarely needed
+            from planner.plans.upgrade import plan_v1_to_v2   # rebuilds the schedule: lazy, rarely needed
             d = plan_v1_to_v2(d, source)
         _check_schema(d, PLAN_SCHEMA, "plan", source)
         fix = _FIX["plan"]

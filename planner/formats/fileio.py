@@ -30,7 +30,7 @@ import unicodedata
 from pathlib import Path
 from typing import Any, Iterable
 
-from .errors import UserError
+from planner.errors import UserError
 
 # The largest file a loader reads. A 10,000-unit plan is ~60 MB of JSON; 256 MiB leaves room
 # while bounding memory (json.loads takes ~10x the text size in objects).

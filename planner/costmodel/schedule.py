@@ -1,7 +1,7 @@
 """From decisions and transfer shares to the events of every stream (``docs/file-formats.md``).
 
 The schedule is what the runtime replays and the simulator judges. Stages come from
-``planner.costmodel.Layout``; the rule between them is the stage barrier (``planner.events``).
+``planner.costmodel.Layout``; the rule between them is the stage barrier (``planner.formats.events``).
 This module decides nothing about *which* unit goes where: it checks decisions against the
 rules and lays out the events they imply. Where no MILP chose the shares (a baseline, a
 hand-written plan), ``greedy_shares`` places them: each transfer as early (offloads) or as late
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import math
 
-from .costmodel import KINDS, REC, CostModel, decision_choice
-from .errors import UserError
-from .events import Event, Op, Passes, Stream, TensorClass, compute, event_id, transfer
-from .formats import Activation, LayerDecision, Tier, UnitKind
+from planner.costmodel import KINDS, REC, CostModel, decision_choice
+from planner.errors import UserError
+from planner.formats.events import Event, Op, Passes, Stream, TensorClass, compute, event_id, transfer
+from planner.formats import Activation, LayerDecision, Tier, UnitKind
 
 _CLS = {"act": TensorClass.ACT, "weight": TensorClass.WEIGHT, "grad": TensorClass.GRAD}
 

@@ -10,7 +10,7 @@ How one profile is taken (the same code on ``meta``, ``cpu`` and ``cuda``):
    named with ``--blocks``; the profile records their exact names in execution order.
 1. One forward of the whole model runs under ``_Tracker``, a TorchDispatchMode that sees every
    aten call: it charges FLOPs (``torch.utils.flop_counter``'s formulas, plus ours in
-   ``planner.flops``), allocations (each output storage once, freed when its last tensor dies,
+   ``planner.profile.flops``), allocations (each output storage once, freed when its last tensor dies,
    through ``weakref.finalize``) and parameter use to the unit running. A
    ``saved_tensors_hooks`` pair records every storage autograd saves, per unit. Code that runs
    between two blocks (T5's encoder final norm and decoder embedding) is the later block's
@@ -51,13 +51,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .blocks import (StateSnapshot, detect_blocks, hidden_location, hidden_of, identity_hash,
+from planner.blocks import (StateSnapshot, detect_blocks, hidden_location, hidden_of, identity_hash,
                      input_table, meta_scalar, param_table, run_op, same_tensor,
                      state_tensor_bytes, structure_hash)
-from .errors import UserError
-from .flops import op_flops
-from .formats import PROFILE_SCHEMA, HardwareSpec, Profile, UnitRecord, write_json_atomic
-from .models import DTYPES
+from planner.errors import UserError
+from planner.profile.flops import op_flops
+from planner.formats import PROFILE_SCHEMA, HardwareSpec, Profile, UnitRecord, write_json_atomic
+from planner.models import DTYPES
 
 aten = torch.ops.aten
 EMBEDDING, HEAD = "embedding", "head"
@@ -1231,7 +1231,7 @@ def _unit_warnings(records, units, rep_of, block_names) -> list[str]:
     """What a plan of this profile cannot act on, in words: one unit holding most of the saved
     activations (blocks too coarse), the embedding and head holding most of them (layers
     outside the blocks), tensors custom Functions keep as ctx attributes."""
-    from .sizes import fmt_bytes
+    from planner.sizes import fmt_bytes
     out = []
     total = sum(r.saved_bytes for r in records)
     ends = [r for r in records if r.kind != "block"]
@@ -1395,7 +1395,7 @@ def _move_input(t, device, dtype):
 
 def resolve_model(model_spec: str, batch: int, seq: int, dtype: str | None, device: str):
     """MODEL -> (module on ``device``, inputs on ``device``, name, config, dtype name)."""
-    from .models import build_model, load_config, make_inputs
+    from planner.models import build_model, load_config, make_inputs
 
     if device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is available here; use --device meta "
@@ -1476,8 +1476,8 @@ def default_output(profile: Profile) -> Path:
 
 
 def cli_profile(args) -> int:
-    from .hardware import load_hardware
-    from .sizes import fmt_bytes
+    from planner.hardware import load_hardware
+    from planner.sizes import fmt_bytes
 
     batch = _positive_int(args.batch, "batch")
     seq = _positive_int(args.seq, "seq")

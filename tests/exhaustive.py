@@ -2,7 +2,7 @@
 
 A plan is its decisions (per unit: activation choice and home) and the shares of every
 transfer. For fixed decisions the best shares are a linear program: the MILP of
-``planner.milp`` with those binaries fixed. Enumerating the blocks' decisions, and solving each
+``planner.solve.milp`` with those binaries fixed. Enumerating the blocks' decisions, and solving each
 (the embedding's and head's homes left to the solver, at gap 0), gives the best step under a
 budget, and the smallest GPU budget any plan fits in; both optimizer depths where homes can
 leave the device. Exponential in the number of blocks:
@@ -13,11 +13,11 @@ from __future__ import annotations
 import itertools
 import math
 
-from .costmodel import REC
-from .formats import Budgets, Profile, UnitKind
-from .milp import GB, Model, Options
-from .plans import cost_model
-from .solvers import Infeasible, _run
+from planner.costmodel import REC
+from planner.formats import Budgets, Profile, UnitKind
+from planner.solve.milp import GB, Model, Options
+from planner.plans import cost_model
+from planner.solve.solvers import Infeasible, _run
 
 
 def _vectors(cm):

@@ -10,10 +10,10 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import UserError
-from .fileio import read_json, write_json_atomic
-from .formats import REPORT_SCHEMA, Prediction, _check_fields, _check_schema, _require
-from .sizes import fmt_bytes, fmt_seconds
+from planner.errors import UserError
+from planner.formats.fileio import read_json, write_json_atomic
+from planner.formats import REPORT_SCHEMA, Prediction, _check_fields, _check_schema, _require
+from planner.sizes import fmt_bytes, fmt_seconds
 
 LINKS = ("d2h", "h2d", "nvme_write", "nvme_read")
 _FIX = "save it again with handle.report().save(path)"

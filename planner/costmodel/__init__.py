@@ -1,8 +1,8 @@
 """The one cost model: the stages of an optimizer step, what every decision holds on each tier
 in each stage, what each stage moves on each link, and what each stage's duration is made of.
 
-Nothing else in tierplan knows these rules. The MILP (``planner.milp``) builds its rows from
-them with PuLP variables; the simulator (``planner.simulate``) evaluates the very same
+Nothing else in tierplan knows these rules. The MILP (``planner.solve.milp``) builds its rows from
+them with PuLP variables; the simulator (``planner.plans.simulate``) evaluates the very same
 functions with a plan's numbers; the schedule builder and ``inspect`` ask them too. So the
 MILP's objective and a plan's simulated step are the same function of the decisions, and
 ``docs/formulation.md`` documents this module symbol for symbol.
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from .errors import UserError
-from .formats import Activation, HardwareSpec, Home, LayerDecision, Tier, UnitKind, UnitRecord
+from planner.errors import UserError
+from planner.formats import Activation, HardwareSpec, Home, LayerDecision, Tier, UnitKind, UnitRecord
 
 TIERS = ("gpu", "cpu", "nvme")
 RESOURCES = ("compute", "d2h", "h2d", "duplex", "nvme", "host")

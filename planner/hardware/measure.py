@@ -21,10 +21,10 @@ from pathlib import Path
 
 import yaml
 
-from .errors import UserError
-from .fileio import _check_path_text, _shown, check_output, write_atomic
-from .formats import HARDWARE_SCHEMA, HardwareSpec
-from .sizes import parse_size
+from planner.errors import UserError
+from planner.formats.fileio import _check_path_text, _shown, check_output, write_atomic
+from planner.formats import HARDWARE_SCHEMA, HardwareSpec
+from planner.sizes import parse_size
 
 BLOCK = 8 << 20          # 8 MiB per I/O call: large enough for sequential bandwidth
 

@@ -22,9 +22,9 @@ import re
 import sys
 from dataclasses import dataclass, field
 
-from .errors import NoFitError, UserError
-from .formats import Plan, load_profile
-from .sizes import fmt_bytes, fmt_seconds, parse_size
+from planner.errors import NoFitError, UserError
+from planner.formats import Plan, load_profile
+from planner.sizes import fmt_bytes, fmt_seconds, parse_size
 
 AXES = ("gpu", "cpu", "nvme")
 MAX_POINTS = 200
@@ -139,7 +139,7 @@ def knee(points: list[Point]) -> Point | None:
 def sweep(profile, profile_path, hw, tier: str, budgets: list, args, solve_kw: dict,
           progress=None) -> list[Point]:
     """Solve every point of the axis (ascending), each seeded with the last fitting plan."""
-    from .solve import parse_budgets, solve_profile
+    from planner.solve import parse_budgets, solve_profile
     tokens = int(profile.model.get("batch") or 0) * int(profile.model.get("seq") or 0) * int(
         solve_kw.get("micro_batches", 1))
     out, prev = [], None
@@ -208,8 +208,8 @@ def plot(points: list[Point], tier: str, path, title: str):
     """Step time and tokens/s against the budget; the knee marked, no-fit points as crosses."""
     from pathlib import Path
 
-    from .fileio import write_atomic
-    from .plot import _matplotlib
+    from planner.formats.fileio import write_atomic
+    from planner.cli.plot import _matplotlib
     Figure, FigureCanvasAgg, _ = _matplotlib()
     path = Path(path)
     if path.suffix.lower() != ".png":
@@ -254,7 +254,7 @@ def plot(points: list[Point], tier: str, path, title: str):
 
 
 def cli_sweep(args) -> int:
-    from .solve import solve_options
+    from planner.solve import solve_options
     profile = load_profile(args.profile)
     tier, budgets = parse_axis(args)
     hw, kw = solve_options(args, profile)

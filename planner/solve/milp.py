@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import pulp
 
-from . import highs
-from .costmodel import CHOICE_DECISION, CHOICES, EPS_S_PER_BYTE, REC, TIERS, CostModel, View
-from .formats import Home, LayerDecision, Tier
+from planner.solve import highs
+from planner.costmodel import CHOICE_DECISION, CHOICES, EPS_S_PER_BYTE, REC, TIERS, CostModel, View
+from planner.formats import Home, LayerDecision, Tier
 
 GB = 1e9
 # Shares below this are solver noise, not a decision to move bytes.
@@ -124,7 +124,7 @@ class Model:
         self.opt = options
         self.prob = _Problem("tierplan", pulp.LpMinimize)
         self.violated: list[str] = []
-        # what the solver runs learn about this model (planner.solvers): seconds a run took
+        # what the solver runs learn about this model (planner.solve.solvers): seconds a run took
         # beyond its time limit (handing the model over), and whether the last LP was optimal
         self.overrun_s = 0.0
         self.lp_optimal = False
@@ -463,7 +463,7 @@ class Model:
     def home_counts(self) -> list:
         """For each group g of alike units (``home_groups``) with a choice, and each home k:
         the variables whose sum n_{g,k} = Σ_{j in g} h_{k,j} is a whole number in any plan
-        (``planner.solvers`` branches the relaxation on a fractional one)."""
+        (``planner.solve.solvers`` branches the relaxation on a fractional one)."""
         cm, out = self.cm, []
         for units in home_groups(cm):
             if len(units) < 2 or len(cm.homes[units[0]]) < 2:
@@ -475,7 +475,7 @@ class Model:
         return out
 
     def counts(self) -> list:
-        """Sums of binaries that are whole numbers in any plan, for ``planner.solvers`` to
+        """Sums of binaries that are whole numbers in any plan, for ``planner.solve.solvers`` to
         branch the relaxation on: the home counts (``home_counts``), for each activation
         choice the number of units taking it, and the number of recompute segments."""
         out = list(self.home_counts())
@@ -519,7 +519,7 @@ class Model:
 
     def warm_start(self, layers: list[LayerDecision]) -> bool:
         """Set the choice binaries to ``layers``; False if one is not available here."""
-        from .costmodel import decision_choice
+        from planner.costmodel import decision_choice
         picks = []
         for i, d in enumerate(layers):
             c = decision_choice(d)

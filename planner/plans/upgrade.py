@@ -3,20 +3,20 @@
 A ``/1`` plan has no homes (every tensor class lived on the device) and its schedule used
 free-running streams with issue points, which today's stage model has no words for. So the
 upgrade keeps the decisions, puts every class at home on the device, and lays the transfers
-out again with ``planner.schedule.greedy_shares``; its prediction is re-derived by whoever
+out again with ``planner.costmodel.schedule.greedy_shares``; its prediction is re-derived by whoever
 simulates it (``plan simulate`` does). The profile, model, units and budgets carry over.
 """
 from __future__ import annotations
 
-from .errors import UserError
-from .formats import PLAN_SCHEMA, Budgets, LayerDecision, UnitRecord, check_units
+from planner.errors import UserError
+from planner.formats import PLAN_SCHEMA, Budgets, LayerDecision, UnitRecord, check_units
 
 
 def plan_v1_to_v2(d: dict, source: str) -> dict:
     """The dict of a ``/1`` plan as a ``/2`` plan dict (schedule rebuilt)."""
-    from .costmodel import CostModel
-    from .formats import HardwareSpec
-    from .schedule import build_schedule
+    from planner.costmodel import CostModel
+    from planner.formats import HardwareSpec
+    from planner.costmodel.schedule import build_schedule
 
     fix = "regenerate it with 'plan solve'"
     where = f"plan '{source}'"

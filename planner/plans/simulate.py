@@ -3,7 +3,7 @@
 It trusts only the plan's decisions, its units (times and bytes from the profile), its
 hardware spec and its events. It rebuilds the cost model for the plan's budgets, reads every
 transfer's share back from the events, checks that the schedule is exactly the one the
-decisions and those shares imply (``planner.schedule.build_schedule``), and then evaluates
+decisions and those shares imply (``planner.costmodel.schedule.build_schedule``), and then evaluates
 the cost model with these numbers: each stage lasts as long as its longest resource, memory
 per tier is carried from stage to stage (allocations at a stage's start, frees at its end).
 The MILP evaluates the same functions with its variables, so its objective and this replay
@@ -15,13 +15,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from .blocks import check_param_table
-from .costmodel import RESOURCES, TIERS, CostModel, View, decision_choice, evaluate
-from .errors import NoFitError, UserError
-from .events import Op, Stream
-from .formats import Plan, Tier
-from .schedule import build_schedule, event_ids, segments, shares_of
-from .sizes import fmt_bytes, fmt_rate, fmt_seconds
+from planner.blocks import check_param_table
+from planner.costmodel import RESOURCES, TIERS, CostModel, View, decision_choice, evaluate
+from planner.errors import NoFitError, UserError
+from planner.formats.events import Op, Stream
+from planner.formats import Plan, Tier
+from planner.costmodel.schedule import build_schedule, event_ids, segments, shares_of
+from planner.sizes import fmt_bytes, fmt_rate, fmt_seconds
 
 
 class PlanInconsistent(UserError):
@@ -360,7 +360,7 @@ def simulate_file(plan: Plan, source: str) -> SimResult:
 def cli_simulate(args) -> int:
     """``plan simulate PLAN [--json]``. Exits 0 whether or not the plan fits (the replay itself
     succeeded); ``fits`` and the DOES NOT FIT line say which."""
-    from .formats import load_plan
+    from planner.formats import load_plan
     plan = load_plan(args.plan)
     r = simulate_file(plan, args.plan)
     if getattr(args, "json", False):

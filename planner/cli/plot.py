@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import UserError
-from .events import Stream
-from .fileio import write_atomic
-from .formats import Plan
-from .sizes import fmt_bytes, fmt_seconds
+from planner.errors import UserError
+from planner.formats.events import Stream
+from planner.formats.fileio import write_atomic
+from planner.formats import Plan
+from planner.sizes import fmt_bytes, fmt_seconds
 
 GIB = 1024 ** 3
 ROWS = [Stream.COMPUTE, Stream.D2H, Stream.H2D, Stream.NVME, Stream.HOST, Stream.NET]
@@ -55,7 +55,7 @@ def plan_figure(plan: Plan, sim=None, title_path: str | None = None):
     events laid out from their stage's start (``SimResult.events``)."""
     Figure, FigureCanvasAgg, Patch = _matplotlib()
     if sim is None:
-        from .simulate import simulate
+        from planner.plans.simulate import simulate
         sim = simulate(plan)
     unified = bool(plan.hardware.get("unified_memory"))
     fig = Figure(figsize=(14, 7.5), dpi=110, layout="constrained")

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import pulp
 
-from .errors import UserError
-from .fileio import lock_dir
-from .highs import available as highs_available, quiet as _quiet_highs
-from .milp import GB, Model, Solution, lin
+from planner.errors import UserError
+from planner.formats.fileio import lock_dir
+from planner.solve.highs import available as highs_available, quiet as _quiet_highs
+from planner.solve.milp import GB, Model, Solution, lin
 
 SOLVERS = ("cbc", "highs")
 # rows handed to a solver per second, beyond its own time limit (a first guess of a run's
@@ -609,7 +609,7 @@ class _Rounder:
             self.deficit[(kind, key)] = self.deficit.get((kind, key), 0.0) - 1.0
 
     def round(self, units, lp: dict) -> dict:
-        from .costmodel import REC
+        from planner.costmodel import REC
         m = self.model
         wseg = m.cm.windows.seg
         fixed = {}

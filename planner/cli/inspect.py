@@ -1,6 +1,6 @@
 """``plan inspect PLAN``: what a plan decides, what it predicts, and where the time goes.
 
-Everything comes from ``planner.table`` (one per-unit table, one per-stage table) and the
+Everything comes from ``planner.cli.table`` (one per-unit table, one per-stage table) and the
 simulator's replay: the step is the sum of the stages' durations, each stage lasts as long as
 its busiest resource, so the time above compute-only is, stage by stage, the time a link, the
 drive or the host CPU kept the stage open beyond its compute, plus the recompute, plus the
@@ -14,11 +14,11 @@ import dataclasses
 import json
 from collections import Counter
 
-from .costmodel import decision_choice
-from .errors import UserError
-from .formats import RESIDENT, Activation, LayerDecision, Plan, Profile, load_any
-from .sizes import fmt_bytes, fmt_rate, fmt_seconds
-from .table import decision_label, stage_table, unit_table
+from planner.costmodel import decision_choice
+from planner.errors import UserError
+from planner.formats import RESIDENT, Activation, LayerDecision, Plan, Profile, load_any
+from planner.sizes import fmt_bytes, fmt_rate, fmt_seconds
+from planner.cli.table import decision_label, stage_table, unit_table
 
 LINK_NAMES = {"d2h": "D2H", "h2d": "H2D", "duplex": "PCIe both ways", "nvme": "NVMe",
               "host": "host CPU", "compute": "compute"}
@@ -75,8 +75,8 @@ def _savings(plan: Plan) -> list[tuple[int, str, LayerDecision, int]]:
 def _undo_peaks(plan: Plan, limit: int = MAX_UNDO_TRIES):
     """``(peak GPU bytes, what)`` for each of the ``limit`` smallest savings undone alone (the
     schedule placed greedily), valid changes only; and how many savings the plan has."""
-    from .schedule import build_schedule
-    from .simulate import cost_model_of, simulate
+    from planner.costmodel.schedule import build_schedule
+    from planner.plans.simulate import cost_model_of, simulate
     cm = cost_model_of(plan)
     savings = _savings(plan)
     got = []
@@ -297,7 +297,7 @@ def render_profile(prof: Profile, source: str) -> str:
 
 
 def cli_inspect(args) -> int:
-    from .simulate import simulate_file
+    from planner.plans.simulate import simulate_file
     obj = load_any(args.plan)
     if isinstance(obj, Profile):
         if args.plot or args.report:
@@ -309,7 +309,7 @@ def cli_inspect(args) -> int:
     sim = simulate_file(obj, args.plan)
     report = None
     if args.report:
-        from .report import load_report
+        from planner.formats.report import load_report
         report = load_report(args.report)
     if args.json:
         d = to_json(obj, sim)
@@ -320,6 +320,6 @@ def cli_inspect(args) -> int:
     else:
         print(render(obj, sim, args.plan, report))
     if args.plot:
-        from .plot import plot_plan
+        from planner.cli.plot import plot_plan
         print(f"plot written to {plot_plan(obj, sim, args.plot)}")
     return 0

@@ -8,10 +8,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from .costmodel import CostModel
-from .formats import (PLAN_SCHEMA, Budgets, HardwareSpec, Plan, Prediction, Profile,
+from planner.costmodel import CostModel
+from planner.formats import (PLAN_SCHEMA, Budgets, HardwareSpec, Plan, Prediction, Profile,
                       SolverRecord, sha256_file, write_json_atomic)
-from .schedule import build_schedule
+from planner.costmodel.schedule import build_schedule
 
 
 def cost_model(profile: Profile, hw: HardwareSpec, budgets, micro_batches: int = 1,
@@ -54,7 +54,7 @@ def plan_and_sim(profile: Profile, profile_path: str | None, hw: HardwareSpec, b
                  solver: SolverRecord | None = None, nvme_dir: str | None = None,
                  micro_batches: int = 1, cm: CostModel | None = None) -> tuple[Plan, object]:
     """``make_plan`` and the simulation that filled its prediction: ``(plan, SimResult)``."""
-    from .simulate import simulate   # the judge; imported here to keep the import graph flat
+    from planner.plans.simulate import simulate   # the judge; imported here to keep the import graph flat
 
     policy = getattr(policy, "value", policy)
     budgets = as_budgets(budgets)
@@ -83,7 +83,7 @@ def plan_and_sim(profile: Profile, profile_path: str | None, hw: HardwareSpec, b
 def baseline_plan(profile: Profile, profile_path: str | None, hw: HardwareSpec, budgets,
                   policy: str, nvme_dir: str | None = None, micro_batches: int = 1) -> Plan:
     """A baseline policy's plan (keep-all, recompute-all, sqrt, offload-all)."""
-    from .baselines import baseline_layers
+    from planner.costmodel.baselines import baseline_layers
     layers = baseline_layers(policy, profile.layers, hw, profile.model.get("chain_breaks"))
     return make_plan(profile, profile_path, hw, budgets, policy, layers, nvme_dir=nvme_dir,
                      micro_batches=micro_batches)
@@ -92,53 +92,3 @@ def baseline_plan(profile: Profile, profile_path: str | None, hw: HardwareSpec, 
 def save_plan(plan: Plan, path) -> Path:
     """Write ``plan`` as sorted JSON, atomically."""
     return write_json_atomic(path, plan.to_dict())
-
-
-# ----------------------------------------------------------------------------- golden plans
-
-def golden_plans() -> dict[str, Plan]:
-    """The small plans in ``plans/golden/``, from synthetic profiles (no torch, no solver).
-
-    Together they exercise every event kind: a segment recompute, checkpoints on the host and
-    on NVMe, activations offloaded to the host and to NVMe, streamed weights, gradients and
-    optimizer state on every tier, and NVMe on unified memory with two micro-batches.
-    """
-    from .baselines import baseline_layers
-    from .formats import Activation as Act, Home, LayerDecision as LD, Tier as T
-    from .hardware import load_hardware
-    from .synthetic import uniform_profile
-
-    h200, cpu = load_hardware("h200"), load_hardware("cpu-host")
-    gib = 1024**3
-    out = {}
-    p = uniform_profile(4, h200, name="golden-sqrt")
-    out["h200-sqrt"] = make_plan(p, None, h200, Budgets(64 * gib), "sqrt",
-                                 baseline_layers("sqrt", p.layers, h200))
-    p = uniform_profile(6, h200, jitter=0.1, seed=3, name="golden-mixed")
-    stream = Home(T.CPU, T.CPU, T.NVME, T.CPU)
-    layers = [LD("embedding", Act.KEEP, home=Home(T.GPU, T.GPU, T.CPU, T.CPU)),
-              LD("blocks.0", Act.RECOMPUTE, T.CPU), LD("blocks.1", Act.RECOMPUTE, T.NONE),
-              LD("blocks.2", Act.CPU, home=stream), LD("blocks.3", Act.NVME),
-              LD("blocks.4", Act.RECOMPUTE, T.NVME, home=Home(T.NVME, T.CPU, T.NVME, T.CPU)),
-              LD("blocks.5", Act.KEEP, home=Home(T.GPU, T.CPU, T.CPU, T.CPU)),
-              LD("head", Act.KEEP)]
-    out["h200-mixed"] = make_plan(p, None, h200, Budgets(64 * gib, 64 * gib, 64 * gib), "optimal",
-                                  layers, solver=SolverRecord(name="hand", status="golden",
-                                                              origin="hand"),
-                                  nvme_dir="/tmp/tierplan-golden")
-    p = uniform_profile(3, cpu, name="golden-cpu-host")
-    disk = Home(T.NVME, T.NVME, T.NVME, T.GPU)
-    layers = [LD(u.name, d.activation, d.checkpoint, disk if u.kind == "block" else d.home)
-              for u, d in zip(p.layers, baseline_layers("offload-all", p.layers, cpu))]
-    out["cpu-host-streaming"] = make_plan(
-        p, None, cpu, Budgets(20 * gib, 0, 16 * gib), "offload-all", layers,
-        nvme_dir="/tmp/tierplan-golden", micro_batches=2)
-    return out
-
-
-def write_golden_plans(folder=None) -> list[Path]:
-    """(Re)write ``plans/golden/*.json``; run once when the plan format or cost model changes:
-    ``python -c 'from planner.plans import write_golden_plans; write_golden_plans()'``."""
-    from . import PLANS_DIR
-    folder = Path(folder) if folder else PLANS_DIR / "golden"
-    return [save_plan(plan, folder / f"{name}.json") for name, plan in golden_plans().items()]

@@ -1,7 +1,7 @@
 """Hardware specs: the shipped sheets in ``profiles/hardware/`` and user YAML files.
 
-Measuring this host (``plan hardware``) lives in ``planner.measure``. YAML is read the way
-every input is (``planner.fileio``: a regular file, bounded, strict UTF-8), as plain data:
+Measuring this host (``plan hardware``) lives in ``planner.hardware.measure``. YAML is read the way
+every input is (``planner.formats.fileio``: a regular file, bounded, strict UTF-8), as plain data:
 no tags, no anchors or aliases (a few nested aliases expand to billions of nodes when the
 spec is copied), nesting bounded.
 """
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import yaml
 
-from . import PROFILES_DIR
-from .errors import UserError
-from .fileio import _shown, check_depth, read_text
-from .formats import HardwareSpec
+from planner import PROFILES_DIR
+from planner.errors import UserError
+from planner.formats.fileio import _shown, check_depth, read_text
+from planner.formats import HardwareSpec
 
 HARDWARE_DIR = PROFILES_DIR / "hardware"
 # A shipped spec's name: letters, digits, '.', '_' and '-' (anything else is a file path).

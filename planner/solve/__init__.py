@@ -30,15 +30,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import solvers
-from .costmodel import CostModel, evaluate
-from .errors import NoFitError, UserError
-from .fileio import _shown, path_problem
-from .formats import (Activation, Budgets, Home, LayerDecision, Plan, Policy, Profile,
+from planner.solve import solvers
+from planner.costmodel import CostModel, evaluate
+from planner.errors import NoFitError, UserError
+from planner.formats.fileio import _shown, path_problem
+from planner.formats import (Activation, Budgets, Home, LayerDecision, Plan, Policy, Profile,
                       SolverRecord, Tier, load_profile, write_json_atomic)
-from .milp import GB, Model, Options
-from .plans import cost_model, plan_and_sim
-from .sizes import fmt_bytes, fmt_rate, fmt_seconds, parse_size
+from planner.solve.milp import GB, Model, Options
+from planner.plans import cost_model, plan_and_sim
+from planner.sizes import fmt_bytes, fmt_rate, fmt_seconds, parse_size
 
 STREAM_MODES = ("auto", "on", "off")
 # The MILP's rows bound memory in GB with the solvers' feasibility tolerance (1e-6 on the row,
@@ -140,7 +140,7 @@ def baselines(profile, path, hw, budgets, cm: CostModel, nvme_dir, K, clock=None
     """Every baseline as a candidate. With ``clock``, one that would not finish in the time
     left (judged by the one before it; the first by ``BASELINE_S_PER_UNIT``) is skipped and
     named in ``skipped``: on 10,000 units each takes seconds."""
-    from .baselines import BASELINES, baseline_layers
+    from planner.costmodel.baselines import BASELINES, baseline_layers
     out = []
     est = [BASELINE_S_PER_UNIT * cm.U]
     breaks = profile.model.get("chain_breaks")
@@ -241,7 +241,7 @@ def milp(profile, path, hw, budgets, cm: CostModel, *, origin, solver, gap, cloc
 def _seed_candidates(seeds, budgets: Budgets) -> list[Candidate]:
     """Each seed plan under ``budgets``, replayed again by the simulator (its decisions and
     schedule unchanged): a candidate where it fits."""
-    from .simulate import simulate
+    from planner.plans.simulate import simulate
     out = []
     for plan in seeds:
         plan = dataclasses.replace(plan, budgets=budgets)
@@ -397,7 +397,7 @@ def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: 
                         **ranks)
 
     if policy not in (Policy.OPTIMAL.value, Policy.REMAT_ONLY.value):
-        from .baselines import baseline_layers
+        from planner.costmodel.baselines import baseline_layers
         layers = baseline_layers(policy, profile.layers, hw,
                                  profile.model.get("chain_breaks"))
         plan, r = plan_and_sim(profile, profile_path, hw, budgets, policy, layers,
@@ -577,7 +577,7 @@ def solve_options(args, profile: Profile) -> tuple:
     of ``plan sweep``), each checked: one UserError line per bad value."""
     check_nvme_dir(args)
     if args.hardware:
-        from .hardware import load_hardware
+        from planner.hardware import load_hardware
         hw = load_hardware(args.hardware)
         if hw.name != profile.hardware_spec.name:
             _warn(f"--hardware {args.hardware}: the profile was taken for "

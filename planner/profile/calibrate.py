@@ -23,11 +23,11 @@ import json
 import os
 from pathlib import Path
 
-from .errors import UserError
-from .fileio import check_output, write_json_atomic
-from .formats import Profile, load_profile, sha256_file
-from .report import Report, load_report
-from .sizes import fmt_bytes, fmt_seconds
+from planner.errors import UserError
+from planner.formats.fileio import check_output, write_json_atomic
+from planner.formats import Profile, load_profile, sha256_file
+from planner.formats.report import Report, load_report
+from planner.sizes import fmt_bytes, fmt_seconds
 
 # A link measured over less than this is left at the spec's figure: a few small transfers
 # time the call overhead, not the link.

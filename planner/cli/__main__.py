@@ -1,0 +1,6 @@
+"""``python -m planner.cli``: the ``plan`` command."""
+import sys
+
+from planner.cli import main
+
+sys.exit(main())
