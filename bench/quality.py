@@ -93,7 +93,7 @@ def row(profile, hw, budget: int, cpu: int, solver: str, time_limit: float) -> d
         out[pol + "_s"] = time.perf_counter() - t0
         if SAVE_PLANS is not None:
             from planner.plans import save_plan
-            save_plan(o.plan, SAVE_PLANS / f"{profile.name}-{budget}-{pol}.json")
+            save_plan(o.plan, SAVE_PLANS / f"{profile.model.get('name', 'model')}-b{budget}-{pol}.json")
         out[pol] = o.sim.step_s / comp if o.sim.fits else None
         out[pol + "_origin"] = o.plan.solver.origin
         out[pol + "_gap"] = o.plan.solver.gap
