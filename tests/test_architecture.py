@@ -1,8 +1,18 @@
-"""docs/architecture.md's module table against the real imports, and the layering rules.
+"""The planner's structure as docs/architecture.md draws it, checked against the code.
 
-For every row that names one module, what the module imports at its top level (project modules
-and third-party packages; the standard library left out) must be listed before the ``;`` of the
-imports column, and what it imports inside functions must be listed somewhere in that column.
+- **Units.** The planner is made of units: its sub-packages (``planner.formats``,
+  ``planner.costmodel``, ...) and its few top-level modules (``planner.errors``, ...). Every unit
+  has a row in the document's unit table, and the row lists what the unit imports: other units,
+  ``runtime`` never, third-party packages by name. Imports inside functions ("lazy") are listed
+  after a ``;``. The table and the code must agree both ways.
+- **Modules.** Every module of the planner is named in the document (the per-unit module lists).
+- **Layers.** Units sit on numbered layers; a unit imports only units on lower layers, so the
+  unit graph has no cycle, and neither has the module graph (lazy imports included: a lazy
+  import that dodges a cycle is still a cycle).
+- **Sizes.** No planner module over 600 lines, no function over 80 (nested functions count
+  inside the function that holds them); the exceptions are named below with their reasons.
+- **The runtime** imports from the planner only what the table's runtime row says, and never
+  pulp or highspy.
 """
 from __future__ import annotations
 
@@ -11,109 +21,236 @@ import re
 import sys
 from pathlib import Path
 
+import networkx as nx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = (ROOT / "docs" / "architecture.md").read_text()
 STDLIB = set(sys.stdlib_module_names) | {"__future__"}
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
+
+# (module, function) -> why it stays longer than MAX_FUNCTION_LINES
+LONG_FUNCTIONS: dict[tuple[str, str], str] = {}
+# module -> why it stays longer than MAX_MODULE_LINES
+LONG_MODULES: dict[str, str] = {}
+
+# The layers: a unit may import units of lower layers only (docs/architecture.md, "Layers").
+LAYERS = {
+    "planner": 0, "planner.errors": 0, "planner.sizes": 1,
+    "planner.formats": 2,
+    "planner.hardware": 3, "planner.flops": 3,
+    "planner.blocks": 4, "planner.models": 4, "planner.costmodel": 4,
+    "planner.profile": 5, "planner.plans": 5,
+    "planner.solve": 6,
+    "planner.cli": 7,
+}
 
 
-def _rows() -> list[tuple[str, set[str], set[str]]]:
-    """(module path, names listed as top-level imports, every name listed) per one-module row."""
-    out = []
-    for line in DOC.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != 3 or not cells[0].startswith("`"):
-            continue
-        mods = re.findall(r"`([\w/]+\.py)`", cells[0])
-        if len(mods) != 1 or "modules" in cells[2]:
-            continue                      # several modules in a row: described together
-        col = re.sub(r"\([^)]*\)", "", cells[2].replace("—", ""))
-        eager, _, lazy = col.partition(";")
-        names = lambda s: {w.strip() for w in s.split(",") if w.strip()}   # noqa: E731
-        out.append((mods[0], names(eager), names(eager) | names(lazy)))
+def _modules(pkg: str) -> dict[str, Path]:
+    """Dotted module name -> file, for every module under ``pkg``."""
+    out = {}
+    for p in sorted((ROOT / pkg).rglob("*.py")):
+        rel = p.relative_to(ROOT).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = p
     return out
 
 
-def _imports(path: Path) -> tuple[set[str], set[str]]:
-    """(top-level, inside functions) imports of ``path``, named as the table names them
-    (``costmodel`` in planner's rows, ``runtime.files`` and ``planner.errors`` in runtime's)."""
-    pkg = path.parent.name                       # planner or runtime
-    tree = ast.parse(path.read_text())
-    top, inner = set(), set()
+PLANNER = _modules("planner")
+RUNTIME = _modules("runtime")
+ALL = {**PLANNER, **RUNTIME}
 
-    def name(node) -> list[str]:
-        if isinstance(node, ast.Import):
-            mods = [a.name for a in node.names]
-        elif node.level:                                        # from .x import y
-            if node.module:
-                mods = [f"{pkg}.{node.module.split('.')[0]}"]
-            else:                                               # from . import a, b
-                mods = [f"{pkg}.{a.name}" for a in node.names]
-        else:
-            mods = [node.module]
-        out = []
-        for m in mods:
-            head = m.split(".")[0]
-            if head in STDLIB:
-                continue
-            if head in ("planner", "runtime"):
-                parts = m.split(".")
-                sub = parts[1] if len(parts) > 1 else None
-                if sub is not None and not (ROOT / head / f"{sub}.py").exists():
-                    sub = None                                  # from planner import NAME
-                if head == pkg == "planner":
-                    out.append(sub or head)       # planner's rows name planner modules short
-                else:
-                    out.append(f"{head}.{sub}" if sub else head)
-            else:
-                out.append(head)
-        return out
+
+def unit_of(mod: str) -> str:
+    """The unit a planner module belongs to: ``planner.costmodel.layout`` -> ``planner.costmodel``."""
+    parts = mod.split(".")
+    if parts[0] == "runtime":
+        return "runtime"
+    if len(parts) == 1:
+        return "planner"
+    return ".".join(parts[:2])
+
+
+def _resolve(importer: str, node: ast.ImportFrom | ast.Import) -> list[str]:
+    """What an import statement loads, as dotted names: project modules (the most specific one
+    that exists) and third-party top-level packages; the standard library left out."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+        pairs = [(n, None) for n in names]
+    else:
+        base = node.module or ""
+        if node.level:
+            pkg = importer.split(".")
+            if not ALL[importer].name == "__init__.py":
+                pkg = pkg[:-1]
+            pkg = pkg[:len(pkg) - node.level + 1]
+            base = ".".join(pkg + ([base] if base else []))
+        pairs = [(base, a.name) for a in node.names]
+    out = []
+    for base, name in pairs:
+        head = base.split(".")[0]
+        if head in STDLIB:
+            continue
+        if head not in ("planner", "runtime"):
+            out.append(head)
+            continue
+        full = f"{base}.{name}" if name else base
+        mod = full if full in ALL else base
+        while mod not in ALL:
+            mod = mod.rsplit(".", 1)[0]
+        out.append(mod)
+    return out
+
+
+def _imports(mod: str) -> tuple[set[str], set[str]]:
+    """(at the top level, inside functions) of module ``mod``; TYPE_CHECKING blocks left out."""
+    top, lazy = set(), set()
 
     def visit(node, depth):
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.Import, ast.ImportFrom)):
-                (inner if depth else top).update(name(child))
+                (lazy if depth else top).update(_resolve(mod, child))
             elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 visit(child, depth + 1)
             elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
                 continue
             else:
                 visit(child, depth)
-    visit(tree, 0)
-    me = {path.stem, f"{pkg}.{path.stem}"} if path.stem != "__init__" else {pkg}
-    return top - me, inner - top - me
+    visit(ast.parse(ALL[mod].read_text()), 0)
+    return top, lazy - top
 
 
-ROWS = _rows()
+IMPORTS = {m: _imports(m) for m in ALL}
 
 
-def test_the_table_covers_every_module():
-    listed = set(re.findall(r"`((?:planner|runtime)/\w+\.py)`", DOC))
-    real = {f"{p.parent.name}/{p.name}" for d in ("planner", "runtime")
-            for p in (ROOT / d).glob("*.py")}
-    assert real - listed == set(), f"modules missing from docs/architecture.md: {real - listed}"
-    assert listed - real == set(), f"docs/architecture.md names modules that do not exist: {listed - real}"
-    assert len(ROWS) > 20
+def _doc_units() -> dict[str, tuple[set[str], set[str]]]:
+    """The unit table: unit -> (listed top-level imports, listed lazy imports)."""
+    out = {}
+    for line in DOC.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 4 or not re.fullmatch(r"`[\w.]+`", cells[0]):
+            continue
+        unit = cells[0].strip("`")
+        col = cells[3].replace("—", "")
+        eager, _, lazy = col.partition(";")
+        names = lambda s: {w.strip().strip("`") for w in s.split(",") if w.strip()}  # noqa: E731
+        out[unit] = (names(eager), names(lazy))
+    return out
 
 
-@pytest.mark.parametrize("mod,eager,every", ROWS, ids=[r[0] for r in ROWS])
-def test_each_rows_imports_are_the_real_ones(mod, eager, every):
-    top, inner = _imports(ROOT / mod)
-    assert top <= eager, f"{mod} imports {sorted(top - eager)} at the top; the table does not say so"
-    assert inner <= every, f"{mod} imports {sorted(inner - every)} lazily; the table does not say so"
-    stale = every - top - inner
-    assert not stale, f"the table lists {sorted(stale)} for {mod}, which does not import them"
+DOC_UNITS = _doc_units()
 
 
-def test_planner_never_imports_runtime_and_runtime_never_imports_pulp():
-    for pkg, banned in (("planner", "runtime"), ("runtime", "pulp")):
-        for p in (ROOT / pkg).glob("*.py"):
-            for node in ast.walk(ast.parse(p.read_text())):
-                if isinstance(node, ast.Import):
-                    heads = [a.name.split(".")[0] for a in node.names]
-                elif isinstance(node, ast.ImportFrom) and not node.level:
-                    heads = [node.module.split(".")[0]]
-                else:
-                    continue
-                assert banned not in heads, f"{p.relative_to(ROOT)} imports {banned}"
+def _unit_imports(unit: str) -> tuple[set[str], set[str]]:
+    """What a unit's modules import from other units and third-party packages."""
+    top, lazy = set(), set()
+    for m in ALL:
+        if unit_of(m) != unit:
+            continue
+        t, z = IMPORTS[m]
+        top |= {unit_of(x) if x.split(".")[0] in ("planner", "runtime") else x for x in t}
+        lazy |= {unit_of(x) if x.split(".")[0] in ("planner", "runtime") else x for x in z}
+    top.discard(unit)
+    lazy.discard(unit)
+    return top, lazy - top
+
+
+UNITS = sorted({unit_of(m) for m in ALL})
+
+
+def test_every_unit_has_a_row_and_every_row_a_unit():
+    assert set(DOC_UNITS) == set(UNITS), (
+        f"units without a row in docs/architecture.md: {sorted(set(UNITS) - set(DOC_UNITS))}; "
+        f"rows naming no unit: {sorted(set(DOC_UNITS) - set(UNITS))}")
+
+
+@pytest.mark.parametrize("unit", UNITS)
+def test_each_units_row_lists_its_real_imports(unit):
+    top, lazy = _unit_imports(unit)
+    eager_doc, lazy_doc = DOC_UNITS.get(unit, (set(), set()))
+    assert top == eager_doc, (f"{unit} imports {sorted(top)} at the top; docs/architecture.md "
+                              f"lists {sorted(eager_doc)}")
+    assert lazy == lazy_doc, (f"{unit} imports {sorted(lazy)} lazily; docs/architecture.md "
+                              f"lists {sorted(lazy_doc)}")
+
+
+def test_every_module_is_named_in_the_document():
+    named = set(re.findall(r"`((?:planner|runtime)/[\w/]+\.py)`", DOC))
+    real = {str(p.relative_to(ROOT)) for p in ALL.values()}
+    assert real - named == set(), f"modules docs/architecture.md does not name: {sorted(real - named)}"
+    assert named - real == set(), f"docs/architecture.md names missing modules: {sorted(named - real)}"
+
+
+def test_units_import_only_lower_layers():
+    assert set(LAYERS) == {u for u in UNITS if u != "runtime"}, "a unit without a layer"
+    for unit in LAYERS:
+        top, lazy = _unit_imports(unit)
+        for dep in top | lazy:
+            if dep.startswith("planner"):
+                assert LAYERS[dep] < LAYERS[unit], (
+                    f"{unit} (layer {LAYERS[unit]}) imports {dep} (layer {LAYERS[dep]})")
+
+
+def test_no_import_cycle_between_modules():
+    g = nx.DiGraph()
+    for m, (top, lazy) in IMPORTS.items():
+        for dep in top | lazy:
+            if dep in ALL and dep != m:
+                g.add_edge(m, dep)
+                # importing a.b.c runs a.b's __init__ first, unless a.b holds the importer
+                pkg = dep.rsplit(".", 1)[0]
+                if pkg in ALL and pkg != dep and not m.startswith(pkg + ".") and pkg != m:
+                    g.add_edge(m, pkg)
+    cycles = list(nx.simple_cycles(g))
+    assert not cycles, f"import cycles: {cycles[:5]}"
+
+
+def test_the_planner_never_imports_the_runtime_and_the_runtime_never_pulp():
+    for m in PLANNER:
+        top, lazy = IMPORTS[m]
+        assert not {x for x in top | lazy if x.startswith("runtime")}, f"{m} imports runtime"
+    for m in RUNTIME:
+        top, lazy = IMPORTS[m]
+        assert not (top | lazy) & {"pulp", "highspy"}, f"{m} imports a solver"
+
+
+def _function_lengths(path: Path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node.name, node.end_lineno - node.lineno + 1
+
+
+def test_no_planner_module_is_too_long():
+    long = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in PLANNER.values()}
+    over = {m: n for m, n in long.items() if n > MAX_MODULE_LINES and m not in LONG_MODULES}
+    assert not over, f"modules over {MAX_MODULE_LINES} lines: {over}"
+    stale = {m for m in LONG_MODULES if long.get(m, 0) <= MAX_MODULE_LINES}
+    assert not stale, f"LONG_MODULES names modules that are no longer long: {stale}"
+
+
+def test_no_planner_function_is_too_long():
+    over, seen = {}, set()
+    for p in PLANNER.values():
+        rel = str(p.relative_to(ROOT))
+        for name, n in _function_lengths(p):
+            if n > MAX_FUNCTION_LINES:
+                seen.add((rel, name))
+                if (rel, name) not in LONG_FUNCTIONS:
+                    over[f"{rel}:{name}"] = n
+    assert not over, f"functions over {MAX_FUNCTION_LINES} lines: {over}"
+    stale = set(LONG_FUNCTIONS) - seen
+    assert not stale, f"LONG_FUNCTIONS names functions that are no longer long: {stale}"
+
+
+def test_the_checks_can_fail():
+    """The checks above see what they claim to: a known long function, a real import, a cycle."""
+    lengths = dict(_function_lengths(ROOT / "tests" / "test_architecture.py"))
+    assert lengths["test_no_import_cycle_between_modules"] > 5
+    top, _ = IMPORTS["planner.cli"] if "planner.cli" in IMPORTS else (set(), set())
+    assert "planner.errors" in top or any(x.startswith("planner.errors") for x in top)
+    g = nx.DiGraph([("a", "b"), ("b", "a")])
+    assert list(nx.simple_cycles(g))
