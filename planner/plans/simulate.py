@@ -20,6 +20,7 @@ from planner.costmodel import RESOURCES, TIERS, CostModel, View, decision_choice
 from planner.errors import NoFitError, UserError
 from planner.formats.events import Op, Stream
 from planner.formats import Plan, Tier
+from planner.plans.load import load_plan
 from planner.costmodel.schedule import build_schedule, event_ids, segments, shares_of
 from planner.sizes import fmt_bytes, fmt_rate, fmt_seconds
 
@@ -360,7 +361,6 @@ def simulate_file(plan: Plan, source: str) -> SimResult:
 def cli_simulate(args) -> int:
     """``plan simulate PLAN [--json]``. Exits 0 whether or not the plan fits (the replay itself
     succeeded); ``fits`` and the DOES NOT FIT line say which."""
-    from planner.formats import load_plan
     plan = load_plan(args.plan)
     r = simulate_file(plan, args.plan)
     if getattr(args, "json", False):
