@@ -6,6 +6,12 @@ inspect`` never pays for importing torch). This file only parses arguments and t
 0 done, 2 bad input, 3 no plan fits the budgets (or none was found within --time-limit),
 130 interrupted (SIGINT), 143 terminated (SIGTERM; 129 for SIGHUP): both unwind the same way,
 so temporary files are removed and solver processes ended.
+
+Modules here: ``inspect`` (``plan inspect``), ``diff`` (``plan diff``), ``plot`` (``--plot``),
+``table`` (the per-unit table they share), ``__main__`` (``python -m planner.cli``). The other
+verbs run in their stage's package: ``planner.profile`` (profile), ``planner.profile.calibrate``
+(calibrate), ``planner.solve`` (solve), ``planner.solve.sweep`` (sweep),
+``planner.plans.simulate`` (simulate) and ``planner.hardware.measure`` (hardware).
 """
 from __future__ import annotations
 
