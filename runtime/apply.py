@@ -29,7 +29,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
 
 from planner.errors import UserError
 from planner.formats.events import Op, Stream, TensorClass
-from planner.formats import Activation, Plan, Tier, UnitKind, load_plan
+from planner.formats import Activation, Plan, Tier, UnitKind
 from planner.formats.report import LINKS, Report, StepRecord
 
 from . import calls, engines
@@ -1029,6 +1029,7 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
     _refuse_unsupported(model)
     plan_path = None
     if not isinstance(plan, Plan):
+        from planner.plans.load import load_plan   # reads /1 plans too, through the cost model
         plan_path = str(plan)
         plan = load_plan(plan)
     src = plan_path or "the plan"

@@ -11,7 +11,8 @@ from planner.costmodel.baselines import baseline_layers
 from planner.errors import UserError
 from planner.formats.events import Op, Stream
 from planner.formats import (Activation as Act, Budgets, HardwareSpec, Home, LayerDecision as LD,
-                             Tier as T, load_plan)
+                             Tier as T)
+from planner.plans.load import load_plan
 from golden import golden_plans
 from planner.plans import make_plan, plan_and_sim, save_plan
 from planner.plans.simulate import PlanInconsistent, simulate

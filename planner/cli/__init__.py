@@ -6,6 +6,12 @@ inspect`` never pays for importing torch). This file only parses arguments and t
 0 done, 2 bad input, 3 no plan fits the budgets (or none was found within --time-limit),
 130 interrupted (SIGINT), 143 terminated (SIGTERM; 129 for SIGHUP): both unwind the same way,
 so temporary files are removed and solver processes ended.
+
+Modules here: ``inspect`` (``plan inspect``), ``diff`` (``plan diff``), ``plot`` (``--plot``),
+``table`` (the per-unit table they share), ``__main__`` (``python -m planner.cli``). The other
+verbs run in their stage's package: ``planner.profile`` (profile), ``planner.profile.calibrate``
+(calibrate), ``planner.solve`` (solve), ``planner.solve.sweep`` (sweep),
+``planner.plans.simulate`` (simulate) and ``planner.hardware.measure`` (hardware).
 """
 from __future__ import annotations
 
@@ -48,12 +54,33 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="plan", description="Plan activation checkpointing, offloading and "
                 "transfer timing for a training step that must fit in memory.")
     sub = p.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
+    _profile_options(_verb(sub, "profile", "Record per-unit memory, FLOPs and times of a model "
+                           "at one shape."))
+    solve_q = _verb(sub, "solve", "Choose per-unit activation placement and transfer timing "
+                    "under budgets.")
+    _solve_options(solve_q)
+    _sweep_options(_verb(sub, "sweep", "Solve along one budget axis: the memory-time table, its "
+                         "knee, a plot."), solve_q)
+    _calibrate_options(_verb(sub, "calibrate", "Write a profile with the unit times and "
+                             "bandwidths a run measured."))
+    _simulate_options(_verb(sub, "simulate", "Replay a plan event by event: step time, peaks, "
+                            "stream busy time."))
+    _inspect_options(_verb(sub, "inspect", "Explain a plan (or a profile): per-unit table, "
+                           "totals, binding constraints."))
+    _diff_options(_verb(sub, "diff", "Compare two plans: changed decisions, predicted time and "
+                        "peaks."))
+    _hardware_options(_verb(sub, "hardware", "Measure this host and write a hardware spec."))
+    return p
 
-    def verb(name, help_):
-        return sub.add_parser(name, help=help_, description=help_, epilog=EPILOG[name],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    q = verb("profile", "Record per-unit memory, FLOPs and times of a model at one shape.")
+def _verb(sub, name: str, help_: str) -> argparse.ArgumentParser:
+    """A verb's subparser: its one-line help is also its description, its epilog ``EPILOG``'s."""
+    return sub.add_parser(name, help=help_, description=help_, epilog=EPILOG[name],
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def _profile_options(q) -> None:
+    """``plan profile``'s arguments, in the order --help lists them."""
     q.add_argument("model", help="built-in name (gpt2-small, llama3-8b, ...), a model YAML, "
                    "or package.module:function returning (module, inputs)")
     q.add_argument("--batch", required=True, help="batch size (positive integer)")
@@ -79,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "bytes on the hardware spec (the only choice on meta)")
     q.add_argument("-o", "--output", default=None, help="output file (default: profiles/<name>.json)")
 
-    q = verb("solve", "Choose per-unit activation placement and transfer timing under budgets.")
+
+def _solve_options(q) -> None:
+    """``plan solve``'s arguments, in the order --help lists them."""
     q.add_argument("profile", help="profile JSON written by 'plan profile'")
     q.add_argument("--gpu-mem", required=True, help="GPU memory budget, e.g. 80G")
     q.add_argument("--cpu-mem", default=None, help="host memory budget (0 or omitted on "
@@ -112,8 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
                                         "offload-all", "remat-only"], default="optimal")
     q.add_argument("-o", "--output", default=None, help="output file (default: plans/<profile>-<gpu>.json)")
 
-    solve_q = q
-    q = verb("sweep", "Solve along one budget axis: the memory-time table, its knee, a plot.")
+
+def _sweep_options(q, solve_q) -> None:
+    """``plan sweep``'s arguments: ``plan solve``'s (the same action objects, so the same
+    defaults) but -o, then its own."""
     for a in solve_q._actions:      # plan solve's options, the same objects (same defaults)
         if a.dest not in ("help", "output"):
             q._add_action(a)
@@ -121,7 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "tokens/s against the budget")
     q.add_argument("--json", action="store_true", help="print the rows as one JSON object")
 
-    q = verb("calibrate", "Write a profile with the unit times and bandwidths a run measured.")
+
+def _calibrate_options(q) -> None:
+    """``plan calibrate``'s arguments."""
     q.add_argument("profile", help="the profile the run's plan was solved from")
     q.add_argument("--report", required=True, metavar="REPORT.json",
                    help="the run's report (handle.report().save(path), or examples/train.py "
@@ -130,27 +163,34 @@ def build_parser() -> argparse.ArgumentParser:
                    "<profile>-calibrated.json beside it; never the input itself)")
     q.add_argument("--json", action="store_true", help="print what changed as one JSON object")
 
-    q = verb("simulate", "Replay a plan event by event: step time, peaks, stream busy time.")
+
+def _simulate_options(q) -> None:
+    """``plan simulate``'s arguments."""
     q.add_argument("plan")
     q.add_argument("--json", action="store_true", help="print one JSON object")
 
-    q = verb("inspect", "Explain a plan (or a profile): per-unit table, totals, binding constraints.")
+
+def _inspect_options(q) -> None:
+    """``plan inspect``'s arguments."""
     q.add_argument("plan", help="plan or profile JSON")
     q.add_argument("--plot", default=None, metavar="FILE.png", help="draw memory per tier and the streams")
     q.add_argument("--report", default=None, metavar="REPORT.json",
                    help="a runtime report to show measured beside predicted")
     q.add_argument("--json", action="store_true")
 
-    q = verb("diff", "Compare two plans: changed decisions, predicted time and peaks.")
+
+def _diff_options(q) -> None:
+    """``plan diff``'s arguments."""
     q.add_argument("a")
     q.add_argument("b")
     q.add_argument("--json", action="store_true")
 
-    q = verb("hardware", "Measure this host and write a hardware spec.")
+
+def _hardware_options(q) -> None:
+    """``plan hardware``'s arguments."""
     q.add_argument("--nvme-dir", default=None, help="where to probe disk bandwidth (default: a temp dir)")
     q.add_argument("--size", default="1G", help="bytes written and read by the disk probe")
     q.add_argument("-o", "--output", default=None, help="output YAML (default: print it)")
-    return p
 
 
 def _dispatch(args) -> int:
@@ -216,9 +256,9 @@ class OutOfTime(KeyboardInterrupt):
 
 
 # Signals that arrived during this command. A C extension can swallow the exception a
-# handler raises: Ctrl-C while highspy's pybind11 layer converted an argument came out as
-# "TypeError: addRow(): incompatible function arguments" and a traceback (plan solve on
-# gpt2-xl, SIGINT at 0.8 s). ``main`` reports an error that follows a signal as the signal.
+# handler raises and raise its own instead (highspy's pybind11 layer, interrupted while it
+# converts an argument, raises "TypeError: ... incompatible function arguments"), so ``main``
+# reports an error that follows a signal as the signal.
 _caught: list = []
 
 

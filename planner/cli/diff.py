@@ -15,6 +15,7 @@ import sys
 
 from planner.errors import UserError
 from planner.formats import PLAN_SCHEMA, PLAN_SCHEMA_V1, PROFILE_SCHEMA, Plan, read_json
+from planner.plans.load import plan_from_dict
 from planner.sizes import fmt_bytes, fmt_seconds
 from planner.cli.table import unit_table
 
@@ -32,7 +33,7 @@ def load_plan_for(path: str, role: str) -> Plan:
     if schema not in (PLAN_SCHEMA, PLAN_SCHEMA_V1):
         raise UserError(f"plan {role} '{path}' has schema {schema!r}, expected {PLAN_SCHEMA!r}; "
                         "give a plan written by 'plan solve'")
-    return Plan.from_dict(d, path)
+    return plan_from_dict(d, path)
 
 
 def _check_same_model(a: Plan, b: Plan, pa: str, pb: str) -> None:

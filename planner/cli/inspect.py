@@ -16,7 +16,8 @@ from collections import Counter
 
 from planner.costmodel import decision_choice
 from planner.errors import UserError
-from planner.formats import RESIDENT, Activation, LayerDecision, Plan, Profile, load_any
+from planner.formats import RESIDENT, Activation, LayerDecision, Plan, Profile
+from planner.plans.load import load_any
 from planner.sizes import fmt_bytes, fmt_rate, fmt_seconds
 from planner.cli.table import decision_label, stage_table, unit_table
 

@@ -63,8 +63,25 @@ def plan_figure(plan: Plan, sim=None, title_path: str | None = None):
     ax_mem, ax_g = fig.subplots(2, 1, sharex=True, height_ratios=[1.15, 1])
     b = plan.budgets
     budgets = {"gpu": b.gpu_bytes, "cpu": b.cpu_bytes, "nvme": b.nvme_bytes}
+    _memory_panel(ax_mem, sim, budgets, unified)
+    _streams_panel(ax_g, plan, sim, Patch)
+    m = plan.model
+    ratio = sim.step_s / sim.compute_s if sim.compute_s else float("nan")
+    title = (f"{m.get('name')} (batch {m.get('batch')}, seq {m.get('seq')}) on "
+             f"{plan.hardware.get('name')}, GPU budget {fmt_bytes(budgets['gpu'])}, "
+             f"policy {plan.policy}: step {fmt_seconds(sim.step_s)} "
+             f"= {ratio:.3f}× compute-only {fmt_seconds(sim.compute_s)}"
+             + (f", {sim.micro_batches} passes" if sim.micro_batches > 1 else ""))
+    fig.suptitle(title, fontsize=11)
+    ax_mem.set_title(f"memory per tier ({len(plan.units)} units)" +
+                     (f" — {title_path}" if title_path else ""), fontsize=9, loc="left")
+    ax_g.set_title("streams", fontsize=9, loc="left")
+    return fig
 
-    # -- memory per tier: constant within a stage (allocations at its start, frees at its end)
+
+def _memory_panel(ax_mem, sim, budgets: dict, unified: bool) -> None:
+    """Memory per tier, constant within a stage (allocations at its start, frees at its end),
+    with each budget and where the backward and the optimizer phase start."""
     xs, ys = [], {t: [] for t in TIER_COLOUR}
     for r in sim.stages:
         for t0 in (r.start, r.start + r.seconds):
@@ -93,7 +110,9 @@ def plan_figure(plan: Plan, sim=None, title_path: str | None = None):
                             xycoords=("data", "axes fraction"), xytext=(4, 0),
                             textcoords="offset points", fontsize=8)
 
-    # -- the streams
+
+def _streams_panel(ax_g, plan: Plan, sim, Patch) -> None:
+    """Each stream's events as bars from their stage's start, coloured by kind of work."""
     by_id = {e.id: e for e in plan.all_events()}
     rows = [s for s in ROWS if any(e.stream is s for e in by_id.values())]
     seen = []
@@ -121,19 +140,6 @@ def plan_figure(plan: Plan, sim=None, title_path: str | None = None):
                 framealpha=0.9)
     end = sim.stages[-1].start + sim.stages[-1].seconds
     ax_g.set_xlim(0, end * 1e3 * 1.005 or 1.0)
-
-    m = plan.model
-    ratio = sim.step_s / sim.compute_s if sim.compute_s else float("nan")
-    title = (f"{m.get('name')} (batch {m.get('batch')}, seq {m.get('seq')}) on "
-             f"{plan.hardware.get('name')}, GPU budget {fmt_bytes(budgets['gpu'])}, "
-             f"policy {plan.policy}: step {fmt_seconds(sim.step_s)} "
-             f"= {ratio:.3f}× compute-only {fmt_seconds(sim.compute_s)}"
-             + (f", {sim.micro_batches} passes" if sim.micro_batches > 1 else ""))
-    fig.suptitle(title, fontsize=11)
-    ax_mem.set_title(f"memory per tier ({len(plan.units)} units)" +
-                     (f" — {title_path}" if title_path else ""), fontsize=9, loc="left")
-    ax_g.set_title("streams", fontsize=9, loc="left")
-    return fig
 
 
 def plot_plan(plan: Plan, sim, path, title_path: str | None = None) -> Path:

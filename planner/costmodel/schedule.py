@@ -223,8 +223,8 @@ def _check_order(cm: CostModel, layers, shares: dict, tol: float = 1e-6,
     """Offloaded activations come back only after they left: by every stage t, the share
     arrived (up to and in t) is at most the share that left before t. ``in_bytes``: the
     values are whole bytes (summed exactly), shown as shares."""
-    # Group the shares once: scanning all of them per unit was O(U^2) (minutes at 10,000
-    # units, where --time-limit must still hold).
+    # Group the shares once: scanning all of them per unit would be O(U^2), minutes at
+    # 10,000 units, where --time-limit must still hold.
     by = {}
     for (k, ii, s), v in shares.items():
         by.setdefault((k, ii), []).append((s, v))
@@ -293,8 +293,27 @@ def build_schedule(cm: CostModel, layers: list[LayerDecision], shares: dict | No
     that stage (the MILP's read-back); missing: ``greedy_shares``.
     """
     validate_layers(cm, layers)
-    if shares is None:
-        shares = greedy_shares(cm, layers)
+    nbytes = _transfer_bytes(cm, layers, greedy_shares(cm, layers) if shares is None else shares)
+    evs = _compute_events(cm, layers)
+    xfer = _Transfers(cm, evs)
+    _share_transfers(cm, nbytes, xfer)
+    _checkpoint_transfers(cm, layers, xfer)
+    _optimizer_transfers(cm, layers, xfer)
+    # a sharded engine's collectives: fixed by the engine, whatever the decisions
+    for op, cls, i, s, n in cm.collectives():
+        evs.append(transfer(Stream.NET, Op(op), _CLS[cls], xfer.names[i], s, n,
+                            cm.ring_seconds(op, n)))
+    schedule: dict[str, list[Event]] = {}
+    order = {s: k for k, s in enumerate(Stream)}
+    for e in sorted(evs, key=lambda e: e.stage):   # stable: compute order kept within a stage
+        schedule.setdefault(e.stream.value, []).append(e)
+    return {k: schedule[k] for k in sorted(schedule, key=lambda k: order[Stream(k)])}
+
+
+def _transfer_bytes(cm: CostModel, layers: list[LayerDecision], shares: dict) -> dict:
+    """(kind, i, stage) -> whole bytes of each transfer the decisions need, from ``shares``:
+    every needed transfer has a share, each in a stage its window allows, and no byte comes
+    back before it left."""
     need = {(k, i) for i, d in enumerate(layers) for k in kinds_needed(cm, i, d)
             if cm.size(k, i) > 0}
     shares = {key: v for key, v in shares.items() if (key[0], key[1]) in need and v > 0}
@@ -306,16 +325,19 @@ def build_schedule(cm: CostModel, layers: list[LayerDecision], shares: dict | No
         if not cm.valid_stage(kind, i, s):
             raise UserError(f"layer {layers[i].name!r}: its {kind} transfer cannot move in stage "
                             f"{s} (before its bytes exist or after they are needed)")
-    # a solver meets the order rows to its tolerance only (promises seed 1228: HiGHS's shares
-    # came back 0.181 by stage 22 where a hair less had left): that much is accepted, and the
-    # whole bytes are then made to follow exactly (also what rounding to bytes moved), so that
-    # the runtime never fetches a byte before it was written and a plan rebuilt from its own
-    # events gives the same events
+    # A solver meets the order rows only to its tolerance (its shares may come back a hair
+    # ahead of what has left): that much is accepted, and the whole bytes are then made to
+    # follow exactly (also what rounding to bytes moved), so that the runtime never fetches a
+    # byte before it was written and a plan rebuilt from its own events gives the same events.
     _check_order(cm, layers, shares, tol=SOLVER_ORDER_SLACK)
     nbytes = order_values(_split_bytes(shares, cm),
                           lambda total, n: SOLVER_ORDER_SLACK * total + 2 * n)
     _check_order(cm, layers, nbytes, tol=0, in_bytes=True)
-    hw, L, U = cm.hw, cm.L, cm.U
+    return nbytes
+
+
+def _compute_events(cm: CostModel, layers: list[LayerDecision]) -> list[Event]:
+    """The compute stream's events (and the host's CPU steps), in ``compute_order``."""
     names = [u.name for u in cm.units]
     index = {n: k for k, n in enumerate(names)}   # not names.index: O(U^2) at 10,000 units
     evs: list[Event] = []
@@ -331,14 +353,27 @@ def build_schedule(cm: CostModel, layers: list[LayerDecision], shares: dict | No
                                Stream.HOST if layers[j].home.step is Tier.CPU else Stream.COMPUTE))
         else:
             evs.append(compute(op, units, stage, seconds[op][index[units[0]]]))
+    return evs
 
-    def xfer(stream, op, cls, i, s, n, passes=Passes.ALL):
+
+class _Transfers:
+    """Appends transfer events to ``evs``, each timed at its stream's rate on the spec."""
+
+    def __init__(self, cm: CostModel, evs: list[Event]):
+        self.cm, self.evs = cm, evs
+        self.names = [u.name for u in cm.units]
+
+    def __call__(self, stream, op, cls, i, s, n, passes=Passes.ALL):
+        cm, hw = self.cm, self.cm.hw
         rate = {Stream.D2H: hw.d2h_bandwidth, Stream.H2D: hw.h2d_bandwidth,
                 Stream.NVME: hw.nvme_write_bandwidth if op is Op.WRITE else hw.nvme_read_bandwidth,
                 Stream.HOST: 1.0}[stream]
         sec = n * cm.accumulate_s_per_byte() if stream is Stream.HOST else (n / rate if rate else 0.0)
-        evs.append(transfer(stream, op, cls, names[i], s, n, sec, passes))
+        self.evs.append(transfer(stream, op, cls, self.names[i], s, n, sec, passes))
 
+
+def _share_transfers(cm: CostModel, nbytes: dict, xfer: _Transfers) -> None:
+    """The events of every share-placed transfer, by stage, then unit, then kind."""
     uni = cm.unified
     for (kind, i, s), n in sorted(nbytes.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
         K = KINDS[kind]
@@ -360,7 +395,12 @@ def build_schedule(cm: CostModel, layers: list[LayerDecision], shares: dict | No
             xfer(Stream.H2D, Op.PREFETCH, cls, i, s, n)
         if kind == "gdc":
             xfer(Stream.HOST, Op.ACCUMULATE, cls, i, s, n)
-    # checkpoints of segments whose head keeps its input on cpu/nvme
+
+
+def _checkpoint_transfers(cm: CostModel, layers: list[LayerDecision], xfer: _Transfers) -> None:
+    """The checkpoints of segments whose head keeps its input on cpu/nvme: out after its
+    forward, back before the recompute."""
+    L, uni, names = cm.L, cm.unified, xfer.names
     for seg in segments(layers):
         k, e = seg[0], seg[-1]
         ck = _ckpt(layers[k])
@@ -378,7 +418,12 @@ def build_schedule(cm: CostModel, layers: list[LayerDecision], shares: dict | No
             xfer(Stream.NVME, Op.READ, TensorClass.CKPT, k, back, n)
         if not uni:
             xfer(Stream.H2D, Op.PREFETCH, TensorClass.CKPT, k, back, n)
-    # the optimizer phase: each unit read, stepped, written back (a pipeline, in unit order)
+
+
+def _optimizer_transfers(cm: CostModel, layers: list[LayerDecision], xfer: _Transfers) -> None:
+    """The optimizer phase: each unit off the device read, stepped, written back (a
+    pipeline, in unit order)."""
+    L = cm.L
     for j, d in enumerate(layers):
         h = d.home
         if h.resident:
@@ -401,15 +446,6 @@ def build_schedule(cm: CostModel, layers: list[LayerDecision], shares: dict | No
                 xfer(Stream.NVME, Op.WRITE, cls, j, L.opt_stage, n)
         if w["h2d"]:
             xfer(Stream.H2D, Op.UPLOAD, TensorClass.WEIGHT, j, L.opt_stage, w["h2d"])
-    # a sharded engine's collectives: fixed by the engine, whatever the decisions
-    for op, cls, i, s, n in cm.collectives():
-        evs.append(transfer(Stream.NET, Op(op), _CLS[cls], names[i], s, n,
-                            cm.ring_seconds(op, n)))
-    schedule: dict[str, list[Event]] = {}
-    order = {s: k for k, s in enumerate(Stream)}
-    for e in sorted(evs, key=lambda e: e.stage):   # stable: compute order kept within a stage
-        schedule.setdefault(e.stream.value, []).append(e)
-    return {k: schedule[k] for k in sorted(schedule, key=lambda k: order[Stream(k)])}
 
 
 # ----------------------------------------------------------------------------- reading back

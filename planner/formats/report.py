@@ -12,7 +12,9 @@ from pathlib import Path
 
 from planner.errors import UserError
 from planner.formats.fileio import read_json, write_json_atomic
-from planner.formats import REPORT_SCHEMA, Prediction, _check_fields, _check_schema, _require
+from planner.formats.enums import REPORT_SCHEMA
+from planner.formats.plan import Prediction
+from planner.formats.validate import check_fields, check_schema, require
 from planner.sizes import fmt_bytes, fmt_seconds
 
 LINKS = ("d2h", "h2d", "nvme_write", "nvme_read")
@@ -44,18 +46,18 @@ class StepRecord:
 
     @classmethod
     def from_dict(cls, d, where: str) -> "StepRecord":
-        _require(d, ("step_s", "passes", "peak_cpu_bytes", "peak_nvme_bytes",
+        require(d, ("step_s", "passes", "peak_cpu_bytes", "peak_nvme_bytes",
                      "peak_activation_bytes", "static_bytes"), where, _FIX)
-        _check_fields(d, _STEP_FIELDS, where, _FIX)
+        check_fields(d, _STEP_FIELDS, where, _FIX)
         _check_moved(d.get("moved", {}), f"{where} moved")
         _check_unit_times(d.get("units", {}), f"{where} units")
         for k, v in d.get("links", {}).items():
             if k not in LINKS:
                 raise UserError(f"{where} links: {str(k)[:40]!r} is not one of "
                                 f"{', '.join(LINKS)}; {_FIX}")
-            _check_fields(v, {"bytes": "bytes", "busy_s": "seconds"}, f"{where} links {k}", _FIX)
+            check_fields(v, {"bytes": "bytes", "busy_s": "seconds"}, f"{where} links {k}", _FIX)
         if d.get("after_backward_s") is not None:
-            _check_fields(d, {"after_backward_s": "seconds"}, where, _FIX)
+            check_fields(d, {"after_backward_s": "seconds"}, where, _FIX)
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 
@@ -65,21 +67,21 @@ def _check_moved(moved: dict, where: str) -> None:
         if k not in LINKS:
             raise UserError(f"{where}: link {str(k)[:40]!r} is not one of {', '.join(LINKS)}; "
                             f"{_FIX}")
-    _check_fields(moved, {k: "bytes" for k in LINKS}, where, _FIX)
+    check_fields(moved, {k: "bytes" for k in LINKS}, where, _FIX)
 
 
 UNIT_TIMES = ("fwd_s", "bwd_s", "recompute_s", "stall_s")
 
 
 def _check_unit_times(units, where: str) -> None:
-    _check_fields({"units": units}, {"units": "dict"}, where, _FIX)
+    check_fields({"units": units}, {"units": "dict"}, where, _FIX)
     for name, t in units.items():
-        _check_fields({"t": t}, {"t": "dict"}, f"{where} {str(name)[:60]}", _FIX)
+        check_fields({"t": t}, {"t": "dict"}, f"{where} {str(name)[:60]}", _FIX)
         for k in t:
             if k not in UNIT_TIMES:
                 raise UserError(f"{where} {str(name)[:60]}: {str(k)[:40]!r} is not one of "
                                 f"{', '.join(UNIT_TIMES)}; {_FIX}")
-        _check_fields(t, {k: "seconds" for k in UNIT_TIMES}, f"{where} {str(name)[:60]}", _FIX)
+        check_fields(t, {k: "seconds" for k in UNIT_TIMES}, f"{where} {str(name)[:60]}", _FIX)
 
 
 _STEP_FIELDS = {"step_s": "seconds", "passes": "count", "peak_gpu_bytes": "bytes?",
@@ -253,20 +255,20 @@ class Report:
 def load_report_dict(d: dict, source: str = "report") -> Report:
     """A Report from its dict, every field checked (exit 2 naming the field otherwise)."""
     where = f"report '{source}'"
-    _check_schema(d, REPORT_SCHEMA, "report", source)
-    _require(d, ("plan", "device", "predicted", "steps"), where, _FIX)
-    _check_fields(d, {"plan": "dict", "device": "str", "predicted": "dict", "steps": "list",
+    check_schema(d, REPORT_SCHEMA, "report", source)
+    require(d, ("plan", "device", "predicted", "steps"), where, _FIX)
+    check_fields(d, {"plan": "dict", "device": "str", "predicted": "dict", "steps": "list",
                       "predicted_moved": "dict", "predicted_static_bytes": "bytes",
                       "rank": "count", "world_size": "count", "engine": "str",
                       "units": "list", "structure_hash": "str?"}, where, _FIX)
     if not all(isinstance(n, str) for n in d.get("units", [])):
         raise UserError(f"{where}: units must be a list of unit names; {_FIX}")
     p = d["plan"]
-    _check_fields(p, {"path": "str?", "policy": "str", "hardware": "str", "batch": "count",
+    check_fields(p, {"path": "str?", "policy": "str", "hardware": "str", "batch": "count",
                       "seq": "count", "micro_batches": "count"}, f"{where} plan", _FIX)
     if d["device"] not in ("cuda", "cpu"):
         raise UserError(f"{where}: device must be cuda or cpu, got {d['device']!r}; {_FIX}")
-    _check_fields(d, {"hwm_reset": "bool"}, where, _FIX)
+    check_fields(d, {"hwm_reset": "bool"}, where, _FIX)
     # the plan's prediction, as the plan's own loader checks it (required fields included)
     Prediction.from_dict(d["predicted"], where, _FIX)
     _check_moved(d.get("predicted_moved", {}), f"{where} predicted_moved")

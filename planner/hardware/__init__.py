@@ -1,6 +1,7 @@
 """Hardware specs: the shipped sheets in ``profiles/hardware/`` and user YAML files.
 
-Measuring this host (``plan hardware``) lives in ``planner.hardware.measure``. YAML is read the way
+Measuring this host (``plan hardware``) lives in ``planner.hardware.measure``; the spec's
+dataclass and its validation in ``planner.formats.spec``. YAML is read the way
 every input is (``planner.formats.fileio``: a regular file, bounded, strict UTF-8), as plain data:
 no tags, no anchors or aliases (a few nested aliases expand to billions of nodes when the
 spec is copied), nesting bounded.

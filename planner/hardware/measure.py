@@ -157,53 +157,12 @@ def pinned_bandwidth(nbytes: int) -> tuple[float, float]:
 # ----------------------------------------------------------------------------- the spec
 
 def measure_host(nvme_dir: str | None, size: int, matmul_n: int | None = None) -> HardwareSpec:
+    """This host's spec, measured: the disk probe in ``nvme_dir`` (or the temp folder), the
+    matmul rate per dtype, copy bandwidths and memory sizes."""
     import torch
 
-    created: list[Path] = []
-    if nvme_dir:
-        _check_path_text(nvme_dir, "--nvme-dir")
-        target = Path(nvme_dir)
-        shown = _shown(nvme_dir)
-        try:
-            st = os.stat(target)
-        except FileNotFoundError:
-            st = None
-        except OSError as e:
-            raise UserError(f"--nvme-dir '{shown}': cannot use it ({e.strerror}); give a "
-                            "writable directory") from None
-        if st is not None and not stat.S_ISDIR(st.st_mode):
-            raise UserError(f"--nvme-dir '{shown}' is not a directory; give a directory")
-        # Create what is missing, remembering each level so that exactly those are removed.
-        missing = []
-        p = target.absolute()
-        while not os.path.lexists(p):
-            missing.append(p)
-            p = p.parent
-        try:
-            for m in reversed(missing):
-                m.mkdir()
-                created.append(m)
-        except OSError as e:
-            raise UserError(f"--nvme-dir '{nvme_dir}': cannot create it ({e.strerror}); "
-                            "give a writable directory") from None
-        probe_dir = target
-    else:
-        probe_dir = Path(tempfile.gettempdir())
-    try:
-        free = _free_bytes(probe_dir)
-        if size > free // 2:
-            # the probe's file would take most of the disk (and, past its room, fail late)
-            raise UserError(f"--size {size} bytes is more than half the {free} bytes free in "
-                            f"'{_shown(probe_dir)}'; give a smaller --size, e.g. 1G")
-        disk = disk_bandwidth(probe_dir, size)
-    except OSError as e:
-        raise UserError(f"--nvme-dir '{_shown(probe_dir)}': disk probe failed ({e.strerror}); "
-                        "give a writable directory on the disk to measure") from None
-    finally:
-        for p in reversed(created):
-            with contextlib.suppress(OSError):
-                p.rmdir()
-
+    probe_dir, created = _probe_dir(nvme_dir)
+    disk, free = _disk_probe(probe_dir, size, created)
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     n = matmul_n or (8192 if cuda else 1024)
@@ -245,6 +204,60 @@ def measure_host(nvme_dir: str | None, size: int, matmul_n: int | None = None) -
             "memory_bytes": "torch.cuda device total" if cuda else "physical memory (sysconf)",
         },
         schema=HARDWARE_SCHEMA)
+
+
+def _probe_dir(nvme_dir: str | None) -> tuple[Path, list[Path]]:
+    """Where the disk probe writes, and the folders created for it (to remove afterwards):
+    ``nvme_dir``, made where missing, or the temp folder."""
+    created: list[Path] = []
+    if not nvme_dir:
+        return Path(tempfile.gettempdir()), created
+    _check_path_text(nvme_dir, "--nvme-dir")
+    target = Path(nvme_dir)
+    shown = _shown(nvme_dir)
+    try:
+        st = os.stat(target)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise UserError(f"--nvme-dir '{shown}': cannot use it ({e.strerror}); give a "
+                        "writable directory") from None
+    if st is not None and not stat.S_ISDIR(st.st_mode):
+        raise UserError(f"--nvme-dir '{shown}' is not a directory; give a directory")
+    # Create what is missing, remembering each level so that exactly those are removed.
+    missing = []
+    p = target.absolute()
+    while not os.path.lexists(p):
+        missing.append(p)
+        p = p.parent
+    try:
+        for m in reversed(missing):
+            m.mkdir()
+            created.append(m)
+    except OSError as e:
+        raise UserError(f"--nvme-dir '{nvme_dir}': cannot create it ({e.strerror}); "
+                        "give a writable directory") from None
+    return target, created
+
+
+def _disk_probe(probe_dir: Path, size: int, created: list[Path]) -> tuple[dict, int]:
+    """The disk's read and write bandwidth in ``probe_dir`` and its free bytes; the folders
+    in ``created`` are removed afterwards, whatever happens."""
+    try:
+        free = _free_bytes(probe_dir)
+        if size > free // 2:
+            # the probe's file would take most of the disk (and, past its room, fail late)
+            raise UserError(f"--size {size} bytes is more than half the {free} bytes free in "
+                            f"'{_shown(probe_dir)}'; give a smaller --size, e.g. 1G")
+        disk = disk_bandwidth(probe_dir, size)
+    except OSError as e:
+        raise UserError(f"--nvme-dir '{_shown(probe_dir)}': disk probe failed ({e.strerror}); "
+                        "give a writable directory on the disk to measure") from None
+    finally:
+        for p in reversed(created):
+            with contextlib.suppress(OSError):
+                p.rmdir()
+    return disk, free
 
 
 def _free_bytes(directory: Path) -> int:

@@ -2,6 +2,11 @@
 
 Every strategy (the MILP, each baseline, a hand-written set of decisions) goes through
 ``make_plan``, so all plans are judged the same way: ``predicted`` is what ``simulate`` says.
+
+Modules: this ``__init__`` (``make_plan``, ``plan_and_sim``, ``baseline_plan``, ``save_plan``,
+``cost_model``); ``simulate`` (the judge: a plan's replay and its consistency check, ``plan
+simulate``); ``load`` (reading a plan of either schema, or a plan or a profile); ``upgrade``
+(a ``tierplan.plan/1`` plan as today's).
 """
 from __future__ import annotations
 

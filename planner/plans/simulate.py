@@ -20,6 +20,7 @@ from planner.costmodel import RESOURCES, TIERS, CostModel, View, decision_choice
 from planner.errors import NoFitError, UserError
 from planner.formats.events import Op, Stream
 from planner.formats import Plan, Tier
+from planner.plans.load import load_plan
 from planner.costmodel.schedule import build_schedule, event_ids, segments, shares_of
 from planner.sizes import fmt_bytes, fmt_rate, fmt_seconds
 
@@ -205,6 +206,9 @@ def check_plan(plan: Plan, source: str | None = None) -> tuple[CostModel, dict]:
 
 
 def simulate(plan: Plan) -> SimResult:
+    """Replay ``plan`` stage by stage under its own cost model: each stage's duration and
+    loads, the memory held per tier, the step time, the peaks against the budgets. Refuses
+    (``PlanInconsistent``) a plan whose events are not what its decisions imply."""
     cm, shares = check_plan(plan)
     v = PlanView(cm, plan.layers, shares)
     L, K = cm.L, cm.K
@@ -254,19 +258,37 @@ def simulate(plan: Plan) -> SimResult:
         for r, x in loads.items():          # RESOURCES, and net under a sharded engine
             busy[r] = busy.get(r, 0.0) + x * (K if in_pass else 1)
         i = L.unit_of(s)
-        # the resource that sets the duration; compute unless another exceeds it (beyond
-        # rounding: the MILP sets link loads exactly equal to compute where it can)
-        top = max(loads.values(), default=0.0)
-        bound = "compute" if loads.get("compute", 0.0) >= top * (1 - 1e-9) else \
-            max(loads, key=loads.get)
         stages.append(StageRecord(stage=s, phase=L.phase(s),
                                   unit=None if i is None else cm.units[i].name, start=t0,
-                                  seconds=dur, seconds_rest=dur_r, loads=loads, bound=bound,
+                                  seconds=dur, seconds_rest=dur_r, loads=loads,
+                                  bound=_bound(loads),
                                   memory={t: int(round(mem[t])) for t in TIERS}))
         t0 += dur
     step = pass_s + (K - 1) * rest_s + opt_s
     budgets = plan.budgets
     peaks = {t: int(round(mem_peak[t])) for t in TIERS}
+    violations = _violations(cm, budgets, peaks)
+    flops = K * sum(u.fwd_flops + u.bwd_flops for u in cm.units)
+    return SimResult(
+        step_s=step, compute_s=cm.compute_only(), pass_s=pass_s, rest_pass_s=rest_s,
+        optimizer_s=opt_s, recompute_s=recompute_s, micro_batches=K,
+        peak_gpu_bytes=peaks["gpu"], peak_cpu_bytes=peaks["cpu"], peak_nvme_bytes=peaks["nvme"],
+        budgets=budgets.to_dict(), fits=not violations, budget_violations=tuple(violations),
+        busy_s=busy, stall_s=stall, static_bytes=int(base["gpu"]), staging_bytes=int(staging),
+        stages=tuple(stages), events=_event_times(plan, cm, stages), flops=float(flops))
+
+
+def _bound(loads: dict) -> str:
+    """The resource that sets a stage's duration: compute unless another exceeds it (beyond
+    rounding: the MILP sets link loads exactly equal to compute where it can)."""
+    top = max(loads.values(), default=0.0)
+    return "compute" if loads.get("compute", 0.0) >= top * (1 - 1e-9) else \
+        max(loads, key=loads.get)
+
+
+def _violations(cm: CostModel, budgets, peaks: dict) -> list[str]:
+    """One line per tier whose peak exceeds what the plan may use there: the budget, less
+    the spec's reserve on the device, and at most the pinned-memory limit on the host."""
     violations = []
     for t in TIERS:
         cap = cm.budget[t]
@@ -282,14 +304,7 @@ def simulate(plan: Plan) -> SimResult:
                 violations.append(f"{t}: peak {fmt_bytes(peaks[t])} ({peaks[t]} B) exceeds "
                                   f"{what} {fmt_bytes(cap)} ({cap} B) by "
                                   f"{fmt_bytes(peaks[t] - cap)}")
-    flops = K * sum(u.fwd_flops + u.bwd_flops for u in cm.units)
-    return SimResult(
-        step_s=step, compute_s=cm.compute_only(), pass_s=pass_s, rest_pass_s=rest_s,
-        optimizer_s=opt_s, recompute_s=recompute_s, micro_batches=K,
-        peak_gpu_bytes=peaks["gpu"], peak_cpu_bytes=peaks["cpu"], peak_nvme_bytes=peaks["nvme"],
-        budgets=budgets.to_dict(), fits=not violations, budget_violations=tuple(violations),
-        busy_s=busy, stall_s=stall, static_bytes=int(base["gpu"]), staging_bytes=int(staging),
-        stages=tuple(stages), events=_event_times(plan, cm, stages), flops=float(flops))
+    return violations
 
 
 def _event_times(plan: Plan, cm: CostModel, stages) -> dict:
@@ -360,7 +375,6 @@ def simulate_file(plan: Plan, source: str) -> SimResult:
 def cli_simulate(args) -> int:
     """``plan simulate PLAN [--json]``. Exits 0 whether or not the plan fits (the replay itself
     succeeded); ``fits`` and the DOES NOT FIT line say which."""
-    from planner.formats import load_plan
     plan = load_plan(args.plan)
     r = simulate_file(plan, args.plan)
     if getattr(args, "json", False):

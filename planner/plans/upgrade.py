@@ -5,19 +5,19 @@ free-running streams with issue points, which today's stage model has no words f
 upgrade keeps the decisions, puts every class at home on the device, and lays the transfers
 out again with ``planner.costmodel.schedule.greedy_shares``; its prediction is re-derived by whoever
 simulates it (``plan simulate`` does). The profile, model, units and budgets carry over.
+``planner.plans.load`` calls it; the formats layer reads only the current schema.
 """
 from __future__ import annotations
 
+from planner.costmodel import CostModel
+from planner.costmodel.schedule import build_schedule
 from planner.errors import UserError
-from planner.formats import PLAN_SCHEMA, Budgets, LayerDecision, UnitRecord, check_units
+from planner.formats import (PLAN_SCHEMA, Budgets, HardwareSpec, LayerDecision, UnitRecord,
+                             check_units)
 
 
 def plan_v1_to_v2(d: dict, source: str) -> dict:
     """The dict of a ``/1`` plan as a ``/2`` plan dict (schedule rebuilt)."""
-    from planner.costmodel import CostModel
-    from planner.formats import HardwareSpec
-    from planner.costmodel.schedule import build_schedule
-
     fix = "regenerate it with 'plan solve'"
     where = f"plan '{source}'"
     for k in ("units", "layers", "hardware", "budgets"):

@@ -1,0 +1,49 @@
+"""The names every file shares: the schema identifiers and the enumerations of unit kinds,
+activations, memory tiers, policies and engines.
+"""
+from __future__ import annotations
+
+import enum
+
+PROFILE_SCHEMA = "tierplan.profile/1"
+PLAN_SCHEMA = "tierplan.plan/2"
+PLAN_SCHEMA_V1 = "tierplan.plan/1"   # still loads: every tensor class at home on the GPU
+HARDWARE_SCHEMA = "tierplan.hardware/1"
+REPORT_SCHEMA = "tierplan.report/1"
+
+
+class UnitKind(str, enum.Enum):
+    EMBEDDING = "embedding"
+    BLOCK = "block"
+    HEAD = "head"
+
+
+class Activation(str, enum.Enum):
+    """What happens to a unit's saved activations between its forward and its backward."""
+
+    KEEP = "keep"            # stay on the GPU
+    RECOMPUTE = "recompute"  # dropped after forward, recomputed at backward from a checkpoint
+    CPU = "cpu"              # offloaded to pinned host memory, prefetched back
+    NVME = "nvme"            # offloaded through pinned staging to files on NVMe, read back
+
+
+class Tier(str, enum.Enum):
+    """A memory tier: where a checkpoint, weights, gradients or optimizer state live, and
+    (``gpu``/``cpu`` only) where an optimizer step runs."""
+
+    GPU = "gpu"
+    CPU = "cpu"
+    NVME = "nvme"
+    NONE = "none"  # itself recomputed from the nearest earlier checkpoint (segment recompute)
+
+
+class Policy(str, enum.Enum):
+    OPTIMAL = "optimal"
+    KEEP_ALL = "keep-all"
+    RECOMPUTE_ALL = "recompute-all"
+    SQRT = "sqrt"
+    OFFLOAD_ALL = "offload-all"
+    REMAT_ONLY = "remat-only"  # the MILP with offloading disabled (a benchmark peer)
+
+
+ENGINES = ("none", "fsdp2", "ddp")   # how the ranks share the model

@@ -1,0 +1,260 @@
+"""The plan (``tierplan.plan/2``): the container of decisions, schedule and prediction, its
+sections (``Budgets``, ``SolverRecord``, ``Prediction``) and the schedule's events read back
+from JSON.
+
+Only the current schema loads here. A ``tierplan.plan/1`` plan is upgraded by
+``planner.plans.load``, above the cost model that rebuilds its schedule.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from planner.errors import UserError
+from planner.formats.decisions import LayerDecision
+from planner.formats.enums import ENGINES, PLAN_SCHEMA, PLAN_SCHEMA_V1
+from planner.formats.events import Event, Op, Passes, Stream, TensorClass
+from planner.formats.fileio import read_json
+from planner.formats.profile import UnitRecord, check_model_section, check_units
+from planner.formats.spec import HardwareSpec
+from planner.formats.validate import FIX, check_fields, check_schema, entry_where, from_fields, require
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Memory budgets in bytes; 0 means the tier is not used. ``gpu_bytes`` is per rank,
+    ``cpu_bytes`` and ``nvme_bytes`` per node."""
+
+    gpu_bytes: int
+    cpu_bytes: int = 0
+    nvme_bytes: int = 0
+
+    def of(self, tier: str) -> int:
+        return getattr(self, f"{tier}_bytes")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str, fix: str) -> "Budgets":
+        require(d, ("gpu_bytes", "cpu_bytes", "nvme_bytes"), f"{where} budgets", fix)
+        check_fields(d, _BUDGET_FIELDS, f"{where} budgets", fix)
+        return cls(d["gpu_bytes"], d["cpu_bytes"], d["nvme_bytes"])
+
+
+@dataclass(frozen=True)
+class SolverRecord:
+    """How the plan was found. ``origin`` names the strategy that won (``milp``,
+    ``baseline:sqrt``, ...); ``gap`` is relative to the step time."""
+
+    name: str
+    status: str
+    origin: str = ""
+    objective: float | None = None
+    gap: float | None = None
+    solve_s: float = 0.0
+    variables: int = 0
+    constraints: int = 0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str, fix: str) -> "SolverRecord":
+        require(d, ("name", "status"), f"{where} solver", fix)
+        check_fields(d, _SOLVER_FIELDS, f"{where} solver", fix)
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the simulator predicts for one optimizer step (``micro_batches`` passes and the
+    optimizer phase)."""
+
+    step_s: float
+    compute_s: float                 # fwd + bwd of every pass + the optimizer at device speed
+    peak_gpu_bytes: int
+    peak_cpu_bytes: int
+    peak_nvme_bytes: int
+    pass_s: float = 0.0              # one forward/backward pass (the first one)
+    optimizer_s: float = 0.0         # the optimizer phase after the last pass
+    flops: float = 0.0               # model FLOPs of one optimizer step (no recompute)
+
+    @property
+    def tflops(self) -> float:
+        return self.flops / self.step_s / 1e12 if self.step_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str, fix: str) -> "Prediction":
+        require(d, ("step_s", "compute_s", "peak_gpu_bytes", "peak_cpu_bytes",
+                     "peak_nvme_bytes"), f"{where} predicted", fix)
+        check_fields(d, _PREDICTED_FIELDS, f"{where} predicted", fix)
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+_BUDGET_FIELDS = {"gpu_bytes": "bytes", "cpu_bytes": "bytes", "nvme_bytes": "bytes"}
+_SOLVER_FIELDS = {"name": "text", "status": "text", "origin": "text?", "objective": "number?",
+                  "gap": "number?", "solve_s": "number", "variables": "count",
+                  "constraints": "count"}
+_PREDICTED_FIELDS = {"step_s": "number", "compute_s": "number", "pass_s": "number",
+                     "optimizer_s": "number", "flops": "number", "peak_gpu_bytes": "bytes",
+                     "peak_cpu_bytes": "bytes", "peak_nvme_bytes": "bytes"}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A plan: the decisions per unit and the schedule of every event, plus what it predicts.
+
+    ``units`` and ``model`` are copied from the profile so that a plan stands alone.
+    ``schedule`` maps a stream name to its events in the order the stream runs them.
+    """
+
+    profile: dict        # {"path": str, "sha256": str}
+    model: dict          # the profile's model section (name, batch, seq, structure_hash, ...)
+    hardware: dict       # HardwareSpec.to_dict()
+    budgets: Budgets
+    policy: str
+    solver: SolverRecord
+    predicted: Prediction
+    units: list          # list[UnitRecord]
+    layers: list         # list[LayerDecision], one per unit, same order
+    schedule: dict       # stream name -> list[Event]
+    nvme_dir: str | None = None
+    micro_batches: int = 1       # forward/backward passes per optimizer step
+    optimizer_depth: int = 3     # units in flight in the optimizer phase (1 or 3)
+    world_size: int = 1
+    ranks_per_node: int = 1
+    engine: str = "none"
+    optimizer_s: float = 0.0
+    optimizer_workspace_bytes: int = 0
+    schema: str = PLAN_SCHEMA
+
+    @property
+    def hardware_spec(self) -> HardwareSpec:
+        return HardwareSpec.from_dict(self.hardware)
+
+    def decision(self, name: str) -> LayerDecision:
+        for d in self.layers:
+            if d.name == name:
+                return d
+        raise KeyError(name)
+
+    def events(self, stream: Stream) -> list[Event]:
+        return list(self.schedule.get(stream.value, []))
+
+    def all_events(self) -> list[Event]:
+        """Every event, by stage, compute first within a stage."""
+        order = {s.value: k for k, s in enumerate(Stream)}
+        evs = [e for s in sorted(self.schedule, key=order.get) for e in self.schedule[s]]
+        return sorted(evs, key=lambda e: (e.stage, order[e.stream.value]))
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for k in ("budgets", "solver", "predicted"):
+            d[k] = d[k].to_dict()
+        d["units"] = [u.to_dict() for u in self.units]
+        d["layers"] = [x.to_dict() for x in self.layers]
+        d["schedule"] = {s: [e.to_dict() for e in evs] for s, evs in self.schedule.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "plan") -> "Plan":
+        """A plan of the current schema; a ``/1`` plan is refused with the loader that reads
+        it (``planner.plans.load``, which upgrades it first)."""
+        if d.get("schema") == PLAN_SCHEMA_V1:
+            raise UserError(f"plan '{source}' has schema {PLAN_SCHEMA_V1!r}, which must be "
+                            "upgraded before it is read; load it with planner.plans.load_plan "
+                            "(plan simulate, inspect and diff and apply_plan do)")
+        check_schema(d, PLAN_SCHEMA, "plan", source)
+        fix = FIX["plan"]
+        where = f"plan '{source}'"
+        check_fields(d, _PLAN_FIELDS, where, fix)
+        plan = from_fields(cls, d, "plan", source)
+        check_model_section(plan.model, where, fix)
+        check_fields(plan.profile, {"path": "str?", "sha256": "str?"}, f"{where} profile", fix)
+        HardwareSpec.from_dict(plan.hardware, source + " (hardware)")
+        units = [UnitRecord.from_dict(u, source, "plan") for u in plan.units]
+        check_units(units, where, fix)
+        layers = [LayerDecision.from_dict(x, source) for x in plan.layers]
+        if [u.name for u in units] != [x.name for x in layers]:
+            raise UserError(f"{where}: layers and units disagree on names or order; {fix}")
+        if plan.engine not in ENGINES:
+            raise UserError(f"{where}: engine {plan.engine!r} is not one of {', '.join(ENGINES)}")
+        for k, most in (("micro_batches", 4096), ("world_size", 2**20), ("ranks_per_node", 2**10)):
+            if not 1 <= getattr(plan, k) <= most:
+                raise UserError(f"{where}: {k} must be 1 to {most}; {fix}")
+        if plan.world_size > 1 and plan.engine == "none":
+            raise UserError(f"{where}: world_size {plan.world_size} needs engine fsdp2 or ddp; {fix}")
+        if plan.ranks_per_node > plan.world_size:
+            raise UserError(f"{where}: ranks_per_node {plan.ranks_per_node} exceeds world_size "
+                            f"{plan.world_size}; {fix}")
+        if plan.optimizer_depth not in (1, 3):
+            raise UserError(f"{where}: optimizer_depth must be 1 or 3; {fix}")
+        schedule = _schedule_from_dict(plan.schedule, {u.name for u in units}, where, fix)
+        return dataclasses.replace(
+            plan, units=units, layers=layers, schedule=schedule,
+            budgets=Budgets.from_dict(d["budgets"], where, fix),
+            solver=SolverRecord.from_dict(d["solver"], where, fix),
+            predicted=Prediction.from_dict(d["predicted"], where, fix))
+
+
+_PLAN_FIELDS = {"profile": "dict", "model": "dict", "hardware": "dict", "budgets": "dict",
+                "policy": "name", "solver": "dict", "predicted": "dict", "units": "list",
+                "layers": "list", "schedule": "dict", "nvme_dir": "path?", "optimizer_s": "seconds",
+                "optimizer_workspace_bytes": "bytes", "micro_batches": "count",
+                "optimizer_depth": "count",
+                "world_size": "count", "ranks_per_node": "count", "engine": "str"}
+
+
+def _event_from_dict(d, units: set, where: str, fix: str) -> Event:
+    w = entry_where(d, where, "schedule event", "id", fix)
+    require(d, ("stream", "op", "cls", "units", "stage"), w, fix)
+    check_fields(d, _EVENT_FIELDS, w, fix)
+    try:
+        e = Event(stream=Stream(d["stream"]), op=Op(d["op"]), cls=TensorClass(d["cls"]),
+                  units=tuple(d["units"]), stage=d["stage"], bytes=d.get("bytes", 0),
+                  seconds=float(d.get("seconds", 0.0)), passes=Passes(d.get("passes", "all")))
+    except ValueError as err:
+        raise UserError(f"{w}: {err}; {fix}") from None
+    if not e.units:
+        raise UserError(f"{w}: names no unit; {fix}")
+    for u in e.units:
+        if u not in units:
+            raise UserError(f"{w}: names unit {u!r}, which is not a unit of the plan; {fix}")
+    if "id" in d and d["id"] != e.id:
+        raise UserError(f"{w}: id {d['id']!r} does not match its fields (expected {e.id!r}); {fix}")
+    return e
+
+
+_EVENT_FIELDS = {"id": "str", "stream": "str", "op": "str", "cls": "str", "units": "names",
+                 "stage": "count", "bytes": "bytes", "seconds": "number", "passes": "str"}
+
+
+def _schedule_from_dict(raw: dict, units: set, where: str, fix: str) -> dict:
+    """Stream name -> events, each well formed, under its own stream, naming known units, with
+    unique ids. Whether the events match the decisions is the simulator's check."""
+    schedule, ids = {}, set()
+    for s, evs in raw.items():
+        if s not in {x.value for x in Stream}:
+            raise UserError(f"{where}: schedule stream {s!r} is not one of "
+                            f"{', '.join(x.value for x in Stream)}; {fix}")
+        if not isinstance(evs, list):
+            raise UserError(f"{where}: schedule stream {s!r} must be a list of events; {fix}")
+        schedule[s] = [_event_from_dict(e, units, where, fix) for e in evs]
+        for e in schedule[s]:
+            if e.stream.value != s:
+                raise UserError(f"{where}: event {e.id!r} is listed under stream {s!r} but says "
+                                f"stream {e.stream.value!r}; {fix}")
+            if e.id in ids:
+                raise UserError(f"{where}: event id {e.id!r} appears twice; {fix}")
+            ids.add(e.id)
+    return schedule
+
+
+def load_plan(path) -> Plan:
+    """The plan at ``path``, of the current schema (``planner.plans.load_plan`` also reads
+    ``/1`` plans)."""
+    return Plan.from_dict(read_json(path, "plan"), str(path))

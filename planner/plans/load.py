@@ -1,0 +1,36 @@
+"""Reading plans of any schema this version knows: ``tierplan.plan/2`` through
+``planner.formats``, ``tierplan.plan/1`` upgraded first (``planner.plans.upgrade``, which
+rebuilds its schedule with the cost model), and ``load_any`` for a plan or a profile.
+
+Everything that may be handed an old plan reads it here: the verbs ``simulate``, ``inspect``
+and ``diff``, and ``runtime.apply_plan``. The upgrade lives above the cost model so that the
+formats layer imports nothing of the planner above it.
+"""
+from __future__ import annotations
+
+from planner.errors import UserError
+from planner.formats import PLAN_SCHEMA, PLAN_SCHEMA_V1, PROFILE_SCHEMA, Plan, Profile, read_json
+from planner.plans.upgrade import plan_v1_to_v2
+
+
+def plan_from_dict(d: dict, source: str = "plan") -> Plan:
+    """``Plan.from_dict`` that also reads a ``/1`` plan, upgraded to today's schema."""
+    if d.get("schema") == PLAN_SCHEMA_V1:
+        d = plan_v1_to_v2(d, source)
+    return Plan.from_dict(d, source)
+
+
+def load_plan(path) -> Plan:
+    """The plan at ``path``, of either schema."""
+    return plan_from_dict(read_json(path, "plan"), str(path))
+
+
+def load_any(path) -> Profile | Plan:
+    """Load a profile or a plan, whichever the file's schema says."""
+    d = read_json(path, "plan")
+    if d.get("schema") in (PLAN_SCHEMA, PLAN_SCHEMA_V1):
+        return plan_from_dict(d, str(path))
+    if d.get("schema") == PROFILE_SCHEMA:
+        return Profile.from_dict(d, str(path))
+    raise UserError(f"'{path}' has schema {d.get('schema')!r}; give a plan ('plan solve') or a "
+                    "profile ('plan profile')")
