@@ -103,7 +103,7 @@ class MemoryRules:
         for x in self.units:
             if x.shared_saved_bytes > 0:
                 # p may be x itself (its prologue made them): alive from its own forward to
-                # its backward, a self-loop; skipped before, which left them uncounted
+                # its backward, a self-loop, counted like any other edge
                 p = x.shared_from if x.shared_from is not None else self.units[0].name
                 old = g.edges[p, x.name]["bytes"] if g.has_edge(p, x.name) else 0
                 g.add_edge(p, x.name, bytes=max(old, x.shared_saved_bytes))

@@ -62,9 +62,9 @@ class OptionRules:
         if not self.has_cpu or self.hw.cpu_adam_params_per_s <= 0:
             return out
         # Gradients on NVMe: with K > 1 every pass after the first reads the accumulators back,
-        # which doubles the model's time rows whether or not a unit takes the home (a K=8
-        # GPT-3 175B solve fell from 1,768 s to 2,653 s within its 100 s limit); so with K > 1
-        # only where the host cannot hold every gradient accumulator
+        # which doubles the model's time rows whether or not a unit takes the home and makes
+        # large solves markedly slower to converge; so with K > 1 only where the host cannot
+        # hold every gradient accumulator
         grad_tiers = (G_, C_, N_) if self.has_nvme and (
             self.K == 1 or sum(self.G) > self.budget["cpu"]) else (G_, C_)
         for w in (G_, C_, N_):
