@@ -14,6 +14,7 @@ from pathlib import Path
 from planner.errors import UserError
 from planner.formats import Budgets, Plan, Profile, load_profile, write_json_atomic
 from planner.formats.fileio import _shown, path_problem
+from planner.hardware import load_hardware
 from planner.sizes import fmt_bytes, fmt_rate, fmt_seconds, parse_size
 from planner.solve import solvers
 from planner.solve.config import SolveConfig, warn as _warn
@@ -81,7 +82,6 @@ def solve_options(args, profile: Profile) -> tuple:
     budgets (also those of ``plan sweep``), each checked: one UserError line per bad value."""
     check_nvme_dir(args)
     if args.hardware:
-        from planner.hardware import load_hardware
         hw = load_hardware(args.hardware)
         if hw.name != profile.hardware_spec.name:
             _warn(f"--hardware {args.hardware}: the profile was taken for "

@@ -65,12 +65,13 @@ def solve(profile: Profile, profile_path, cfg: SolveConfig, seeds: tuple = ()) -
              "host_memory_bytes); every host byte it holds is pinned, so the plan uses at most "
              "that (edit the spec to raise it)")
     cm = cfg.cost_model(profile)
+    if cfg.policy not in (Policy.OPTIMAL.value, Policy.REMAT_ONLY.value):
+        return _baseline_policy(profile, profile_path, cfg,
+                                dataclasses.replace(cm, allow_streaming=False))
     # the optimizer phase pipelined (3 units in flight: faster) and one unit at a time (1: the
     # least memory); the second is tried where homes off the device can matter
     models = _Models(cm, dataclasses.replace(cm, optimizer_depth=1),
                      dataclasses.replace(cm, allow_streaming=False))
-    if cfg.policy not in (Policy.OPTIMAL.value, Policy.REMAT_ONLY.value):
-        return _baseline_policy(profile, profile_path, cfg, models.act)
     if _static_floor(models.lean) > models.lean.budget["gpu"]:
         # what the device holds for the whole step under the leanest homes already exceeds the
         # budget: no strategy can fit, so the whole time limit goes to naming what would
