@@ -57,7 +57,9 @@ class CostModel(OptionRules, MemoryRules, TimeRules, RankRules, ObjectiveTerms):
 
     The fields are the inputs; ``__post_init__`` derives what the rules read (``U``, ``L``,
     ``K``, ``budget``, the per-unit figures ``A X W P G O M N f b``, ``homes``, ``choices``,
-    ``windows``, ``shared``, and under a sharded engine the per-rank figures)."""
+    ``windows``, ``shared``, and under a sharded engine the per-rank figures). After the build
+    ``windows`` holds the windows in use, so a variant keeps them. The derived lists and the
+    ``budget`` dict are read, never changed."""
 
     units: list = field(repr=False)   # the profile's units (UnitRecord), in order
     hw: HardwareSpec                  # the spec the plan runs on
