@@ -105,7 +105,7 @@ def row(profile, hw, budget: int, cpu: int, solver: str, time_limit: float) -> d
     _, r = plan_and_sim(profile, None, hw, b, "knapsack", knapsack_layers(profile, budget))
     out["knapsack"] = r.step_s / comp if r.fits else None
     cm = cost_model(profile, hw, b)
-    for c in baselines(profile, None, hw, b, cm, None, 1):
+    for c in baselines(profile, None, b, cm, None):
         name = c.origin.split(":", 1)[1]
         key = "stream-all" if name.startswith("stream-all") else name
         v = c.sim.step_s / comp if c.sim.fits else None

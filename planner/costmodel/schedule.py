@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 
-from planner.costmodel import KINDS, REC, CostModel, decision_choice
+from planner.costmodel.layout import KINDS, REC, decision_choice
+from planner.costmodel.model import CostModel
 from planner.errors import UserError
 from planner.formats.events import Event, Op, Passes, Stream, TensorClass, compute, event_id, transfer
 from planner.formats import Activation, LayerDecision, Tier, UnitKind

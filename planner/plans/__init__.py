@@ -73,7 +73,7 @@ def plan_and_sim(profile: Profile, profile_path: str | None, hw: HardwareSpec, b
         policy=policy, solver=solver or baseline_record(policy),
         predicted=Prediction(0.0, 0.0, 0, 0, 0),
         units=list(profile.layers), layers=list(layers), schedule=schedule, nvme_dir=nvme_dir,
-        micro_batches=int(micro_batches), optimizer_depth=cm.opt_depth,
+        micro_batches=cm.K, optimizer_depth=cm.opt_depth,
         world_size=cm.world, ranks_per_node=cm.rpn, engine=cm.engine,
         optimizer_s=float(profile.optimizer_s),
         optimizer_workspace_bytes=int(profile.optimizer_workspace_bytes))

@@ -1,10 +1,10 @@
 """``plan sweep``: solve along one budget axis and show what each step of memory buys.
 
 The axis is one of ``--gpu-mem``, ``--cpu-mem``, ``--nvme-mem`` given as ``A:B:STEP``; the other
-budgets and every solve option are those of ``plan solve`` (``solve.parse_budgets`` and
-``solve.solve_profile`` are called per point, so every point's plan goes through the same
+budgets and every solve option are those of ``plan solve`` (``command.parse_budgets``, one
+``SolveConfig`` and ``search.solve`` per point, so every point's plan goes through the same
 strategies and the same simulator check). Points are solved from the smallest budget up, and
-each fitting plan is handed to the next solve as a seed (``solve_profile(seeds=...)``): it fits
+each fitting plan is handed to the next solve as a seed (``solve(seeds=...)``): it fits
 the larger budget unchanged, so it is a candidate there and, when it is the fastest, the MILP's
 warm start. A point therefore never predicts a slower step than the point below it.
 
@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 from planner.errors import NoFitError, UserError
 from planner.formats import Plan, load_profile
 from planner.sizes import fmt_bytes, fmt_seconds, parse_size
+from planner.solve.command import parse_budgets, solve_options
+from planner.solve.config import SolveConfig
+from planner.solve.search import solve
 
 AXES = ("gpu", "cpu", "nvme")
 MAX_POINTS = 200
@@ -138,8 +141,8 @@ def knee(points: list[Point]) -> Point | None:
 
 def sweep(profile, profile_path, hw, tier: str, budgets: list, args, solve_kw: dict,
           progress=None) -> list[Point]:
-    """Solve every point of the axis (ascending), each seeded with the last fitting plan."""
-    from planner.solve import parse_budgets, solve_profile
+    """Solve every point of the axis (ascending), each seeded with the last fitting plan;
+    ``solve_kw``: the options of ``SolveConfig.build`` but the budgets (``solve_options``)."""
     tokens = int(profile.model.get("batch") or 0) * int(profile.model.get("seq") or 0) * int(
         solve_kw.get("micro_batches", 1))
     out, prev = [], None
@@ -147,8 +150,8 @@ def sweep(profile, profile_path, hw, tier: str, budgets: list, args, solve_kw: d
         pt = Point(b)
         bud = parse_budgets(_point_args(args, tier, b), hw)
         try:
-            got = solve_profile(profile, profile_path, hw, bud,
-                                seeds=(prev,) if prev is not None else (), **solve_kw)
+            got = solve(profile, profile_path, SolveConfig.build(hw, bud, **solve_kw),
+                        seeds=(prev,) if prev is not None else ())
         except NoFitError as e:
             pt.no_fit = str(e)
         else:
@@ -254,7 +257,6 @@ def plot(points: list[Point], tier: str, path, title: str):
 
 
 def cli_sweep(args) -> int:
-    from planner.solve import solve_options
     profile = load_profile(args.profile)
     tier, budgets = parse_axis(args)
     hw, kw = solve_options(args, profile)

@@ -1,0 +1,171 @@
+"""Time: what each pass stage and the optimizer phase load on each resource (compute, the
+links, the NVMe drive, the host), the optimizer step's seconds per home, and the step's floor
+(``TimeRules``, a part of ``CostModel``)."""
+from __future__ import annotations
+
+import math
+
+from planner.costmodel.layout import KINDS, REC, View
+from planner.formats import Home, Tier
+
+# Host-side gradient accumulation reads the accumulator and the arriving bytes and writes the
+# sum: three bytes of memory traffic per gradient byte.
+ACCUMULATE_TRAFFIC = 3.0
+
+
+class TimeRules:
+    """Seconds per resource of a ``CostModel`` (which holds the data they read)."""
+
+    def step_seconds(self, i: int, h: Home) -> tuple[float, float]:
+        """(device seconds, host seconds) of unit i's optimizer step under home h."""
+        if h.step is Tier.CPU:
+            return 0.0, self.N[i] / self.hw.cpu_adam_params_per_s
+        return self.t_dev_opt[i], 0.0
+
+    def accumulate_s_per_byte(self) -> float:
+        """Host seconds to add one gradient byte into its accumulator."""
+        bw = self.hw.host_memory_bandwidth or (self.hw.memory_bandwidth if self.unified else 0)
+        return ACCUMULATE_TRAFFIC / bw if bw else 0.0
+
+    def needs_rest_pass(self) -> bool:
+        """Passes after the first read back an NVMe gradient accumulator: they differ."""
+        return self.K > 1 and any(h.grads is Tier.NVME for hs in self.homes for h in hs)
+
+    # -- time ------------------------------------------------------------------------------
+
+    def loads(self, s: int, v: View, rest: bool) -> dict:
+        """Lin per resource of pass stage s, each in seconds: the stage lasts the longest.
+
+        compute: f_i at F:i; b_i + f_i e_i + Σ_k f_k q_{k,i} at B:i (its segment's recompute)
+        d2h, h2d: bytes over the link's rate; duplex: both over the aggregate rate
+        nvme: reads over the read rate plus writes over the write rate (one drive)
+        host: gradient accumulation on the host
+        """
+        U, hw, L = self.U, self.hw, self.L
+        comp, d2h, h2d, rd, wr, host = [], [], [], [], [], []
+        if 1 <= s <= U:
+            comp.append((1, self.f[s - 1]))
+        elif s > U:
+            i = 2 * U - s
+            comp.append((1, self.b[i]))
+            if any(ch in self.choices[i] for ch in REC):
+                comp.append((v.e(i), self.f[i]))
+            for k in v.recomputed_at(i):
+                comp.append((v.q(k, i), self.f[k]))
+        acc = self.accumulate_s_per_byte()
+        for kind, i in v.at(s):
+            K = KINDS[kind]
+            nb = float(self.size(kind, i))
+            sh = v.share(kind, i, s)
+            if K.src == "gpu" and not self.unified:
+                d2h.append((sh, nb))
+            if K.dst == "gpu" and not self.unified:
+                h2d.append((sh, nb))
+            if K.dst == "nvme":
+                wr.append((sh, nb))
+                if kind == "gdn" and rest:
+                    rd.append((sh, nb))
+                    host.append((sh, nb * acc))
+            if K.src == "nvme":
+                rd.append((sh, nb))
+            if kind == "gdc":
+                host.append((sh, nb * acc))
+        if 2 <= s <= U + 1:                  # an offloaded checkpoint leaves
+            i = s - 2
+            for ch in ("rc", "rn"):
+                if ch in self.choices[i]:
+                    if not self.unified:
+                        d2h.append((v.x(i, ch), float(self.X[i])))
+                    if ch == "rn":
+                        wr.append((v.x(i, ch), float(self.X[i])))
+        for k, e, ch in v.ck_returns(s):
+            yv, nb = v.y(ch, k, e), float(self.X[k])
+            if not self.unified:
+                h2d.append((yv, nb))
+            if ch == "rn":
+                rd.append((yv, nb))
+        out = self._resource_terms(comp, d2h, h2d, rd, wr, host)
+        if self.distributed:
+            # net: the engine's collectives (``collectives``), beside compute on their own stream
+            out["net"] = [(1, self.net_s[s])] if self.net_s[s] else []
+        return out
+
+    def _resource_terms(self, comp, d2h, h2d, rd, wr, host) -> dict:
+        hw = self.hw
+        out = {"compute": comp, "host": host}
+        if not self.unified:
+            out["d2h"] = [(v, c / hw.d2h_bandwidth) for v, c in d2h]
+            out["h2d"] = [(v, c / hw.h2d_bandwidth) for v, c in h2d]
+            out["duplex"] = [(v, c / hw.duplex) for v, c in d2h + h2d]
+        else:
+            out["d2h"] = out["h2d"] = out["duplex"] = []
+        rb = hw.nvme_read_bandwidth or math.inf
+        wb = hw.nvme_write_bandwidth or math.inf
+        out["nvme"] = [(v, c / rb) for v, c in rd] + [(v, c / wb) for v, c in wr]
+        return out
+
+    def opt_loads(self, v: View) -> dict:
+        """Lin per resource of the optimizer phase, each the total over units in seconds. With
+        depth 3 the phase is a pipeline (read unit j+1, step unit j, write unit j-1 at once),
+        so it lasts as long as its busiest resource, or as one unit's own read-step-write chain
+        if that is longer (``opt_chains``); with depth 1 it is the sum of the chains."""
+        comp, d2h, h2d, rd, wr, host = [], [], [], [], [], []
+        for j in range(self.U):
+            for k, h in enumerate(self.homes[j]):
+                hv = v.h(j, k)
+                r, w = self.step_reads(j, h), self.step_writes(j, h)
+                dev, cpu = self.step_seconds(j, h)
+                for lst, n in ((rd, r["nvme"]), (d2h, r["d2h"]), (wr, w["nvme"]), (h2d, w["h2d"]),
+                               (comp, dev), (host, cpu)):
+                    if n:
+                        lst.append((hv, float(n)))
+        return self._resource_terms(comp, d2h, h2d, rd, wr, host)
+
+    def opt_chains(self, v: View) -> list:
+        """One Lin per unit: its read, step and write back to back (seconds)."""
+        hw = self.hw
+        out = []
+        for j in range(self.U):
+            terms = []
+            for k, h in enumerate(self.homes[j]):
+                r, w = self.step_reads(j, h), self.step_writes(j, h)
+                dev, cpu = self.step_seconds(j, h)
+                t = (r["nvme"] / hw.nvme_read_bandwidth if r["nvme"] else 0.0) + \
+                    (r["d2h"] / hw.d2h_bandwidth if r["d2h"] else 0.0) + dev + cpu + \
+                    (w["nvme"] / hw.nvme_write_bandwidth if w["nvme"] else 0.0) + \
+                    (w["h2d"] / hw.h2d_bandwidth if w["h2d"] else 0.0)
+                if t:
+                    terms.append((v.h(j, k), t))
+            if terms:
+                out.append(terms)
+        return out
+
+    # -- totals ----------------------------------------------------------------------------
+
+    def compute_only(self) -> float:
+        """Every plan's floor: K passes of forward and backward, and the optimizer phase at its
+        shortest, which is the device's own step unless the host's CPU can take a share of it
+        in parallel (the split that balances the two, fractional)."""
+        return self.K * (sum(self.f) + sum(self.b)) + self.optimizer_floor()
+
+    def optimizer_floor(self) -> float:
+        """min over fractional splits x of max(Σ dev_j (1 - x_j), Σ cpu_j x_j), over the units
+        whose step may run on the host: move the units that free the most device time per host
+        second first, until the host's share would exceed the device's."""
+        dev = sum(self.t_dev_opt)
+        movable = []
+        for j in range(self.U):
+            cpu = min((self.step_seconds(j, h)[1] for h in self.homes[j] if h.step is Tier.CPU),
+                      default=None)
+            if cpu and self.t_dev_opt[j] > 0:
+                movable.append((self.t_dev_opt[j] / cpu, self.t_dev_opt[j], cpu))
+        host = 0.0
+        for _, d, c in sorted(movable, reverse=True):
+            # moving a fraction x of this unit: dev - d x = host + c x
+            x = min(1.0, max(0.0, (dev - host) / (d + c)))
+            dev -= d * x
+            host += c * x
+            if x < 1.0:
+                break
+        return max(dev, host)
+

@@ -1,0 +1,341 @@
+"""Memory: what each home holds on each tier, the optimizer step's bytes, the shared tensors and
+tied gradients that are constants of a stage, and per pass stage what is allocated, freed and
+held transiently, plus the pinned staging pool (``MemoryRules``, a part of ``CostModel``)."""
+from __future__ import annotations
+
+import math
+from functools import cached_property
+
+import networkx as nx
+
+from planner.costmodel.layout import KINDS, REC, TIERS, View
+from planner.formats import Home, Tier
+
+# A unit whose optimizer state lives on NVMe is stepped piece by piece
+# (runtime/streaming.py, ``UnitStatic.step_in_pieces``): a piece is whole tensors whose state
+# comes to at most STEP_PIECE_BYTES, or a slice of STEP_PIECE_ALIGN-element multiples of one
+# larger tensor (at least one such slice). Only a piece's state is read at a time, so a tied
+# embedding whose own moments exceed the budget can still be stepped. Slices start at
+# multiples of 2^20 elements so that the elementwise kernels see the same vector/scalar split
+# as on the whole tensor (bit-identical steps; tests/test_streaming.py).
+STEP_PIECE_BYTES = 16 * 2**20
+STEP_PIECE_ALIGN = 2**20
+# In the passes after the first, a gradient accumulator on NVMe is read back, added into and
+# written again in parts of at most this many bytes, one part at a time (the runtime's single
+# I/O thread): the read-back holds one such part, not the unit's whole gradient.
+ACC_CHUNK_BYTES = 2**20
+
+
+
+class MemoryRules:
+    """Bytes per tier of a ``CostModel`` (which holds the data they read)."""
+
+    # -- per home: bytes and optimizer work -------------------------------------------------
+
+    def opt_copy(self, i: int, h: Home) -> int:
+        """Bytes of unit i's optimizer-state class: master and moments, plus, where the step
+        runs on the host, has no fp32 master and the weights stay on the device, the host's
+        own copy of the weights the step updates."""
+        extra = self.P[i] if (h.step is Tier.CPU and self.M[i] == 0
+                              and h.weights is Tier.GPU) else 0
+        return self.O[i] + extra
+
+    def resident(self, i: int, h: Home) -> dict:
+        """Bytes unit i holds on each tier for the whole step under home h (on a spec without
+        a host tier, 'gpu' is the device's memory and there is no 'cpu')."""
+        out = {"gpu": 0, "cpu": 0, "nvme": 0}
+        out[h.weights.value] += self.P[i]
+        out[h.grads.value] += self.G[i]
+        out[h.optimizer.value] += self.opt_copy(i, h)
+        return out
+
+    def step_reads(self, i: int, h: Home) -> dict:
+        """What unit i's optimizer step needs brought to where it runs, per source tier:
+        nvme -> the step's memory; gpu -> host (gradients kept on the device, stepped on the
+        host)."""
+        nv = 0
+        if h.optimizer is Tier.NVME:
+            nv += self.opt_copy(i, h)
+        if h.weights is Tier.NVME and self.M[i] == 0:
+            nv += self.P[i]          # no master: the weights are what the step updates
+        if h.grads is Tier.NVME:
+            nv += self.G[i]
+        d2h = self.G[i] if (h.step is Tier.CPU and h.grads is Tier.GPU) else 0
+        return {"nvme": nv, "d2h": d2h}
+
+    def step_writes(self, i: int, h: Home) -> dict:
+        nv = (self.opt_copy(i, h) if h.optimizer is Tier.NVME else 0) + \
+             (self.P[i] if h.weights is Tier.NVME else 0)
+        h2d = self.P[i] if (h.step is Tier.CPU and h.weights is Tier.GPU) else 0
+        return {"nvme": nv, "h2d": h2d}
+
+    def state_held(self, i: int, h: Home) -> int:
+        """Bytes of unit i's optimizer state its step holds at once when that state lives on
+        NVMe: one piece (see STEP_PIECE_BYTES), taking the state as even over its elements."""
+        full = self.opt_copy(i, h)
+        per_element = full / max(1, self.N[i])
+        return min(full, math.ceil(max(STEP_PIECE_BYTES, STEP_PIECE_ALIGN * per_element)))
+
+    def step_transient(self, i: int, h: Home) -> int:
+        """Bytes held where the step runs, from its read stage to its write stage: what it
+        reads (of a state on NVMe, one piece at a time) and the weights it writes."""
+        r = self.step_reads(i, h)
+        held = r["nvme"] + r["d2h"]
+        if h.optimizer is Tier.NVME:
+            held -= self.opt_copy(i, h) - self.state_held(i, h)
+        written_only = self.P[i] if (h.weights is Tier.NVME and self.M[i] > 0) else 0
+        return held + written_only
+
+
+    # -- constant memory: shared tensors -----------------------------------------------------
+
+    def _shared_memory(self) -> list[int]:
+        """Bytes of shared tensors alive in each pass stage, from the unit graph: a tensor one
+        unit makes and later units read (rotary tables, masks, an encoder's output) lives from
+        its producer's forward to the backward of its last reader, wherever that reader sits in
+        the list; its size is the largest any reader reports. A shared tensor without a named
+        producer is taken to come from the first unit; one a unit's own prologue made lives
+        from that unit's forward to the backward of its last reader."""
+        L = self.L
+        idx = {x.name: i for i, x in enumerate(self.units)}
+        g = nx.DiGraph()
+        g.add_nodes_from(idx)
+        for x in self.units:
+            if x.shared_saved_bytes > 0:
+                # p may be x itself (its prologue made them): alive from its own forward to
+                # its backward, a self-loop, counted like any other edge
+                p = x.shared_from if x.shared_from is not None else self.units[0].name
+                old = g.edges[p, x.name]["bytes"] if g.has_edge(p, x.name) else 0
+                g.add_edge(p, x.name, bytes=max(old, x.shared_saved_bytes))
+        out = [0] * (2 * self.U + 1)
+        for p in g.nodes:
+            readers = list(g.successors(p))
+            if not readers:
+                continue
+            size = max(g.edges[p, r]["bytes"] for r in readers)
+            last = max(idx[r] for r in readers)
+            for s in range(L.fwd(idx[p]), L.bwd(last) + 1):
+                out[s] += size
+        return out
+
+    def _tied_grad_buffers(self) -> list[int]:
+        """Bytes autograd holds for tied parameters' gradients in each pass stage: a parameter
+        two units use gets its gradient in parts, and the engine keeps the first part (from the
+        later unit's backward) until the earlier unit's backward adds the second and hands the
+        sum to ``.grad``. The part is counted from that later backward to the earlier one,
+        both included (there it is summed with the earlier unit's part, which ``alloc``
+        counts with K = 1; with K > 1 the resident gradient exists beside both). Under FSDP2
+        with K = 1 the root's unsharded gradients (``_engine_memory``) already hold it from
+        the head's backward on."""
+        out = [0] * (2 * self.U + 1)
+        if self.K == 1 and self.engine == "fsdp2":
+            return out
+        idx = {x.name: i for i, x in enumerate(self.units)}
+        for j, x in enumerate(self.units):
+            if not x.tied_grad_bytes:
+                continue
+            span = [idx[t] for t in x.tied_to if t in idx] + [j]
+            for s in range(self.L.bwd(max(span)), self.L.bwd(min(span)) + 1):
+                out[s] += int(x.tied_grad_bytes)
+        return out
+
+    # -- memory ----------------------------------------------------------------------------
+
+    def grads_from_backward(self) -> bool:
+        """With one pass per step (K = 1) a gradient kept on the device exists from its
+        unit's backward to the end of the optimizer step: ``opt.zero_grad()`` sets every
+        ``.grad`` to None (PyTorch's default since 2.0), so the next forward runs without them
+        (the runtime warns when a step starts with gradients present). With K > 1 they carry
+        from pass to pass and count for the whole step."""
+        return self.K == 1
+
+    def base(self, v: View, optimizer_phase: bool = False) -> dict:
+        """Lin per tier: what every home holds for the whole step (a key/value cache, and a
+        sharded engine's own resident bytes: DDP's gradient buckets). Gradients on the device
+        with K = 1 count from their backward (``alloc``): here only in the optimizer phase."""
+        out = {t: [] for t in TIERS}
+        if self.engine_static:
+            out["gpu"].append((1, float(self.engine_static)))
+        late = self.grads_from_backward() and not optimizer_phase
+        for i in range(self.U):
+            for k, h in enumerate(self.homes[i]):
+                for t, n in self.resident(i, h).items():
+                    if late and t == "gpu" and h.grads is Tier.GPU:
+                        n -= self.G[i]
+                    if n:
+                        out[t].append((v.h(i, k), float(n)))
+        if self.cache:
+            out["gpu"].append((1, float(self.cache)))
+        return out
+
+    def staging_needs(self, v: View) -> list:
+        """Lin terms each of which the pinned staging pool must cover (pool >= each): two
+        buffers of the largest NVMe transfer, capped (CUDA only; none on a CPU device)."""
+        if not self.n_staging:
+            return []
+        cap, nb = self.staging_cap, self.n_staging
+        out = []
+        for i in range(self.U):
+            for c, n in (("nvme", self.A[i]), ("rn", self.X[i])):
+                if c in self.choices[i]:
+                    out.append([(v.x(i, c), float(nb * min(n, cap)))])
+            for k, h in enumerate(self.homes[i]):
+                n = max([self.P[i] if h.weights is Tier.NVME else 0,
+                         self.G[i] if h.grads is Tier.NVME else 0,
+                         self.opt_copy(i, h) if h.optimizer is Tier.NVME else 0])
+                if n:
+                    out.append([(v.h(i, k), float(nb * min(n, cap)))])
+        return out
+
+    def alloc(self, s: int, v: View, rest: bool) -> dict:
+        """Lin per tier: bytes allocated at the start of pass stage s."""
+        L, U = self.L, self.U
+        g, c, n = [], [], []
+        out = {"gpu": g, "cpu": c, "nvme": n}
+        # a gradient accumulator read back from NVMe (passes after the first) is summed where
+        # the host's role is played: the device on unified memory, host memory on CUDA
+        dev = g if self.unified else c
+        if 1 <= s <= U:                      # F:i
+            i = s - 1
+            g.append((1, float(self.A[i])))
+        if 2 <= s <= U + 1:                  # the checkpoint of unit s-2, kept after its forward
+            i = s - 2
+            for ch in ("rg", "rc", "rn"):
+                if ch in self.choices[i]:
+                    g.append((v.x(i, ch), float(self.X[i])))
+            for ch, tier in (("rc", c), ("rn", n)):
+                if ch in self.choices[i]:
+                    tier.append((v.x(i, ch), float(self.X[i])))
+        if U + 1 <= s <= 2 * U:              # B:i: its recompute materialises the segment
+            i = 2 * U - s
+            if any(ch in self.choices[i] for ch in REC):
+                g.append((v.e(i), float(self.A[i])))
+            for k in v.recomputed_at(i):
+                g.append((v.q(k, i), float(self.A[k])))
+            if self.G[i]:
+                # the new gradient exists from B:i: one homed elsewhere leaves from here (its
+                # shares free it); with K = 1 one kept on the device is made here and stays
+                late = self.grads_from_backward()
+                g += [(v.h(i, k), float(self.G[i])) for k, h in enumerate(self.homes[i])
+                      if late or h.grads is not Tier.GPU]
+        for kind, i in v.at(s):              # transfers arriving in stage s
+            K = KINDS[kind]
+            nb = float(self.size(kind, i))
+            sh = v.share(kind, i, s)
+            # only activations take room where they go: a gradient is added into its home
+            # copy, which is resident (``base``)
+            if K.dst == "gpu":
+                g.append((sh, nb))
+            elif K.cls == "act":
+                (c if K.dst == "cpu" else n).append((sh, nb))
+            if rest and kind == "gdn":       # reading a gradient accumulator back, by parts
+                dev += self._readback(v, i, nb)
+        for k, e, ch in v.ck_returns(s):
+            g.append((v.y(ch, k, e), float(self.X[k])))
+        return out
+
+    def _readback(self, v: View, i: int, nb: float) -> list:
+        """Lin of what reading unit i's gradient accumulator back holds during a stage its
+        share moves in: one part (ACC_CHUNK_BYTES) under a home whose gradients are on NVMe.
+        Counted in every stage the share may move in (the MILP's window; the simulator's
+        stages with a share), freed at the stage's end."""
+        part = float(min(nb, ACC_CHUNK_BYTES))
+        return [(v.h(i, k), part) for k, h in enumerate(self.homes[i]) if h.grads is Tier.NVME]
+
+    def free(self, s: int, v: View, rest: bool) -> dict:
+        """Lin per tier: bytes freed at the end of pass stage s."""
+        L, U = self.L, self.U
+        g, c, n = [], [], []
+        out = {"gpu": g, "cpu": c, "nvme": n}
+        if 1 <= s <= U:                      # end of F:i: a recomputed unit drops its bytes
+            i = s - 1
+            for ch in REC:
+                if ch in self.choices[i]:
+                    g.append((v.x(i, ch), float(self.A[i])))
+        if 2 <= s <= U + 1:                  # an offloaded checkpoint has left the device
+            i = s - 2
+            for ch in ("rc", "rn"):
+                if ch in self.choices[i]:
+                    g.append((v.x(i, ch), float(self.X[i])))
+        if U + 1 <= s <= 2 * U:              # end of B:i: everything of unit i goes
+            i = 2 * U - s
+            g.append((1, float(self.A[i])))
+            for ch in ("rg", "rc", "rn"):
+                if ch in self.choices[i]:
+                    g.append((v.x(i, ch), float(self.X[i])))
+        for kind, i in v.at(s):              # transfers leaving in stage s
+            K = KINDS[kind]
+            nb = float(self.size(kind, i))
+            sh = v.share(kind, i, s)
+            # a weight fetched from its home is copied, not moved: the home copy stays
+            if K.src == "gpu":
+                g.append((sh, nb))
+            elif K.cls == "act":
+                (c if K.src == "cpu" else n).append((sh, nb))
+            if rest and kind == "gdn":
+                (g if self.unified else c).extend(self._readback(v, i, nb))
+        for k, e, ch in v.ck_returns(s):     # a checkpoint's copy was read back
+            (c if ch == "rc" else n).append((v.y(ch, k, e), float(self.X[k])))
+        # streamed weights: the forward copy goes when the forward ends (the last unit's stays
+        # for its backward in the next stage), the backward copy when the backward ends
+        for i in self._weight_frees().get(s, ()):
+            g += [(v.h(i, k), float(self.P[i])) for k, h in enumerate(self.homes[i])
+                  if h.streams_weights]
+        return out
+
+    def _weight_frees(self) -> dict:
+        """Stage -> units whose streamed weights are freed at its end (see ``free``)."""
+        return self._weight_free_stages
+
+    @cached_property
+    def _weight_free_stages(self) -> dict:
+        """``_weight_frees``, built once per model: scanning every unit at every stage would
+        make ``free`` O(U^2)."""
+        L, U = self.L, self.U
+        got = {}
+        for i in range(U):
+            if not any(h.streams_weights for h in self.homes[i]):
+                continue
+            got.setdefault(L.bwd(i) if i == U - 1 else L.fwd(i), []).append(i)
+            if i != U - 1:
+                got.setdefault(L.bwd(i), []).append(i)
+        return got
+
+    def transient(self, s: int, v: View) -> list:
+        """GPU Lins of which the largest is held on top of the carried bytes during pass stage
+        s: the running unit's workspace; during a segment's recompute, the largest workspace
+        of the segment's forwards. In the passes after the first (K > 1), a backward also
+        holds its unit's new gradient beside the resident one it is added into."""
+        U = self.U
+        if s == 0:
+            return [[]]
+        if s <= U:
+            return [[(1, float(self.W[s - 1]))]]
+        i = 2 * U - s
+        acc = []
+        if self.K > 1 and self.G[i]:
+            acc = [(v.h(i, k), float(self.G[i])) for k, h in enumerate(self.homes[i])
+                   if h.grads is Tier.GPU]
+        out = [[(1, float(self.W[i])), *acc]]
+        for k in v.recomputed_at(i):
+            if self.W[k] > self.W[i]:
+                out.append([(v.q(k, i), float(self.W[k])), *acc])
+        return out
+
+    def opt_transients(self, v: View) -> dict:
+        """Per tier, one Lin per unit: what the unit's step holds where it runs, from its read
+        to its write. The optimizer phase holds at most ``opt_depth`` units' at once (with 3:
+        one read ahead, one stepping, one written behind): that many times the largest."""
+        out = {t: [] for t in TIERS}
+        for j in range(self.U):
+            per = {t: [] for t in TIERS}
+            for k, h in enumerate(self.homes[j]):
+                n = self.step_transient(j, h)
+                if n:
+                    where = "gpu" if (self.unified or h.step is Tier.GPU) else "cpu"
+                    per[where].append((v.h(j, k), float(n)))
+            for t in TIERS:
+                if per[t]:
+                    out[t].append(per[t])
+        return out
+

@@ -1,0 +1,149 @@
+"""The one cost model: the stages of an optimizer step, what every decision holds on each tier
+in each stage, what each stage moves on each link, and what each stage's duration is made of.
+
+Nothing else in tierplan knows these rules. The MILP (``planner.solve.milp``) builds its rows from
+them with PuLP variables; the simulator (``planner.plans.simulate``) evaluates the very same
+functions with a plan's numbers; the schedule builder and ``inspect`` ask them too. So the
+MILP's objective and a plan's simulated step are the same function of the decisions, and
+``docs/formulation.md`` documents this package symbol for symbol.
+
+``CostModel`` holds the data; its rules come from the parts it is made of: ``OptionRules``
+(homes, choices, windows), ``MemoryRules`` (bytes per tier and stage), ``TimeRules`` (seconds
+per resource), ``RankRules`` (FSDP2/DDP), ``ObjectiveTerms`` (secondary terms).
+
+How the functions speak: every quantity is a ``Lin``, a list of ``(value, coefficient)``
+pairs, where ``value`` is whatever the caller's ``View`` returns for a decision: a PuLP
+variable in the MILP, a number in the simulator. ``evaluate`` sums a Lin of numbers.
+
+Stages (``Layout``). One optimizer step is ``K`` forward/backward passes, then the optimizer
+phase: 2U+2 stages in all. A pass has 2U+1 stages: the prologue (stage 0, no compute: weights
+the first forward needs come in), the forward of unit i (stage 1+i) and its backward (stage
+2U-i; a segment's recompute runs at the start of its last unit's backward stage). The
+optimizer phase is one more stage (2U+1). With ``optimizer_depth`` 3 it is a pipeline: unit
+j+1's state is read while unit j steps and unit j-1 is written back, so it lasts as long as its
+busiest resource, or as one unit's own read-step-write chain if that is longer; with depth 1
+the units go one after the other and it lasts the sum of their chains. Every pass stage ends at
+a barrier: it lasts as long as its longest resource (compute, each link, the NVMe drive, the
+host CPU), a transfer assigned to it starts with it, and bytes it moves out are freed at its
+end while bytes it brings in are held from its start.
+"""
+from __future__ import annotations
+
+from dataclasses import KW_ONLY, dataclass, field
+from functools import partial
+
+from planner.costmodel.layout import Layout, Windows
+from planner.costmodel.loads import TimeRules
+from planner.costmodel.memory import MemoryRules
+from planner.costmodel.objective import ObjectiveTerms
+from planner.costmodel.options import OptionRules
+from planner.costmodel.ranks import RankRules
+from planner.formats import HardwareSpec
+
+
+def device_budget(gpu_bytes: int, hw: HardwareSpec, margin_bytes: int = 0) -> int:
+    """The device bytes a plan may use under ``--gpu-mem`` = ``gpu_bytes``: the budget less
+    ``margin_bytes`` (the MILP's, ``planner.solve.config.MARGIN_BYTES``; 0 for the simulator),
+    less the spec's reserve (what no profile counts stays free), never below 0. The one place
+    the reserve is taken off."""
+    return max(0, max(0, gpu_bytes - margin_bytes) - int(hw.reserved_bytes))
+
+
+@dataclass(frozen=True, eq=False)
+class CostModel(OptionRules, MemoryRules, TimeRules, RankRules, ObjectiveTerms):
+    """Everything about one profile on one spec under one set of budgets that the MILP and the
+    simulator must agree on. Frozen: a variant (other budgets, depth, homes allowed) is
+    ``dataclasses.replace(cm, field=value)``, which derives the rest again.
+
+    The fields are the inputs; ``__post_init__`` derives what the rules read (``U``, ``L``,
+    ``K``, ``budget``, the per-unit figures ``A X W P G O M N f b``, ``homes``, ``choices``,
+    ``windows``, ``shared``, and under a sharded engine the per-rank figures). After the build
+    ``windows`` holds the windows in use, so a variant keeps them. The derived lists and the
+    ``budget`` dict are read, never changed."""
+
+    units: list = field(repr=False)   # the profile's units (UnitRecord), in order
+    hw: HardwareSpec                  # the spec the plan runs on
+    _: KW_ONLY
+    gpu_bytes: int                    # --gpu-mem: the device budget as given (reserve included)
+    cpu_bytes: int                    # --cpu-mem: the host budget of the node
+    nvme_bytes: int                   # --nvme-mem: the NVMe budget of the node
+    micro_batches: int = 1            # K: forward/backward passes per optimizer step
+    optimizer_s: float = 0.0          # the profile's device optimizer step, seconds
+    optimizer_workspace_bytes: int = 0  # what the device optimizer step allocates on top
+    allow_offload: bool = True        # activations may go to the host / NVMe (not remat-only)
+    allow_streaming: bool = True      # homes off the device may be chosen (not --stream off)
+    windows: Windows | None = None    # transfer windows; None: data-sized (``_default_windows``)
+    optimizer_depth: int = 3          # units in flight in the optimizer phase: 1 or 3
+    cache_bytes: int = 0              # a key/value cache the blocks fill, held for the step
+    world_size: int = 1               # ranks training together
+    ranks_per_node: int = 1           # ranks sharing a node's host and NVMe budgets
+    engine: str = "none"              # none, fsdp2 or ddp
+    chain_breaks: frozenset = frozenset()  # blocks whose input is not the previous block's output
+    margin_bytes: int = 0             # kept free below the device budget besides the reserve
+
+    def __post_init__(self):
+        put = partial(object.__setattr__, self)
+        hw, cpu_bytes, nvme_bytes = self.hw, self.cpu_bytes, self.nvme_bytes
+        allow_streaming, optimizer_depth = self.allow_streaming, self.optimizer_depth
+        put("units", list(self.units))
+        # blocks whose input is not the previous block's output (the profile's
+        # model.chain_breaks: another stack starts, a U-Net's skip is concatenated): no
+        # segment can continue into them, so they take no checkpoint 'none'
+        put("chain_breaks", frozenset(self.chain_breaks or ()))
+        put("U", len(self.units))
+        put("L", Layout(self.U))
+        put("K", max(1, int(self.micro_batches)))
+        put("unified", bool(hw.unified_memory))
+        # Every host byte the runtime holds is pinned (CUDA): the pinned limit caps the budget.
+        cpu_cap = cpu_bytes if self.unified or not hw.pinned_limit else min(cpu_bytes, hw.pinned_limit)
+        # the bytes each tier may hold (the device's less the spec's reserve and the margin);
+        # a sharded engine's ranks share the node's host and NVMe budgets (``_ranks``)
+        put("budget", {"gpu": device_budget(self.gpu_bytes, hw, self.margin_bytes),
+                       "cpu": cpu_cap, "nvme": nvme_bytes})
+        u = self.units
+        put("A", [x.activation_bytes for x in u])
+        put("X", [x.input_bytes for x in u])
+        put("W", [x.workspace_bytes for x in u])
+        put("P", [x.param_bytes for x in u])
+        put("G", [x.grad_bytes for x in u])
+        put("O", [x.optimizer_bytes for x in u])
+        put("M", [x.master_bytes for x in u])
+        put("N", [x.param_count for x in u])
+        put("f", [float(x.fwd_s) for x in u])
+        put("b", [float(x.bwd_s) for x in u])
+        put("opt_ws", int(self.optimizer_workspace_bytes))
+        # a sharded engine (FSDP2, DDP): per-rank static state, budgets and optimizer step
+        optimizer_s = self._ranks(self.world_size, self.ranks_per_node, self.engine,
+                                  self.optimizer_s)
+        if self.distributed:
+            allow_streaming = False     # homes off the device are single-process only (for now)
+        # units in flight in the optimizer phase: 1 steps them one after the other (read, step,
+        # write back), 3 reads the next and writes the previous back while one steps
+        if optimizer_depth not in (1, 3):
+            raise ValueError(f"optimizer_depth {optimizer_depth}: use 1 or 3")
+        put("opt_depth", optimizer_depth)
+        # a key/value cache the blocks fill (Hugging Face use_cache): the model's output holds
+        # it, and a loop may keep that output until the next forward replaces it, so it is
+        # counted for the whole step
+        put("cache", int(self.cache_bytes))
+        static = [self.P[i] + self.G[i] + self.O[i] for i in range(self.U)]
+        total = sum(static)
+        # The device optimizer step of each unit: the profile's figure, shared by static bytes.
+        put("t_dev_opt", [float(optimizer_s) * s / total if total else 0.0 for s in static])
+        put("has_cpu", (not self.unified) and cpu_bytes > 0)
+        put("has_nvme", nvme_bytes > 0 and hw.nvme_read_bandwidth > 0 and hw.nvme_write_bandwidth > 0)
+        put("windows", self.windows or self._default_windows())
+        put("staging_cap", 0 if self.unified or hw.device == "cpu" else int(hw.staging_buffer_bytes))
+        put("n_staging", 0 if self.staging_cap == 0 else int(hw.staging_buffers))
+        put("homes", [self._homes(i, allow_streaming) for i in range(self.U)])
+        put("choices", [self._choices(i) for i in range(self.U)])
+        put("shared", self._shared_memory())
+        for s, n in enumerate(self._tied_grad_buffers()):
+            self.shared[s] += n
+        if self.distributed:
+            # what the engine holds per stage whatever the decisions (gathered weights, unsharded
+            # gradients) joins the shared tensors: both are constants of the stage
+            put("engine_mem", self._engine_memory())
+            put("shared", [a + b for a, b in zip(self.shared, self.engine_mem)])
+            put("net_s", self._net_seconds())
+

@@ -1,0 +1,185 @@
+"""What each unit may do: its homes (where weights, gradients and optimizer state live and
+where its step runs), its activation choices, the data-sized transfer windows and the stages
+each transfer kind may move in (``OptionRules``, a part of ``CostModel``)."""
+from __future__ import annotations
+
+import math
+
+from planner.costmodel.layout import KINDS, Lin, View, Windows
+from planner.formats import Home, Tier, UnitKind
+
+
+class OptionRules:
+    """Homes, choices and windows of a ``CostModel`` (which holds the data they read)."""
+
+    # -- data-sized windows -----------------------------------------------------------------
+
+    def _default_windows(self) -> Windows:
+        """w = 3x the stages one block's largest transfer takes at link speed, clamped to
+        4..12: a transfer shares its link with its neighbours', so it needs more stages than
+        the bare ratio; 12 keeps the model O(U*12) (design brief: windows keep it small)."""
+        blocks = [i for i, x in enumerate(self.units) if x.kind == UnitKind.BLOCK.value]
+        fs = sorted(self.f[i] for i in blocks) or [1e-3]
+        f_med = max(fs[len(fs) // 2], 1e-9)
+        hw = self.hw
+        bw = hw.nvme_write_bandwidth if self.unified else min(hw.d2h_bandwidth, hw.h2d_bandwidth)
+        bw = bw or 1e9
+
+        def w(nbytes):
+            return int(min(12, max(4, math.ceil(3 * nbytes / bw / f_med))))
+        a = max((self.A[i] for i in blocks), default=0)
+        p = max((self.P[i] for i in blocks), default=0)
+        g = max((self.G[i] for i in blocks), default=0)
+        return Windows(act=w(a), weight=w(p), grad=w(g))
+
+    # -- what each unit may do --------------------------------------------------------------
+
+    def _homes(self, i: int, allow_streaming: bool) -> list[Home]:
+        """The homes unit i may take on this spec under these budgets. A unit with tied
+        parameters keeps its weights and gradients on the device (another unit uses them
+        between its own uses), and so does a block charged parameters outside its module
+        (code between blocks uses them before its forward, and their gradients finish after
+        its backward); a unit without parameters has nothing to place."""
+        R = Home()
+        if not allow_streaming or self.P[i] + self.G[i] + self.O[i] == 0:
+            return [R]
+        tied = bool(self.units[i].tied_to) or self.units[i].outside_params > 0
+        grads_ok = len(self.window("gdc", i)) > 0     # a gradient needs a stage to leave in
+        G_, C_, N_ = Tier.GPU, Tier.CPU, Tier.NVME
+        out = [R]
+        if self.unified:
+            # The device is the host: every step runs on it; nvme is the only other tier.
+            if not self.has_nvme:
+                return out
+            for w in (G_, N_):
+                for g in (G_, N_):
+                    for o in (G_, N_):
+                        h = Home(w, g, o, G_)
+                        if h.resident or (tied and (w, g) != (G_, G_)) or (g is N_ and not grads_ok):
+                            continue
+                        out.append(h)
+            return out
+        if not self.has_cpu or self.hw.cpu_adam_params_per_s <= 0:
+            return out
+        # Gradients on NVMe: with K > 1 every pass after the first reads the accumulators back,
+        # which doubles the model's time rows whether or not a unit takes the home and makes
+        # large solves markedly slower to converge; so with K > 1 only where the host cannot
+        # hold every gradient accumulator
+        grad_tiers = (G_, C_, N_) if self.has_nvme and (
+            self.K == 1 or sum(self.G) > self.budget["cpu"]) else (G_, C_)
+        for w in (G_, C_, N_):
+            for g in grad_tiers:
+                for o in (C_, N_):
+                    if N_ in (w, g, o) and not self.has_nvme:
+                        continue
+                    if tied and (w, g) != (G_, G_):
+                        continue
+                    if g is not G_ and not grads_ok:
+                        continue
+                    out.append(Home(w, g, o, C_))
+        return out
+
+    def _choices(self, i: int) -> list[str]:
+        x = self.units[i]
+        if x.kind != UnitKind.BLOCK.value:
+            return ["keep"]
+        out = ["keep", "rg"]
+        # FSDP2: no segment recompute (``_ranks``); every unit is recomputed in its own backward
+        if i > 0 and self.units[i - 1].kind == UnitKind.BLOCK.value and self.engine != "fsdp2" \
+                and x.name not in self.chain_breaks:
+            out.append("rz")
+        if not self.allow_offload:
+            return out
+        L = self.L
+        for tier, c, rc in (("cpu", "cpu", "rc"), ("nvme", "nvme", "rn")):
+            if not (self.has_cpu if tier == "cpu" else self.has_nvme):
+                continue
+            if self.window("o" + c[0], i) and self.window("p" + c[0], i):
+                out.append(c)
+            # an offloaded checkpoint leaves in stage fwd(i)+1 and is back by bwd(i)-1
+            if L.bwd(i) - 1 > L.fwd(i) + 1:
+                out.append(rc)
+        return out
+
+    def window(self, kind: str, i: int) -> range:
+        """The stages where unit i's share of ``kind`` may move.
+
+        oc/on: fwd(i)+1 .. min(fwd(i)+w_a, bwd(i)-1)      (after the forward that made them)
+        pc/pn: max(fwd(i)+1, bwd(i)-w_a) .. bwd(i)-1       (before the backward that reads them)
+        wfc/wfn: max(0, fwd(i)-w_w) .. fwd(i)-1            (before the forward; 0 = prologue)
+        wbc/wbn: max(fwd(i)+1, bwd(i)-w_w) .. bwd(i)-1     (before the backward; none for the
+                 last unit, whose forward copy stays for its backward in the next stage)
+        gdc/gdn: bwd(i)+1 .. min(bwd(i)+w_g, 2U)           (after the backward that made them)
+        """
+        L, w = self.L, self.windows
+        f, b = L.fwd(i), L.bwd(i)
+        if kind in ("oc", "on"):
+            return range(f + 1, min(f + w.act, b - 1) + 1)
+        if kind in ("pc", "pn"):
+            return range(max(f + 1, b - w.act), b)
+        if kind in ("wfc", "wfn"):
+            return range(max(0, f - w.weight), f)
+        if kind in ("wbc", "wbn"):
+            return range(0) if i == self.U - 1 else range(max(f + 1, b - w.weight), b)
+        if kind in ("gdc", "gdn"):
+            return range(b + 1, min(b + w.grad, 2 * self.U) + 1)
+        raise KeyError(kind)
+
+    def valid_stage(self, kind: str, i: int, s: int) -> bool:
+        """Where a share may move at all (the simulator's check of a plan; the MILP's windows
+        are inside these): after the bytes exist and before they are needed."""
+        L = self.L
+        f, b = L.fwd(i), L.bwd(i)
+        if kind in ("oc", "on", "pc", "pn"):
+            return f < s < b
+        if kind in ("wfc", "wfn"):
+            return 0 <= s < f
+        if kind in ("wbc", "wbn"):
+            return i != self.U - 1 and f < s < b
+        if kind in ("gdc", "gdn"):
+            return b < s <= 2 * self.U
+        raise KeyError(kind)
+
+    def gate(self, kind: str, i: int, v: View) -> Lin:
+        """What Σ_s share(kind, i, s) must equal: the decision that asks for the transfer."""
+        if kind in ("oc", "pc"):
+            return [(v.x(i, "cpu"), 1.0)]
+        if kind in ("on", "pn"):
+            return [(v.x(i, "nvme"), 1.0)]
+        attr = "grads" if kind.startswith("gd") else "weights"
+        tier = Tier.CPU if kind.endswith("c") else Tier.NVME
+        return [(v.h(i, k), 1.0) for k, h in enumerate(self.homes[i]) if getattr(h, attr) is tier]
+
+    def kinds_of(self, i: int) -> list[str]:
+        """The transfer kinds unit i can need, given its choices and homes."""
+        out = []
+        for c, kinds in (("cpu", ("oc", "pc")), ("nvme", ("on", "pn"))):
+            if c in self.choices[i]:
+                out += kinds
+        for h in self.homes[i]:
+            for t, kinds in ((h.weights, ("wf", "wb")), (h.grads, ("gd",))):
+                if t is not Tier.GPU:
+                    for k in kinds:
+                        name = k + ("c" if t is Tier.CPU else "n")
+                        if name not in out and self.window(name, i):
+                            out.append(name)
+        return out
+
+    def size(self, kind: str, i: int) -> int:
+        return {"act": self.A, "weight": self.P, "grad": self.G}[KINDS[kind].cls][i]
+
+    def ck_return_stage(self, k: int, e: int) -> int:
+        """sigma_{k,e}: the stage an offloaded checkpoint X_k comes back in when k's segment
+        ends at unit e: the one before the segment's recompute."""
+        return self.L.bwd(e) - 1
+
+    def ck_allowed(self, k: int, e: int) -> bool:
+        """X_k leaves in stage fwd(k)+1; it can come back only after that."""
+        return self.ck_return_stage(k, e) > self.L.fwd(k) + 1
+
+    def ck_pairs(self, e: int) -> list:
+        """(k, choice) whose offloaded checkpoint may return for a segment ending at e (the
+        MILP's candidates: k within w_seg of e)."""
+        return [(k, ch) for k in range(max(0, e - self.windows.seg + 1), e + 1)
+                for ch in ("rc", "rn") if ch in self.choices[k] and self.ck_allowed(k, e)]
+

@@ -1,0 +1,173 @@
+"""The sequence of ``plan solve`` (``solve``): from one ``SolveConfig`` and a profile, the cost
+model and its variants, the strategies in order, the fastest candidate that fits, or the
+one-line ``NoFitError`` naming the budget that would fit. ``solve_profile`` is the keyword
+face of the Python API (tests and benchmarks): it builds the configuration and calls ``solve``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from planner.costmodel import CostModel
+from planner.costmodel.baselines import baseline_layers
+from planner.errors import NoFitError
+from planner.formats import Budgets, Plan, Policy, Profile
+from planner.plans import plan_and_sim
+from planner.solve.config import SolveConfig, warn
+from planner.solve.nofit import _min_gpu_candidate, _no_fit, _static_floor
+from planner.solve.strategies import (Candidate, _Clock, _pick, _seed_candidates, baselines,
+                                      bytes_text, milp)
+
+
+@dataclass
+class SolveOutcome:
+    """The written plan and what was tried on the way (for benches and tests)."""
+
+    plan: Plan
+    sim: object
+    tried: dict          # origin -> (step_s, fits, peak_gpu_bytes)
+    milp_objective: float | None = None
+
+
+@dataclass(frozen=True)
+class _Models:
+    """The cost models of one solve: ``main`` from the configuration, and its variants."""
+
+    main: CostModel      # depth cfg.optimizer_depth (3), homes off the device allowed
+    lean: CostModel      # depth 1: the optimizer phase one unit at a time (the least memory)
+    act: CostModel       # every tensor class at home on the device (activations only)
+
+
+def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: str = "optimal",
+                  *, solver: str = "highs", time_limit: float | None = 60.0, gap: float = 0.005,
+                  nvme_dir: str | None = None, progress: bool = False, micro_batches: int = 1,
+                  stream: str = "auto", world_size: int = 1, ranks_per_node: int | None = None,
+                  engine: str | None = None, seeds: tuple = ()) -> SolveOutcome:
+    """The plan ``plan solve`` writes: fits in the simulator, or ``NoFitError``. With
+    ``world_size`` N > 1 (or ``engine`` fsdp2/ddp) the plan is one rank's, every rank replaying
+    it (``rank_options``: defaults, checks). ``seeds``: plans of the same profile solved under
+    other budgets (``plan sweep``'s previous point), each a candidate here where it fits these
+    budgets, and so the MILP's warm start when it is the fastest."""
+    cfg = SolveConfig.build(hw, budgets, policy, solver=solver, time_limit=time_limit, gap=gap,
+                            nvme_dir=nvme_dir, progress=progress, micro_batches=micro_batches,
+                            stream=stream, world_size=world_size, ranks_per_node=ranks_per_node,
+                            engine=engine)
+    return solve(profile, profile_path, cfg, seeds)
+
+
+def solve(profile: Profile, profile_path, cfg: SolveConfig, seeds: tuple = ()) -> SolveOutcome:
+    """``solve_profile`` of a configuration already built."""
+    clock = _Clock(cfg.time_limit)
+    hw, budgets = cfg.hw, cfg.budgets
+    if (not hw.unified_memory and hw.pinned_limit and budgets.cpu_bytes > hw.pinned_limit):
+        warn(f"--cpu-mem {bytes_text(budgets.cpu_bytes)} is more than the {hw.name} spec lets the "
+             f"runtime pin ({bytes_text(hw.pinned_limit)}: pinned_memory_bytes, else "
+             "host_memory_bytes); every host byte it holds is pinned, so the plan uses at most "
+             "that (edit the spec to raise it)")
+    cm = cfg.cost_model(profile)
+    if cfg.policy not in (Policy.OPTIMAL.value, Policy.REMAT_ONLY.value):
+        return _baseline_policy(profile, profile_path, cfg,
+                                dataclasses.replace(cm, allow_streaming=False))
+    # the optimizer phase pipelined (3 units in flight: faster) and one unit at a time (1: the
+    # least memory); the second is tried where homes off the device can matter
+    models = _Models(cm, dataclasses.replace(cm, optimizer_depth=1),
+                     dataclasses.replace(cm, allow_streaming=False))
+    if _static_floor(models.lean) > models.lean.budget["gpu"]:
+        # what the device holds for the whole step under the leanest homes already exceeds the
+        # budget: no strategy can fit, so the whole time limit goes to naming what would
+        raise _no_fit(cfg, models.lean, clock, 0)
+    cands = _first_candidates(profile, profile_path, cfg, models, clock, seeds)
+    best = _search(profile, profile_path, cfg, models, clock, cands)
+    if best is None and cfg.policy == Policy.OPTIMAL.value:
+        # no strategy found a plan in time: the plan with the smallest GPU peak, if it fits
+        low = _min_gpu_candidate(profile, profile_path, cfg, models.lean, clock)
+        if low is not None:
+            cands.append(low)
+            best = _pick(cands)
+    tried = {c.origin: (c.sim.step_s, c.sim.fits, c.sim.peak_gpu_bytes) for c in cands}
+    if best is None:
+        raise _no_fit(cfg, models.lean, clock, len(cands))
+    if clock.skipped:
+        warn(f"the --time-limit left out {', '.join(clock.skipped)} on this "
+             f"{cm.U}-unit model; the plan is the best of the rest (raise --time-limit to try "
+             "them)")
+    plan = best.plan
+    if not best.origin.startswith("milp"):
+        rec = dataclasses.replace(plan.solver, status=f"{plan.solver.status}: fastest candidate",
+                                  origin=best.origin)
+        plan = dataclasses.replace(plan, solver=rec)
+    plan = dataclasses.replace(plan, policy=cfg.policy)
+    milp_obj = best.plan.solver.objective if best.origin.startswith("milp") else None
+    return SolveOutcome(plan, best.sim, tried, milp_obj)
+
+
+def _baseline_policy(profile, profile_path, cfg: SolveConfig, cm: CostModel) -> SolveOutcome:
+    """``--policy`` a baseline: its plan on ``cm``, or NoFitError naming the budget it exceeds."""
+    policy = cfg.policy
+    layers = baseline_layers(policy, profile.layers, cm.hw, profile.model.get("chain_breaks"))
+    plan, r = plan_and_sim(profile, profile_path, cm.hw, cfg.budgets, policy, layers,
+                           nvme_dir=cfg.nvme_dir, cm=cm)
+    if not r.fits:
+        raise NoFitError(f"the {policy} plan does not fit: {r.budget_violations[0]}; "
+                         f"raise that budget to at least its peak, or use --policy optimal",
+                         budget=r.budget_violations[0].split(":")[0])
+    return SolveOutcome(plan, r, {f"baseline:{policy}": (r.step_s, True, r.peak_gpu_bytes)})
+
+
+def _homes_matter(cfg: SolveConfig, models: _Models) -> bool:
+    """Whether homes off the device are possible here (the joint MILP has something to choose)."""
+    return any(len(h) > 1 for h in models.main.homes) and cfg.policy == Policy.OPTIMAL.value
+
+
+def _first_candidates(profile, profile_path, cfg: SolveConfig, models: _Models, clock,
+                      seeds) -> list[Candidate]:
+    """The baselines (on the main model; stream-all also at depth 1 where homes matter; for
+    remat-only, on the activations-only model without offload-all) and the seeds."""
+    budgets, nvme_dir = cfg.budgets, cfg.nvme_dir
+    if cfg.policy == Policy.OPTIMAL.value:
+        cands = baselines(profile, profile_path, budgets, models.main, nvme_dir, clock,
+                          clock.skipped)
+        if _homes_matter(cfg, models):
+            cands += [dataclasses.replace(c, origin=c.origin + "/depth1")
+                      for c in baselines(profile, profile_path, budgets, models.lean, nvme_dir,
+                                         clock, clock.skipped)
+                      if "stream-all" in c.origin]
+    else:   # remat-only: the same strategies with nothing moved off the device
+        cands = [c for c in baselines(profile, profile_path, budgets, models.act, nvme_dir,
+                                      clock, clock.skipped)
+                 if c.origin != "baseline:offload-all"]
+    return cands + _seed_candidates(seeds, budgets)
+
+
+def _search(profile, profile_path, cfg: SolveConfig, models: _Models, clock,
+            cands: list[Candidate]) -> Candidate | None:
+    """The MILPs after the first candidates (appended to ``cands``): the activation-only one,
+    then, where homes matter and streaming may pay, the joint one at depth 3 and at depth 1,
+    each warm-started from the best so far. The best candidate that fits, or None."""
+    best = _pick(cands)
+    act = milp(profile, profile_path, cfg, models.act, origin="milp-act", clock=clock,
+               warm=best.plan.layers if best and all(
+                   d.home.resident for d in best.plan.layers) else None,
+               share=0.5 if cfg.stream != "off" else 1.0,
+               incumbent=best.sim.step_s if best else None)
+    if act is not None:
+        cands.append(act)
+    best = _pick(cands)
+    if _homes_matter(cfg, models) and (best is None or cfg.stream == "on"
+                                       or _streaming_may_pay(models.main, best, cfg.gap)):
+        for model, origin, share in ((models.main, "milp", 0.5),
+                                     (models.lean, "milp/depth1", 1.0)):
+            joint = milp(profile, profile_path, cfg, model, origin=origin, clock=clock,
+                         warm=best.plan.layers if best else None, share=share,
+                         incumbent=best.sim.step_s if best else None)
+            if joint is not None:
+                cands.append(joint)
+                best = _pick(cands)
+    return _pick(cands)
+
+
+def _streaming_may_pay(cm: CostModel, best: Candidate, gap: float) -> bool:
+    """Whether a plan with homes off the device can beat ``best`` by more than the gap: no
+    plan is faster than the passes' compute alone (K x forward and backward)."""
+    floor = cm.K * (sum(cm.f) + sum(cm.b))
+    return best.sim.step_s > floor * (1 + gap)
