@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # the runtime package: import from the repository root, never from bench/
 sys.path[:] = [str(ROOT), str(ROOT / "tests")] + [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 
-from planner import solvers  # noqa: E402
+from planner.solve import solvers  # noqa: E402
 from planner.solve.budget import fraction_budget  # noqa: E402
 from planner.errors import NoFitError, UserError  # noqa: E402
 from planner.formats import Budgets  # noqa: E402
