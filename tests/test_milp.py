@@ -596,7 +596,7 @@ def test_the_integer_optimizer_floor_lies_between_the_relaxation_and_every_whole
     import itertools
 
     from planner.costmodel import View
-    from planner.solve.milp import opt_floor_int
+    from planner.solve.opt_floor import opt_floor_int
     pytest.importorskip("highspy")
 
     class OneHome(View):

@@ -12,15 +12,15 @@ from planner.solve.relaxation import _HeldLP
 
 
 # LP re-solves the count bound may take: before the polish (one split), and beside HiGHS's
-# search (``_Rival.prove``) and beside the polish, where gpt2-xl at 38.45G proves its plan
-# within 0.5% in 0.5 s
+# search (``_Rival.prove``) and beside the polish (enough to prove a plan within a gap of
+# 0.5% where the plan is that close)
 COUNT_LPS_FIRST = 4
 COUNT_LPS = 96
 # counts tried per split (strong branching), most fractional first
 STRONG = 2
 
 
-def _count_bound(model: Model, held: "_HeldLP", lp: dict, bound: float, target: float,
+def _count_bound(model: Model, held: _HeldLP, lp: dict, bound: float, target: float,
                  time_limit, max_lps: int = COUNT_LPS, stop=None, counts=None) -> float:
     """A bound above the relaxation's, by branch and bound on counts: every sum of binaries
     (``Model.counts``: the units at a home in a group of alike units, the units taking an
@@ -34,11 +34,11 @@ def _count_bound(model: Model, held: "_HeldLP", lp: dict, bound: float, target: 
     are all whole. A side proven infeasible holds no plan; a side the time limit stopped ends
     the search (a point is not a bound).
 
-    Why: on gpt2-xl's joint model the relaxation is ~0.6% below the best plans because it
-    spreads whole decisions (3.74 blocks' optimizer state on the host, 3.86 blocks
-    recomputed where plans recompute 5); HiGHS's cuts did not raise it at all, and its tree
-    took 200 nodes (7-12 s). At 38.45G this proves the plan within 0.5% in 0.5 s (1.3 s with
-    each LP started from the last region's basis, not its parent's)."""
+    Why: on joint models the relaxation lies below the best plans mostly because it spreads
+    whole decisions (a fractional number of blocks with their optimizer state on the host,
+    or recomputed); HiGHS's cuts do not raise that bound, and its tree takes hundreds of
+    nodes, where a few dozen LPs on the counts prove a plan within the gap. Each region's
+    LPs start from its parent's basis: from the last region's they take longer."""
     t0 = time.perf_counter()
     counts = [[v.name for v in vs] for vs in (model.counts() if counts is None else counts)]
     heap = [(bound, 0, (), lp, None)]

@@ -36,21 +36,20 @@ def _windows(model: Model, lp: dict, cur: dict, width: int) -> list:
     return [range(lo, min(U, lo + width)) for lo in guided + rest]
 
 
-# binaries set free in one window of ``_polish`` (its width in units follows from it): at
-# 48-96 blocks a window of ~40 solves in 0.05-0.3 s, and one or two windows placed where the
-# dive's plan is slow take it from 1-9% to within 0.5% of the bound
+# binaries set free in one window of ``_polish`` (its width in units follows from it): a
+# window of ~40 solves in a fraction of a second, and one or two windows placed where the
+# dive's plan is slow typically take it to within the gap of the bound
 POLISH_BINARIES = 40
 # the most one window's search may take: the search finds a window's better plan early and
-# spends the rest proving it (gpt2-xl's windows: 0.8-1.8 s to optimality)
+# spends the rest proving it, which can take seconds
 POLISH_WINDOW_S = 0.3
 # a window's plan counts as better (and makes every other window worth another try) only
-# when it gains this much: gains of 1e-6 sent gpt2-xl's search round the chain again for
-# nothing
+# when it gains this much: smaller gains would send the search round the chain again for
+# next to nothing
 POLISH_MIN_GAIN = 1e-4
 # windows in a row that gain nothing end the polish, and the time left goes to the MIP
-# search: on 48-96 synthetic blocks every gain came within 4 windows of the last one (1.4-2.2
-# s in all), while on gpt2-xl's joint model (windows of 5 units) whole passes of 24 windows
-# found nothing in 3.8-5.3 s, time that HiGHS's search then lacked
+# search: gains typically come within a few windows of the last one, and where a pass of the
+# chain finds nothing the time is better spent in HiGHS's search
 POLISH_BARREN_RUN = 6
 
 
@@ -60,7 +59,7 @@ class _SubMIP:
     the rest, the plan as its start. A context: on leaving, the instance is the dive's LP
     again."""
 
-    def __init__(self, model: Model, held: "_HeldLP", gap: float):
+    def __init__(self, model: Model, held: _HeldLP, gap: float):
         np = held.np
         self.model, self.held = model, held
         groups = _groups(model)
@@ -83,7 +82,7 @@ class _SubMIP:
         h.setOptionValue("solver", "choose")
         # a neighbourhood's search stops well inside the gap asked of the whole plan; without
         # HiGHS's own neighbourhood searches (RINS, RENS), which in a window of ~40 binaries
-        # took 0.56 of its 0.86 s and ran it past its time limit
+        # take most of its time and run it past its time limit
         h.setOptionValue("mip_rel_gap", max(1e-4, self.gap / 4))
         h.setOptionValue("mip_heuristic_run_rins", False)
         h.setOptionValue("mip_heuristic_run_rens", False)
@@ -135,7 +134,7 @@ class _SubMIP:
         return got, dict(zip(held.names, h.getSolution().col_value))
 
 
-def _polish(model: Model, held: "_HeldLP", lp: dict, values: dict, obj: float,
+def _polish(model: Model, held: _HeldLP, lp: dict, values: dict, obj: float,
             bound: float | None, gap: float, time_limit):
     """Large-neighbourhood search from the dive's plan: all but a window of units held at the
     plan's choices, the MIP over the window solved (``_SubMIP``), windows taken worst first
@@ -155,8 +154,8 @@ def _polish(model: Model, held: "_HeldLP", lp: dict, values: dict, obj: float,
         tried: set = set()
         dry = 0                     # windows tried since the last gain
         # windows that gained nothing go after the others when the plan changes: they may
-        # pay again, but seldom do (gpt-like chains: the last units' windows ran to their
-        # limit after each gain elsewhere, 0.3-0.45 s each, for gains under POLISH_MIN_GAIN)
+        # pay again, but seldom do (on gpt-like chains the last units' windows run to their
+        # limit after each gain elsewhere, for gains under POLISH_MIN_GAIN)
         barren: set = set()
         order = _windows(model, lp, values, width)      # again only when the plan changes
         while True:
@@ -188,19 +187,18 @@ RINS_TOL = 0.01
 RINS_PATIENCE_S = 1.0
 
 
-def _rins(model: Model, held: "_HeldLP", lp: dict, values: dict, obj: float, bound: float,
+def _rins(model: Model, held: _HeldLP, lp: dict, values: dict, obj: float, bound: float,
           gap: float, time_limit):
     """One search over the binaries where the plan and the relaxation ``lp`` disagree, all
     the others held (relaxation-induced neighbourhood search, Danna, Rothberg & Le Pape 2005),
     stopped as soon as a plan is within half the ``gap`` of ``bound``, or after
     ``RINS_PATIENCE_S`` seconds within the gap. Returns (values, objective).
-    Why: the plans the windows miss differ from the dive's all along the chain (gpt2-xl at
-    33.75G: 27 of 50 units, weights streamed for four blocks instead of one), and where the
-    relaxation is whole the two agree: the open part was 122-145 of 483 binaries, searched
-    in 0.9-4.8 s, where HiGHS's whole search took 8-20 s to find the same plans. Half the
-    gap first: stopped at the first plan within the gap, llama3-8b at a quarter of its
-    activations got a plan 0.37% above its bound in 0.2 s where one 0.3% faster came as
-    soon; patience: stopped only at half the gap, gpt2-xl at 33.75G took 3 s longer."""
+    Why: the plans the windows miss can differ from the dive's all along the chain (half
+    its units, say), and where the relaxation is whole the two agree: the open part is a
+    fraction of the binaries, searched in a fraction of the time HiGHS's whole search takes
+    to find the same plans. Half the gap first: the first plan within the gap is often not
+    the best one the search is about to find; patience: waiting for half the gap alone can
+    take seconds more."""
     with _SubMIP(model, held, gap) as sub:
         free = [c for c in sub.ints
                 if abs(lp.get(held.names[c], 0.0) - round(values[held.names[c]])) > RINS_TOL]

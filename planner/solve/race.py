@@ -91,7 +91,7 @@ def _in_child(fn, hard_s: float | None):
     result, or ``None`` when the deadline killed it; ``pulp.PulpSolverError`` when it failed.
 
     Why: HiGHS checks its time limit and its interrupt callback only at points of its own;
-    its MIP presolve of one 834-binary model (promises seed 1299) ran for minutes past a 7 s
+    its MIP presolve of a model of several hundred binaries can run for minutes past the
     limit reaching neither, and in-process nothing can stop it, Ctrl-C included. A child can
     be killed: the caller then keeps the plan it already has. ``os.fork``, not
     ``multiprocessing``: this may run inside a pool's daemonic worker, which may not have
@@ -115,10 +115,9 @@ def _race(fn, rival, hard_s: float | None, wins, meanwhile=None, nice: int = RAC
     deadline = None if hard_s is None else time.monotonic() + hard_s
     kids = {}
     try:
-        # ``fn`` (the whole search, the slowest to decide in the cases that made the race)
-        # yields the CPU to the other two where cores are short: on two cores, with all
-        # three alike, gpt2-xl at 35G took 10.4 s, where the neighbourhood search alone
-        # decides in 4.8 s
+        # ``fn`` (the whole search, the slowest to decide where a race pays) yields the CPU
+        # to the other two where cores are short: at equal niceness on two cores the race
+        # took about twice as long as the rival's search alone
         for name, f, up in (("fn", fn, nice), ("rival", rival, 0)):
             if f is not None:
                 pid, r = _spawn(f, up)
@@ -130,8 +129,8 @@ def _race(fn, rival, hard_s: float | None, wins, meanwhile=None, nice: int = RAC
 
         def drain(wait) -> bool:
             """Read what the children wrote within ``wait`` seconds, and all they write on
-            meanwhile (an answer is bigger than the pipe's buffer: one read per poll left
-            the count bound running 0.7 s past the polish's answer); whether it is decided."""
+            meanwhile (an answer can be bigger than the pipe's buffer: one read per poll
+            would leave ``meanwhile`` running on past the answer); whether it is decided."""
             while True:
                 open_fds = [r for r, (name, _, _) in kids.items() if name not in got]
                 ready, _, _ = select.select(open_fds, [], [], wait)

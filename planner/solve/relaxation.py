@@ -56,17 +56,16 @@ def _relaxation(model: Model, solver: str, time_limit, fixed: dict):
 
 
 # a relaxation with at least this many columns is solved first by HiGHS's interior point
-# method (then crossover to a vertex), and re-solved by dual simplex from that basis: the
-# gpt3-175b joint model's first LP (13,242 columns) took 118 s by simplex and 15 s this way
+# method (then crossover to a vertex), and re-solved by dual simplex from that basis: on
+# models that large the first LP by simplex alone takes several times longer
 IPM_MIN_COLUMNS = 8000
 
 
 class _HeldLP:
     """The model's LP relaxation held in one HiGHS instance for a whole dive: binaries
     relaxed, fixings applied as bound changes, each re-solve warm-started from the last basis
-    (through PuLP every LP was built and solved from scratch: 76 ms each at 48 blocks, where a
-    re-solve takes 5-15 ms; 7.9 s and then ~1 s on gpt3-175b against minutes). HiGHS only;
-    answers what ``_relaxation`` answers."""
+    (through PuLP every LP is built and solved from scratch; a warm re-solve takes a fraction
+    of that). HiGHS only; answers what ``_relaxation`` answers."""
 
     def __init__(self, model: Model):
         import highspy

@@ -20,11 +20,11 @@ from planner.solve.runner import _big_mip
 class _Rival:
     """What runs beside HiGHS's search (``_race``): ``_rins`` from the dive's plan in a child,
     and ``_count_bound`` in this process meanwhile. Why beside and not before: where the
-    dive's plan is 0.5% off the best (gpt2-xl at 33.75G, 35G) the neighbourhood search finds
-    a plan within the gap in 0.9-4.8 s, and no bound can prove the dive's; where the plan is
-    already within a hair of the best (36.25G, 38.45G) the neighbourhood search spends 5-7 s
-    finding nothing, and the count bound proves the plan (0.5 s at 38.45G). Either one
-    deciding ends HiGHS's search. The dive uses one without a ``search`` beside its polish:
+    dive's plan is off the best by more than the gap, the neighbourhood search finds a plan
+    within it in seconds, and no bound can prove the dive's; where the plan is already within
+    a hair of the best, the neighbourhood search spends its time finding nothing, and the
+    count bound proves the plan in a fraction of a second. Which case holds is not known
+    beforehand; either one deciding ends HiGHS's search. The dive uses one without a ``search`` beside its polish:
     ``prove`` only."""
 
     search: object                  # time_limit -> (values, objective in seconds)
@@ -73,7 +73,7 @@ def _objective_of(model: Model, values: dict) -> float | None:
                  + (model.prob.objective.constant or 0.0))
 
 
-def _guarded(search, model: Model, held: "_HeldLP", lp: dict, values: dict, obj: float,
+def _guarded(search, model: Model, held: _HeldLP, lp: dict, values: dict, obj: float,
              bound, gap: float, time_limit, prove=None):
     """``search`` (``_polish``) in a forked child with a hard deadline
     (``_in_child``) where the model is big enough to run HiGHS MIPs there

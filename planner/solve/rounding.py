@@ -71,11 +71,9 @@ class _Rounder:
             for kind, items in groups:
                 # only what the relaxation gives this unit is a candidate, and what it gives
                 # whole is taken: the running totals only space out what it spreads (a total
-                # carried from other units turned an LP's whole rc into rg and put rc where
-                # the LP had none, on 48 synthetic blocks). Measured one unit per re-solve:
-                # 0.6-1.2% above the bound on 48-96 blocks and gpt2-xl against 0.4-1.5%
-                # before, one case worse (2.1% against 0.7%); ``_polish`` follows either way
-                # where the plan is not within the gap
+                # carried from other units would otherwise override a whole choice of the LP
+                # and place a choice where the LP has none); ``_polish`` follows where the
+                # plan is not within the gap
                 vals = [lp.get(var.name, 0.0) for _, var in items]
                 whole = max(vals) > 1 - 1e-6
                 allowed, given = [], []
@@ -108,7 +106,7 @@ class _Rounder:
         return fixed
 
 
-def _unit_by_unit(r: "_Rounder", units, fixed: dict, cur: dict, relax, over):
+def _unit_by_unit(r: _Rounder, units, fixed: dict, cur: dict, relax, over):
     """Fix ``units`` one at a time: each as the rounder rounds it, or, where that does not
     fit, the first of its other choice combinations (by the LP's values) that does. Returns
     (fixed, objective, values), objective None when some unit has no choice that fits."""

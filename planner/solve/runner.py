@@ -31,9 +31,9 @@ def _highs_in_child(model: Model, s, time_limit: float | None):
     if rival is None:
         got = _in_child(run, hard)
     else:
-        # HiGHS's own RINS and RENS off: they search what the rival searches, and took 3.8
-        # of gpt2-xl's 11.6 s at 38.45G (the root's sub-MIPs) before its tree began; without
-        # them that search proved the gap in 10.8 s of plan solve's 15.5
+        # HiGHS's own RINS and RENS off: they search what the rival searches, and their
+        # sub-MIPs at the root hold back HiGHS's tree, the part of its search the rival
+        # does not do
         s.neighbourhoods = False
         got, other = _race(run, lambda: rival.search(time_limit), hard, rival.wins,
                            meanwhile=lambda poll: rival.prove(time_limit, poll))

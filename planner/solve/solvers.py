@@ -42,8 +42,8 @@ __all__ = ["SOLVERS", "Infeasible", "NoIncumbent", "NothingBetter", "Outcome", "
            "hard_deadline", "highs_available", "make_solver", "rel_gap", "solve"]
 
 
-# rows handed to a solver per second, beyond its own time limit (a first guess of a run's
-# overrun before one has been measured; gpt3-175b's joint MILP: ~8,600 rows, ~2 s)
+# rows handed to a solver per second, beyond its own time limit: the first guess of a run's
+# overrun before one has been measured (a joint MILP of ~8,600 rows takes ~2 s to hand over)
 PASS_ROWS_PER_S = 4000
 
 
@@ -63,20 +63,20 @@ def solve(model: Model, solver: str = "highs", time_limit: float | None = 60.0,
         raise Infeasible(f"constant rows violated: {', '.join(model.violated[:3])}")
     t0 = time.perf_counter()
     # A solver's own time limit does not count handing it the model (PuLP passes or writes
-    # every row first): gpt3-175b's 8,600 rows ran each run ~2 s past its limit, and four runs
-    # past the command's --time-limit. That much is kept back from each run's limit; the
-    # first guess is by size, later ones what the runs took beyond their limits.
+    # every row first), which on a large model takes seconds per run: that much is kept back
+    # from each run's limit, so that the runs together end within --time-limit. The first
+    # guess is by size, later ones what the runs took beyond their limits.
     model.overrun_s = max(model.overrun_s, model.prob.numConstraints() / PASS_ROWS_PER_S)
 
     def left(share=1.0):
         if time_limit is None:
             return None
-        # 1.5x: a run with a start to pass overran by up to 1.8x the dive's first LP
+        # 1.5x: a run with a start to pass overruns by more than one without
         return max(0.5, (time_limit - (time.perf_counter() - t0) - 1.5 * model.overrun_s) * share)
 
     # the dive's share of the time: at IPM_MIN_COLUMNS and more, HiGHS's own search finds
-    # nothing in the time plan solve has (its root LP by simplex alone took 118 s on gpt3-175b's
-    # joint model), so the dive, which gives the plan there, gets most of it
+    # nothing in the time plan solve has (its root LP by simplex alone takes minutes), so the
+    # dive, which gives the plan there, gets most of it
     big = len(model.prob.variables()) >= IPM_MIN_COLUMNS
     bound, start, obj = _dive(model, solver, left(0.8 if big else 0.3), gap, incumbent,
                               polish_limit=left(0.5))
@@ -95,17 +95,15 @@ def solve(model: Model, solver: str = "highs", time_limit: float | None = 60.0,
                 lo = -math.inf if v.lowBound is None else v.lowBound
                 up = math.inf if v.upBound is None else v.upBound
                 v.setInitialValue(min(max(x, lo), up))
-        # HiGHS gets only a complete start (the dive's): handed a partial one (a baseline's
-        # choices without its shares) it completes it in a sub-search that ran 40 s past a
-        # 1.5 s limit (promises seed 1299)
+        # HiGHS gets only a complete start (the dive's): a partial one (a baseline's choices
+        # without its shares) it completes in a sub-search that can run far past its limit
         st, obj2, g = _run(model, solver, left(), gap, warm=start is not None,
                            start=start if (solver == "highs" and dived) else None,
                            progress=progress)
         if (st == pulp.LpSolutionOptimal and start is not None and g is not None and g > gap
                 and bound is not None and obj2 is not None and rel_gap(obj2, bound) > gap):
-            # HiGHS returned the start as "optimal" though the relaxation bounds the objective
-            # more than the gap below it (seen minimising --gpu-mem on a 4-unit Bloom profile:
-            # 0.450 GB "optimal", 0.385 GB without the start): search again without it
+            # HiGHS can return the start as "optimal" though the relaxation bounds the
+            # objective more than the gap below it: search again without the start
             st, obj2, g = _run(model, solver, left(), gap, progress=progress)
         if obj2 is None:
             if not dived:
