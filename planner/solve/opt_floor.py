@@ -5,7 +5,7 @@ the count bound's home counts are built on. Read from the cost model alone, with
 from __future__ import annotations
 
 from planner.costmodel import CostModel, View
-from planner.solve import highs
+from planner.solve.highs import available as highs_available, quiet as _quiet_highs
 
 
 class _HomeTags(View):
@@ -57,7 +57,7 @@ def opt_floor_int(cm: CostModel) -> float | None:
     already integral), where no unit has a choice of home, or without highspy."""
     if cm.opt_depth == 1 or not any(len(h) > 1 for h in cm.homes):
         return None
-    if not highs.available():
+    if not highs_available():
         return None
     import highspy
     coefficients = _opt_coefficients(cm)
@@ -73,7 +73,7 @@ def opt_floor_int(cm: CostModel) -> float | None:
         sig = tuple((tuple(c / unit for c in coef.get((j, k), [0.0] * nres)),
                      chain.get((j, k), 0.0) / unit) for k in range(len(cm.homes[j])))
         groups[sig] = groups.get(sig, 0) + len(units)
-    h = highs.quiet()
+    h = _quiet_highs()
     for opt, val in (("output_flag", False), ("time_limit", OPT_FLOOR_S),
                      ("mip_rel_gap", 0.0), ("mip_abs_gap", 0.0), ("threads", 1)):
         h.setOptionValue(opt, val)
