@@ -17,7 +17,8 @@ from planner.costmodel import REC
 from planner.formats import Budgets, Profile, UnitKind
 from planner.solve.milp import GB, Model, Options
 from planner.plans import cost_model
-from planner.solve.solvers import Infeasible, _run
+from planner.solve.outcome import Infeasible
+from planner.solve.runner import _run
 
 
 def _vectors(cm):

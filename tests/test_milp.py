@@ -173,7 +173,7 @@ def test_gradients_homed_on_nvme_fit_a_host_too_small_for_their_accumulators(tmp
 def test_hidden_transfers_leave_early_and_arrive_late():
     """Among plans of equal step a solve holds the least device memory: an offload that hides
     in one stage leaves in the first stage after its forward and comes back in the last stage
-    before its backward (the solve's second phase, ``solvers._settle``; before it, the solver
+    before its backward (the solve's second phase, ``settle._settle``; before it, the solver
     left shares wherever its vertex put them)."""
     from planner.solve import solvers
 
@@ -223,14 +223,14 @@ def test_a_strategy_that_cannot_beat_the_incumbent_stops_at_its_bound():
     already proves that nothing beats it by more than the gap stops there (the joint MILP
     after an activation-only plan at the bound: 48 blocks went from 20 s to 5 s); one that
     might beat it searches as before."""
-    from planner.solve import solvers
+    from planner.solve import relaxation, solvers
 
     hw = load_hardware("a100-80g")
     prof = uniform_profile(6, hw, jitter=0.02, seed=6)
     rng = random.Random(1)
     cm = cost_model(prof, hw, _budgets(prof, hw, rng))
     m0 = Model(cm)
-    bound, _ = solvers._relaxation(m0, "highs", 60.0, {})
+    bound, _ = relaxation._relaxation(m0, "highs", 60.0, {})
     assert m0.lp_optimal
     with pytest.raises(solvers.NothingBetter):
         solvers.solve(Model(cm), "highs", 60.0, 0.005, incumbent=bound * 1.004)
@@ -240,7 +240,7 @@ def test_a_strategy_that_cannot_beat_the_incumbent_stops_at_its_bound():
 
 def test_settling_that_fails_leaves_the_solution_as_it_was(monkeypatch):
     """Phase two's LP stopped with no point (or infeasible): the solve's own values stand."""
-    from planner.solve import solvers
+    from planner.solve import settle, solvers
 
     hw = load_hardware("a100-80g")
     prof = uniform_profile(4, hw, jitter=0.02, seed=4)
@@ -250,9 +250,9 @@ def test_settling_that_fails_leaves_the_solution_as_it_was(monkeypatch):
     before = {v.name: v.varValue for v in m.prob.variables()}
     assert cm.held_longer(m.v), "no share to settle: the case would not reach the LP"
     called = []
-    monkeypatch.setattr(solvers, "_fixed_lp", lambda *a, **k: called.append(1) or
+    monkeypatch.setattr(settle, "_fixed_lp", lambda *a, **k: called.append(1) or
                         (None, {n: None for n in before}))
-    solvers._settle(m, "highs", 60.0)
+    settle._settle(m, "highs", 60.0)
     assert called
     assert {v.name: v.varValue for v in m.prob.variables()} == before
 
@@ -287,14 +287,14 @@ def _live_children() -> list[int]:
 def test_a_highs_search_past_its_deadline_is_killed_and_the_dives_plan_kept(monkeypatch):
     """A HiGHS MIP that runs on past its time limit is killed at its hard deadline: the solve
     ends within it, with the dive's plan (status feasible), and leaves no process behind."""
-    from planner.solve import solvers
+    from planner.solve import backends, runner, sandbox, solvers
     hw = load_hardware("a100-80g")
     prof = uniform_profile(6, hw, jitter=0.02)
     m = Model(cost_model(prof, hw, Budgets(10**15, 10**15, 0)))
-    real_make = solvers.make_solver
-    monkeypatch.setattr(solvers, "make_solver",
+    real_make = backends.make_solver
+    monkeypatch.setattr(sandbox, "make_solver",
                         lambda *a, **k: _NeverReturns(real_make(*a, **k)))
-    monkeypatch.setattr(solvers, "CHILD_MIN_BINARIES", 1)   # this small model runs in a child
+    monkeypatch.setattr(runner, "CHILD_MIN_BINARIES", 1)   # this small model runs in a child
     real_dive = solvers._dive
 
     def dive_with_a_weak_bound(*a, **k):      # a bound far below the plan: the search must run
@@ -317,7 +317,7 @@ def test_a_race_ends_with_the_search_or_a_winning_rival_and_leaves_no_process():
     minute, is killed); a rival that does not win is waited past; a search that answers
     first ends it (the rival killed); a rival that fails counts as no answer; what runs
     meanwhile in this process decides it with a winning result, or stops when told."""
-    from planner.solve import solvers
+    from planner.solve import race
 
     def slow(x):
         def f():
@@ -329,29 +329,29 @@ def test_a_race_ends_with_the_search_or_a_winning_rival_and_leaves_no_process():
         raise RuntimeError("boom")
     before = set(_live_children())
     t0 = time.perf_counter()
-    assert solvers._race(slow("mip"), lambda: 1, 120, lambda r: r == 1) == (None, 1)
-    assert solvers._race(lambda: (time.sleep(0.5), "mip")[1], lambda: 2, 120,
+    assert race._race(slow("mip"), lambda: 1, 120, lambda r: r == 1) == (None, 1)
+    assert race._race(lambda: (time.sleep(0.5), "mip")[1], lambda: 2, 120,
                          lambda r: r == 1) == ("mip", 2)
-    assert solvers._race(lambda: "mip", slow(1), 120, lambda r: True) == ("mip", None)
-    assert solvers._race(lambda: "mip", fails, 120, lambda r: True) == ("mip", None)
-    assert solvers._race(slow("mip"), slow(1), 0.5, lambda r: True) == (None, None)
+    assert race._race(lambda: "mip", slow(1), 120, lambda r: True) == ("mip", None)
+    assert race._race(lambda: "mip", fails, 120, lambda r: True) == ("mip", None)
+    assert race._race(slow("mip"), slow(1), 0.5, lambda r: True) == (None, None)
     # meanwhile: a winning result of its own ends the race; its poll tells it when the
     # search has answered
-    assert solvers._race(slow("mip"), slow(1), 120, lambda r: r == 3,
+    assert race._race(slow("mip"), slow(1), 120, lambda r: r == 3,
                          meanwhile=lambda poll: 3) == (None, 3)
 
     def until_decided(poll):
         while not poll():
             time.sleep(0.01)
         return 4
-    assert solvers._race(lambda: "mip", slow(1), 120, lambda r: True,
+    assert race._race(lambda: "mip", slow(1), 120, lambda r: True,
                          meanwhile=until_decided) == ("mip", None)
     # no rival: the search against what runs meanwhile; an answer many times the pipe's
     # buffer comes back whole
-    assert solvers._race(slow("mip"), None, 120, lambda r: r == 5,
+    assert race._race(slow("mip"), None, 120, lambda r: r == 5,
                          meanwhile=lambda poll: 5, nice=0) == (None, 5)
     big = "x" * (3 << 20)
-    assert solvers._race(lambda: big, None, 120, lambda r: True,
+    assert race._race(lambda: big, None, 120, lambda r: True,
                          meanwhile=until_decided, nice=0) == (big, None)
     assert time.perf_counter() - t0 < 10
     assert set(_live_children()) <= before
@@ -364,18 +364,18 @@ def test_a_rivals_plan_is_taken_where_it_is_better_and_its_bound_where_it_proves
     pytest.importorskip("highspy")
     import pulp
 
-    from planner.solve import solvers
+    from planner.solve import relaxation, rival
     hw = load_hardware("a100-80g")
     prof = uniform_profile(6, hw, jitter=0.02)
     m = Model(cost_model(prof, hw, Budgets(10**15, 10**15, 0)))
-    held = solvers._HeldLP(m)
+    held = relaxation._HeldLP(m)
     bound, lp = held.solve(60, {})
     poor = {v.name: int(c == "rg") for xs in m.xv for c, v in xs.items() if not isinstance(v, int)}
     slow_s, slow = held.solve(60, poor)
     assert slow_s > bound * 1.01
     ts = m.ts
     highs = (pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible, slow, bound / ts * 0.9)
-    r = solvers._Rival(None, bound, 0.005, ts)
+    r = rival._Rival(None, bound, 0.005, ts)
     assert r.wins((lp, bound)) and not r.wins((slow, slow_s))
     assert r.merge(m, highs, None) is highs
     assert r.merge(m, highs, (slow, slow_s * 1.001)) is highs
@@ -387,18 +387,18 @@ def test_a_rivals_plan_is_taken_where_it_is_better_and_its_bound_where_it_proves
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the child run is Linux-only")
 def test_a_highs_child_that_fails_is_a_solver_failure(monkeypatch):
-    from planner.solve import solvers
+    from planner.solve import runner, sandbox, solvers
 
     class Crashes:
         def actualSolve(self, lp, **kw):       # noqa: N802
             raise RuntimeError("boom")
     hw = load_hardware("a100-80g")
-    monkeypatch.setattr(solvers, "CHILD_MIN_BINARIES", 1)
+    monkeypatch.setattr(runner, "CHILD_MIN_BINARIES", 1)
     m = Model(cost_model(uniform_profile(3, hw), hw, Budgets(10**15, 10**15, 0)))
-    st, obj, _ = solvers._run(m, "highs", 5.0, 0.0)        # a real run through the child
-    monkeypatch.setattr(solvers, "make_solver", lambda *a, **k: Crashes())
+    st, obj, _ = runner._run(m, "highs", 5.0, 0.0)        # a real run through the child
+    monkeypatch.setattr(sandbox, "make_solver", lambda *a, **k: Crashes())
     with pytest.raises(solvers.SolverFailed, match="boom"):
-        solvers._run(m, "highs", 5.0, 0.0)
+        runner._run(m, "highs", 5.0, 0.0)
     assert obj is not None and obj > 0
 
 
@@ -422,26 +422,26 @@ def test_the_held_lp_answers_what_a_fresh_lp_answers(seed):
     gives the relaxation PuLP builds from scratch: with nothing fixed, with a unit's choice
     fixed, after that fixing is released again; a fixing that cannot fit gives (None, None)."""
     pytest.importorskip("highspy")
-    from planner.solve import solvers
+    from planner.solve import relaxation, rounding
     rng = random.Random(seed)
     hw = load_hardware(SPECS[seed % len(SPECS)])
     prof = random_profile(seed, hw, n_blocks=6)
     m = Model(cost_model(prof, hw, _budgets(prof, hw, rng)))
-    held = solvers._HeldLP(m)
-    groups = [g for gs in solvers._groups(m) for g in gs]
+    held = relaxation._HeldLP(m)
+    groups = [g for gs in rounding._groups(m) for g in gs]
     assert groups
     kind, items = groups[len(groups) // 2]
     fixings = [{}] + [{v.name: int(v is w) for _, v in items} for _, w in items] + [{}]
     for fixed in fixings:
         got, _ = held.solve(60, fixed)
-        want, _ = solvers._relaxation(m, "highs", 60, fixed)
+        want, _ = relaxation._relaxation(m, "highs", 60, fixed)
         if want is None:
             assert got is None
         else:
             assert got == pytest.approx(want, rel=1e-7, abs=1e-12)
     # a device of one byte fits nothing
     tiny = Model(cost_model(prof, hw, Budgets(1, 0, 0)))
-    assert solvers._HeldLP(tiny).solve(60, {}) == (None, None)
+    assert relaxation._HeldLP(tiny).solve(60, {}) == (None, None)
 
 
 def test_unit_by_unit_fixing_gives_a_complete_plan_that_fits(tmp_path):
@@ -449,19 +449,19 @@ def test_unit_by_unit_fixing_gives_a_complete_plan_that_fits(tmp_path):
     as rounded, or the first of its other choices that fits), and the plan those choices make
     is the LP it reports, and fits in the simulator."""
     pytest.importorskip("highspy")
-    from planner.solve import solvers
+    from planner.solve import relaxation, rounding
     rng = random.Random(7)
     hw = load_hardware("a100-80g")
     prof = random_profile(7, hw, n_blocks=6)
     b = _budgets(prof, hw, rng)
     m = Model(cost_model(prof, hw, b))
-    held = solvers._HeldLP(m)
+    held = relaxation._HeldLP(m)
     _, lp = held.solve(60, {})
-    r = solvers._Rounder(m, 0.5)
-    fixed, obj, values = solvers._unit_by_unit(r, range(m.cm.U), {}, lp,
+    r = rounding._Rounder(m, 0.5)
+    fixed, obj, values = rounding._unit_by_unit(r, range(m.cm.U), {}, lp,
                                                lambda f: held.solve(60, f), lambda: False)
     assert obj is not None
-    names = {v.name for gs in solvers._groups(m) for _, items in gs for _, v in items}
+    names = {v.name for gs in rounding._groups(m) for _, items in gs for _, v in items}
     assert set(fixed) == names                      # every choice binary is fixed
     for v in m.prob.variables():
         v.varValue = values[v.name]
@@ -478,13 +478,13 @@ def test_the_relaxation_charges_a_whole_segment_rebuild():
     of the optimum (0.995 of it; the chain rows it replaced: 0.980), so within 1.5% of any
     plan within the solve's gap of it."""
     pytest.importorskip("highspy")
-    from planner.solve import solvers
+    from planner.solve import relaxation, solvers
     from planner.solve.budget import fraction_budget
     hw = load_hardware("h200")
     prof = uniform_profile(16, hw, jitter=0.02, seed=16)
     b = Budgets(fraction_budget(prof, 0.25), 512 * 2**30, 0)
     m = Model(cost_model(prof, hw, b, allow_streaming=False))
-    lp, _ = solvers._relaxation(m, "highs", 60, {})
+    lp, _ = relaxation._relaxation(m, "highs", 60, {})
     out = solvers.solve(Model(cost_model(prof, hw, b, allow_streaming=False)), "highs", 60, 5e-3)
     assert lp <= out.solution.objective * (1 + 1e-9)
     assert lp >= 0.985 * out.solution.objective, (lp, out.solution.objective)
@@ -499,18 +499,18 @@ def test_a_search_improves_a_poor_plan_and_leaves_the_held_lp_as_it_was(search):
     first plan within the gap of the bound: it finds one here, the relaxation being within
     a fraction of a percent of the optimum on these chains."""
     pytest.importorskip("highspy")
-    from planner.solve import solvers
+    from planner.solve import neighbourhood, relaxation, solvers
     from planner.solve.budget import fraction_budget
     hw = load_hardware("h200")
     prof = uniform_profile(24, hw, jitter=0.02, seed=24)
     b = Budgets(fraction_budget(prof, 0.25), 512 * 2**30, 0)
     m = Model(cost_model(prof, hw, b, allow_streaming=False))
-    held = solvers._HeldLP(m)
+    held = relaxation._HeldLP(m)
     bound, lp = held.solve(60, {})
     fixed = {v.name: int(c == "rg") for xs in m.xv for c, v in xs.items() if not isinstance(v, int)}
     obj, values = held.solve(60, fixed)
     assert obj is not None and obj > bound * 1.002        # a poor plan, for the test to mean anything
-    got, new = getattr(solvers, search)(m, held, lp, values, obj, bound, 0.005, 10.0)
+    got, new = getattr(neighbourhood, search)(m, held, lp, values, obj, bound, 0.005, 10.0)
     assert new < obj and new >= bound * (1 - 1e-9)
     if search == "_rins":
         assert solvers.rel_gap(new, bound) <= 0.005 + 1e-9, (new, bound)
@@ -528,12 +528,12 @@ def _big_relaxation():
     """A model big enough to search in a child (``CHILD_MIN_BINARIES``), its relaxation held:
     (model, held instance, bound, relaxed values)."""
     pytest.importorskip("highspy")
-    from planner.solve import solvers
+    from planner.solve import relaxation, runner
     hw = load_hardware("h200")
     prof = uniform_profile(16, hw, jitter=0.02, seed=16)
     m = Model(cost_model(prof, hw, Budgets(10**15, 10**15, 0), allow_streaming=False))
-    assert solvers._big_mip(m)
-    held = solvers._HeldLP(m)
+    assert runner._big_mip(m)
+    held = relaxation._HeldLP(m)
     bound, lp = held.solve(60, {})
     return m, held, bound, lp
 
@@ -548,11 +548,11 @@ def test_a_polish_past_its_deadline_is_killed_and_the_dives_plan_kept(monkeypatc
     """On a model big enough to search in a child (``CHILD_MIN_BINARIES``), a search that
     never returns is killed at the hard deadline: the dive's plan comes back unchanged,
     within the deadline, and no process is left."""
-    from planner.solve import solvers
+    from planner.solve import rival
     m, held, bound, lp = _big_relaxation()
     before = set(_live_children())
     t0 = time.perf_counter()
-    got = solvers._guarded(_hangs, m, held, lp, dict(lp), bound * 1.1, bound, 0.005, 0.5)
+    got = rival._guarded(_hangs, m, held, lp, dict(lp), bound * 1.1, bound, 0.005, 0.5)
     took = time.perf_counter() - t0
     assert got[1] == bound * 1.1 and got[0] == lp
     assert took < 0.5 + 2.0 + 1.0, took
@@ -564,7 +564,7 @@ def test_a_proof_beside_the_polish_ends_it_or_waits_for_it():
     """``_guarded`` with ``prove`` (the count bound, in this process): a proof of the dive's
     plan kills a polish that would run on and returns that plan at once; a proof that
     fails waits for the polish, whose plan comes back; no process is left."""
-    from planner.solve import solvers
+    from planner.solve import rival
     m, held, bound, lp = _big_relaxation()
     plan = (dict(lp), bound * 1.1)
 
@@ -573,7 +573,7 @@ def test_a_proof_beside_the_polish_ends_it_or_waits_for_it():
         return values, obj * 0.95
     before = set(_live_children())
     t0 = time.perf_counter()
-    got = solvers._guarded(_hangs, m, held, lp, *plan, bound, 0.005, 30,
+    got = rival._guarded(_hangs, m, held, lp, *plan, bound, 0.005, 30,
                            prove=lambda limit, poll: plan)
     assert got == plan and time.perf_counter() - t0 < 5
     polls = []
@@ -583,7 +583,7 @@ def test_a_proof_beside_the_polish_ends_it_or_waits_for_it():
             polls.append(1)
             time.sleep(0.01)
         return None
-    got = solvers._guarded(better, m, held, lp, *plan, bound, 0.005, 30, prove=fails)
+    got = rival._guarded(better, m, held, lp, *plan, bound, 0.005, 30, prove=fails)
     assert got[1] == pytest.approx(plan[1] * 0.95) and polls
     assert set(_live_children()) <= before
 
@@ -596,7 +596,7 @@ def test_the_integer_optimizer_floor_lies_between_the_relaxation_and_every_whole
     import itertools
 
     from planner.costmodel import View
-    from planner.solve.milp import opt_floor_int
+    from planner.solve.opt_floor import opt_floor_int
     pytest.importorskip("highspy")
 
     class OneHome(View):
@@ -637,7 +637,7 @@ def test_the_count_bound_lies_between_the_relaxation_and_the_optimum(which):
     the relaxation's and at most the optimum (HiGHS to a gap of 1e-9), and above the
     relaxation where the relaxation spreads a home over the blocks."""
     pytest.importorskip("highspy")
-    from planner.solve import solvers
+    from planner.solve import bound, relaxation, runner
     from planner.solve.budget import fraction_budget
 
     hw = load_hardware("a100-80g")
@@ -650,13 +650,13 @@ def test_the_count_bound_lies_between_the_relaxation_and_the_optimum(which):
         cm = cost_model(prof, hw, b, 1, allow_streaming=True, allow_offload=True,
                         optimizer_depth=3)
         m = Model(cm)
-        held = solvers._HeldLP(m)
+        held = relaxation._HeldLP(m)
         lp, values = held.solve(None, {})
         assert m.home_counts(), "alike blocks form no group"
         counts = m.home_counts() if which == "homes" else None
-        split = solvers._count_bound(m, held, values, lp, math.inf, None, 48, counts=counts)
+        split = bound._count_bound(m, held, values, lp, math.inf, None, 48, counts=counts)
         # the optimum from HiGHS's own search alone (solvers.solve would stop at the split)
-        status, opt, _ = solvers._run(Model(cm), "highs", 120, 1e-9)
+        status, opt, _ = runner._run(Model(cm), "highs", 120, 1e-9)
         assert status == 1, status
         assert lp * (1 - 1e-9) <= split <= opt * (1 + 1e-7), (r, lp, split, opt)
         raised += split > lp * (1 + 1e-6)

@@ -164,7 +164,7 @@ def test_highs_through_cli_is_silent_when_piped(prof, tmp_path, capsys):
 
 def test_highs_progress_line(capsys):
     from types import SimpleNamespace
-    from planner.solve.solvers import _HighsCallback
+    from planner.solve.progress import _HighsCallback
     cb = _HighsCallback(progress=True)
     ev = lambda t, inc, bound: SimpleNamespace(data_out=SimpleNamespace(   # noqa: E731
         running_time=t, mip_primal_bound=inc, mip_dual_bound=bound))

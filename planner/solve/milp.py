@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 
 import pulp
 
-from planner.solve import highs
-from planner.costmodel import CHOICE_DECISION, CHOICES, EPS_S_PER_BYTE, REC, TIERS, CostModel, View
-from planner.formats import Home, LayerDecision, Tier
+from planner.costmodel import (CHOICE_DECISION, EPS_S_PER_BYTE, REC, TIERS, CostModel, View,
+                               decision_choice)
+from planner.formats import LayerDecision
+from planner.solve.opt_floor import home_groups, opt_floor_int
 
 GB = 1e9
 # Shares below this are solver noise, not a decision to move bytes.
@@ -29,8 +30,8 @@ SHARE_EPS = 1e-7
 
 class _Problem(pulp.LpProblem):
     """``pulp.LpProblem`` whose ``variables()`` is collected once until a row or the objective
-    changes: PuLP gathers and sorts them from every row on each call (14 ms at 48 units), and
-    the solvers and PuLP's own solve ask ten times per model (0.4 s of gpt2-xl's 3.3 s)."""
+    changes: PuLP gathers and sorts them from every row on each call, and the solvers and
+    PuLP's own solve ask about ten times per model, a noticeable share of a short solve."""
 
     _vars = None
 
@@ -124,8 +125,9 @@ class Model:
         self.opt = options
         self.prob = _Problem("tierplan", pulp.LpMinimize)
         self.violated: list[str] = []
-        # what the solver runs learn about this model (planner.solve.solvers): seconds a run took
-        # beyond its time limit (handing the model over), and whether the last LP was optimal
+        # what the solver runs learn about this model (planner.solve.runner, .relaxation):
+        # seconds a run took beyond its time limit (handing the model over), and whether the
+        # last LP was optimal
         self.overrun_s = 0.0
         self.lp_optimal = False
         self.rival = None           # a search the dive leaves to run beside the MIP's
@@ -463,7 +465,7 @@ class Model:
     def home_counts(self) -> list:
         """For each group g of alike units (``home_groups``) with a choice, and each home k:
         the variables whose sum n_{g,k} = Σ_{j in g} h_{k,j} is a whole number in any plan
-        (``planner.solve.solvers`` branches the relaxation on a fractional one)."""
+        (``planner.solve.bound`` branches the relaxation on a fractional one)."""
         cm, out = self.cm, []
         for units in home_groups(cm):
             if len(units) < 2 or len(cm.homes[units[0]]) < 2:
@@ -475,7 +477,7 @@ class Model:
         return out
 
     def counts(self) -> list:
-        """Sums of binaries that are whole numbers in any plan, for ``planner.solve.solvers`` to
+        """Sums of binaries that are whole numbers in any plan, for ``planner.solve.bound`` to
         branch the relaxation on: the home counts (``home_counts``), for each activation
         choice the number of units taking it, and the number of recompute segments."""
         out = list(self.home_counts())
@@ -519,7 +521,6 @@ class Model:
 
     def warm_start(self, layers: list[LayerDecision]) -> bool:
         """Set the choice binaries to ``layers``; False if one is not available here."""
-        from planner.costmodel import decision_choice
         picks = []
         for i, d in enumerate(layers):
             c = decision_choice(d)
@@ -561,119 +562,14 @@ SECONDS_FROM_S = 0.1
 
 def time_unit(cm: CostModel) -> float:
     """Seconds per unit of the model's time variables. The solvers' tolerances are absolute
-    (1e-7 on a row): with times in seconds a 341 us step let each stage's row slip by 0.3% of
-    its length, and the objective came out 0.66% below the simulated step (promises seed
-    2015, 3 blocks on a100-80g). So a model whose compute floor is under ``SECONDS_FROM_S``
-    counts time in that floor rounded to a power of two (an exact scaling; a step is then
-    0.7-1.4 units). From 0.1 s up a row's slip is at most 1e-6 of the step and seconds are
-    kept: the searches are sensitive to the scale (gpt2-xl, 0.64 s, in units of 0.5 s took
-    15.5 s to the same plan it reaches in 4.8 s in seconds)."""
+    (1e-7 on a row): with times in seconds, a step of a few hundred microseconds lets each
+    stage's row slip by a fraction of a percent of its length, and the objective comes out
+    below the simulated step by as much. So a model whose compute floor is under
+    ``SECONDS_FROM_S`` counts time in that floor rounded to a power of two (an exact scaling;
+    a step is then 0.7-1.4 units). From 0.1 s up a row's slip is at most 1e-6 of the step and
+    seconds are kept: the searches are sensitive to the scale (a step of 0.64 s counted in
+    units of 0.5 s took three times as long to reach the same plan)."""
     c = cm.compute_only()
     if not (0 < c < SECONDS_FROM_S):
         return 1.0
     return 2.0 ** round(math.log2(c))
-
-
-class _HomeTags(View):
-    """A view whose home variables are their own (unit, home) indices: reads the optimizer
-    phase's coefficients out of the cost model without building a model."""
-
-    def h(self, i, k):
-        return (i, k)
-
-
-# seconds the integer optimizer floor may search (its proven bound is valid wherever it stops)
-OPT_FLOOR_S = 0.2
-
-
-def _opt_coefficients(cm: CostModel):
-    """The optimizer phase per (unit, home): the number of resources, {(j, k): seconds on each
-    resource}, {(j, k): its chain}."""
-    tags = _HomeTags()
-    loads = [t for t in cm.opt_loads(tags).values() if t]
-    chain = {jk: c for terms in cm.opt_chains(tags) for jk, c in terms}
-    coef = {}
-    for r, terms in enumerate(loads):
-        for jk, c in terms:
-            coef.setdefault(jk, [0.0] * len(loads))[r] += c
-    return len(loads), coef, chain
-
-
-def home_groups(cm: CostModel, coefficients=None) -> list:
-    """Units alike in every home (the same optimizer-phase seconds and the same bytes held on
-    each tier), as lists of unit indices: a model's blocks are usually one group.
-    ``coefficients``: ``_opt_coefficients(cm)`` where the caller has them already."""
-    n, coef, chain = coefficients or _opt_coefficients(cm)
-    groups: dict = {}
-    for j in range(cm.U):
-        sig = tuple((tuple(coef.get((j, k), [0.0] * n)), chain.get((j, k), 0.0),
-                     tuple(sorted(cm.resident(j, h).items()))) for k, h in enumerate(cm.homes[j]))
-        groups.setdefault(sig, []).append(j)
-    return list(groups.values())
-
-
-def opt_floor_int(cm: CostModel) -> float | None:
-    """A lower bound on the pipelined optimizer phase (depth 3) over whole units: the least,
-    over integer homes, of max(busiest resource, longest chain). The LP relaxation balances
-    host against device steps with fractions of units, which no plan can (gpt2-xl's joint
-    model at 35G: 0.0227 s against the plan's 0.0246 s, about half its root gap). Units with
-    the same coefficients in every home form one group with an integer count per home, so
-    the MIP has a few columns per distinct unit; HiGHS solves it within ``OPT_FLOOR_S`` and
-    its proven bound is returned. None with depth 1 (the sum of chains: the relaxation is
-    already integral), where no unit has a choice of home, or without highspy."""
-    if cm.opt_depth == 1 or not any(len(h) > 1 for h in cm.homes):
-        return None
-    if not highs.available():
-        return None
-    import highspy
-    coefficients = _opt_coefficients(cm)
-    nres, coef, chain = coefficients
-    # in units of the largest coefficient: HiGHS' tolerances are absolute (1e-7 .. 1e-6), and
-    # a phase of 10 us in seconds would sit inside them
-    unit = max([c for v in coef.values() for c in v] + list(chain.values()) + [0.0])
-    if unit <= 0:
-        return None
-    groups = {}                             # per-home coefficients -> how many units have them
-    for units in home_groups(cm, coefficients):
-        j = units[0]
-        sig = tuple((tuple(c / unit for c in coef.get((j, k), [0.0] * nres)),
-                     chain.get((j, k), 0.0) / unit) for k in range(len(cm.homes[j])))
-        groups[sig] = groups.get(sig, 0) + len(units)
-    h = highs.quiet()
-    for opt, val in (("output_flag", False), ("time_limit", OPT_FLOOR_S),
-                     ("mip_rel_gap", 0.0), ("mip_abs_gap", 0.0), ("threads", 1)):
-        h.setOptionValue(opt, val)
-    inf, integer = highspy.kHighsInf, highspy.HighsVarType.kInteger
-
-    def column(lo, hi, cost=0.0, is_int=True):
-        h.addVar(lo, hi)
-        c = h.getNumCol() - 1
-        if cost:
-            h.changeColCost(c, cost)
-        if is_int:
-            h.changeColIntegrality(c, integer)
-        return c
-
-    T = column(0.0, inf, 1.0, is_int=False)     # min T
-    rows = [[] for _ in range(nres)]             # T >= Σ coef_r n      per resource r
-    for sig, n in groups.items():
-        counts = []
-        for res, ch in sig:
-            c = column(0.0, float(n))            # n_{g,k}: units of group g at home k
-            counts.append(c)
-            for r, x in enumerate(res):
-                if x:
-                    rows[r].append((c, x))
-            if ch:
-                u = column(0.0, 1.0)             # u_{g,k} >= n_{g,k} / N_g, T >= chain u
-                h.addRow(0.0, inf, 2, [u, c], [float(n), -1.0])
-                h.addRow(0.0, inf, 2, [T, u], [1.0, -ch])
-        h.addRow(float(n), float(n), len(counts), counts, [1.0] * len(counts))
-    for terms in rows:
-        h.addRow(0.0, inf, len(terms) + 1, [T] + [c for c, _ in terms],
-                 [1.0] + [-x for _, x in terms])
-    h.run()
-    bound = h.getInfo().mip_dual_bound
-    if not (0.0 < bound < inf):
-        return None
-    return bound * unit * (1 - 1e-6)      # a hair below what it proved: HiGHS' tolerances
