@@ -10,7 +10,7 @@ from planner.formats import Budgets, write_json_atomic
 from planner.hardware import load_hardware
 from planner.plans.simulate import simulate
 from planner.solve import _seed_candidates, solve_profile
-from planner.solve.sweep import Point, knee
+from planner.cli.sweep import Point, knee
 from synthetic import uniform_profile
 
 H200 = load_hardware("h200")
@@ -95,7 +95,7 @@ def test_table_marks_the_knee_and_the_changes(prof, capsys, tmp_path):
 
 def test_changes_count_each_choice_once():
     from planner.formats import Activation as A, Home, LayerDecision as LD, Tier as T
-    from planner.solve.sweep import changes
+    from planner.cli.sweep import changes
 
     class P:
         def __init__(self, layers):

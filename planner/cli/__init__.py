@@ -8,9 +8,10 @@ inspect`` never pays for importing torch). This file only parses arguments and t
 so temporary files are removed and solver processes ended.
 
 Modules here: ``inspect`` (``plan inspect``), ``diff`` (``plan diff``), ``plot`` (``--plot``),
-``table`` (the per-unit table they share), ``__main__`` (``python -m planner.cli``). The other
+``table`` (the per-unit table they share), ``sweep`` (``plan sweep``: solves along one
+budget axis), ``__main__`` (``python -m planner.cli``). The other
 verbs run in their stage's package: ``planner.profile`` (profile), ``planner.profile.calibrate``
-(calibrate), ``planner.solve`` (solve), ``planner.solve.sweep`` (sweep),
+(calibrate), ``planner.solve`` (solve),
 ``planner.plans.simulate`` (simulate) and ``planner.hardware.measure`` (hardware).
 """
 from __future__ import annotations
@@ -207,7 +208,7 @@ def _dispatch(args) -> int:
     elif args.verb == "hardware":
         from planner.hardware.measure import cli_hardware as run
     elif args.verb == "sweep":
-        from planner.solve.sweep import cli_sweep as run
+        from planner.cli.sweep import cli_sweep as run
     elif args.verb == "calibrate":
         from planner.profile.calibrate import cli_calibrate as run
     else:

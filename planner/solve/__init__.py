@@ -27,7 +27,7 @@ Modules:
 - ``strategies``: the candidates (baselines, one MILP solve, seeds), the clock, ``_pick``;
 - ``nofit``: the smallest budget that fits and the exit-3 message;
 - ``command``: ``plan solve``'s options, budgets and output (``cli_solve``);
-- ``sweep``: ``plan sweep``; ``budget``: a GPU budget for experiments;
+- ``budget``: a GPU budget for experiments (``plan sweep`` is ``planner.cli.sweep``);
 - ``milp``: the MILP's rows; ``solvers``: the solver wrappers and heuristics; ``highs``.
 """
 from planner.solve.command import (WRITE_S_PER_UNIT, check_nvme_dir, cli_solve, default_solver,
