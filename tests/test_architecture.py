@@ -39,7 +39,7 @@ LONG_MODULES: dict[str, str] = {}
 LAYERS = {
     "planner": 0, "planner.errors": 0, "planner.sizes": 1,
     "planner.formats": 2,
-    "planner.hardware": 3, "planner.flops": 3,
+    "planner.hardware": 3,
     "planner.blocks": 4, "planner.models": 4, "planner.costmodel": 4,
     "planner.profile": 5, "planner.plans": 5,
     "planner.solve": 6,
