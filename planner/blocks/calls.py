@@ -92,8 +92,8 @@ class StateSnapshot:
     With ``module`` (the block about to run), its submodules' plain tensor attributes (neither
     parameters nor buffers) are state too: RecurrentGemma's recurrent layer starts from
     ``self.recurrent_states`` and leaves its final state there (``use_cache``, the default),
-    so a replay started from the state the forward left, took another path and saved 82
-    tensors where the forward saved 81. Attributes that are tensors or None are kept by
+    and a replay started from the state the forward left would take another path and save
+    other tensors than the forward did. Attributes that are tensors or None are kept by
     reference; ``restore()`` puts them back and drops tensor attributes added since.
     """
 

@@ -138,13 +138,13 @@ class _Detector:
         in no other run, not itself a container (a stage of blocks is expanded, not bridged
         over), fed by the one before (``_link`` with any class), and holds at least
         ``BRIDGE_SHARE`` of the lightest member of the runs. Why: Jamba's model.layers holds
-        Mamba layers with an attention layer after every seven; the attention layers were
-        left between the runs as prologues, neither recomputed nor offloaded. A lone item of
+        Mamba layers with an attention layer after every seven; unbridged, the attention
+        layers would be prologues between the runs, neither recomputed nor offloaded. A lone item of
         a run's class joins the same way, and so do the items of a class repeated in the
         container (``_repeated``), where classes alternate and there is no run to bridge.
         Runs of containers are left as they are: torchvision's Swin lists Sequential stages
-        with a PatchMerging between each two, and bridged they became one run that
-        ``_expand`` could not split (8 coarse units where each stage's blocks were units)."""
+        with a PatchMerging between each two, and bridged they would be one run that
+        ``_expand`` cannot split (a few coarse units where each stage's blocks should be)."""
         pos = {k: i for i, k in enumerate(kids)}
         bridging = [r for r in runs
                     if not isinstance(self.calls[r[0]].module, _container_types())]
@@ -185,8 +185,8 @@ class _Detector:
         """(container, class) of items outside every run that occur at least twice in one
         container, each holding at least ``REPEAT_SHARE`` of that container's heaviest item:
         a stack whose classes alternate has no run of one class to bridge (Zamba2 with a
-        hybrid layer after every Mamba layer: its blocks were the LoRA adapters inside the
-        shared transformer). A norm or activation between Linears is too light to count."""
+        hybrid layer after every Mamba layer, whose blocks would otherwise be the LoRA
+        adapters inside the shared transformer). A norm or activation between Linears is too light to count."""
         items: dict = {}
         for k in kids:
             if self.container[k] is not None and \

@@ -30,8 +30,7 @@ def run_op(func, args, kwargs):
 
     NB: the meta kernel of ``aten._grouped_mm`` (how transformers runs a mixture of experts)
     takes bf16 only, as the CUDA kernel does, and 16-byte-aligned rows; the CPU kernel also
-    takes fp32 and fp16, so a Mixtral built as ``from_config`` gives it (fp32) could not be
-    profiled on meta. In another dtype on meta its output is made here, with the shape the
+    takes fp32 and fp16, which a Mixtral built with ``from_config`` gives it (fp32). In another dtype on meta its output is made here, with the shape the
     meta kernel gives (``_grouped_mm_shape``) and the dtype asked for: a meta tensor has no
     values to compute.
     """

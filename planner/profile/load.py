@@ -26,7 +26,7 @@ def _positive_int(value, what) -> int:
     if v <= 0:
         raise UserError(f"--{what} {v}: must be a positive integer, e.g. --{what} 8")
     if v > MAX_DIM:
-        # torch takes tensor sizes as int64: 1e30 ended in a TypeError traceback
+        # torch takes tensor sizes as int64
         raise UserError(f"--{what} {v}: at most {MAX_DIM:,}")
     return v
 
@@ -102,9 +102,9 @@ def resolve_model(model_spec: str, batch: int, seq: int, dtype: str | None, devi
         fn = _load_factory(model_spec)
         result = None
         if device == "meta":
-            # built under the meta device, a model made the usual way takes no memory: the
-            # defaults of transformers' MixtralConfig() (46.7 B parameters, 187 GB in fp32)
-            # had the OOM killer end the profile on a 24 GiB host. A factory that cannot run
+            # built under the meta device, a model made the usual way takes no memory (the
+            # defaults of transformers' MixtralConfig(), 46.7 B parameters, are 187 GB in
+            # fp32: more than a host's memory). A factory that cannot run
             # there (it loads a checkpoint, say) runs again as it is.
             try:
                 with torch.device("meta"):

@@ -17,7 +17,7 @@ def static_bytes_per_param(param_dtype: torch.dtype, optimizer: str) -> tuple[in
     Sec. 3.1: "16 bytes of memory per parameter"). fp32 AdamW: 4 + 4 + 8. ``adamw-pure``:
     ``torch.optim.AdamW`` over the parameters as they are, moments in their dtype and no
     master: 2 + 2 + 4 for 16-bit weights (what a bf16 model trained with a plain AdamW holds;
-    seen on an H200: the ``adamw`` count over-predicted gpt2-xl's peak by 11.6 GiB), the same as
+    the ``adamw`` count would over-state its peak by 8 bytes per parameter), the same as
     ``adamw`` for fp32. SGD (no momentum): only the fp32 master for 16-bit weights.
     """
     w = torch.empty((), dtype=param_dtype).element_size()

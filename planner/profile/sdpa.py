@@ -50,9 +50,8 @@ class _TargetAttention(TorchFunctionMode):
         # FlashAttention-2 takes fp16/bf16, one head dim for query, key and value, up to 256
         # (multiples of 8), and no explicit mask; otherwise PyTorch uses the memory-efficient
         # kernel (xFormers), which takes fp32, additive masks and a value head dim of its own
-        # (DeepSeek-V3: 192 for query and key, 128 for value; emulated as flash on meta it
-        # gave a 192-wide output and the model's forward failed). Both save O(s) bytes (output
-        # and log-sum-exp), never s^2.
+        # (DeepSeek-V3: 192 for query and key, 128 for value, where flash would give a
+        # 192-wide output). Both save O(s) bytes (output and log-sum-exp), never s^2.
         d = q.shape[-1]
         if (q.dtype in (torch.float16, torch.bfloat16) and d <= 256 and d % 8 == 0
                 and mask is None and k.shape[-1] == d and v.shape[-1] == d):

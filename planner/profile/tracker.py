@@ -106,9 +106,8 @@ class _Tracker(TorchDispatchMode):
               and serial in unit.saved and unit.kind == "block"):
             # A tensor the block's forward saved, freed by its own backward: the backward's
             # transients reuse that room, so its workspace is the peak of what it allocated net
-            # of these frees, the transient above the saved bytes still alive (gross, it was
-            # 272 MiB against a measured ~70 MiB for a d=256 GPT block at b=8, s=1024).
-            # NB: blocks only. The embedding's backward kernel differs by backend (on CPU it
+            # of these frees, the transient above the saved bytes still alive (the gross
+            # figure would count the saved bytes' room a second time). Blocks only. The embedding's backward kernel differs by backend (on CPU it
             # sorts the indices and frees its saved index tensor later than on meta), so there
             # the net figure would depend on the device; the embedding and head keep the gross
             # figure, which is never below the net one.
