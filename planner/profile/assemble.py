@@ -14,6 +14,7 @@ from planner.profile.calling import _call_args
 from planner.profile.optimizer_bytes import master_bytes_per_param, static_bytes_per_param
 from planner.profile.timing import COMPUTE_BOUND, _median, _spread, _timing_quality
 from planner.profile.tracker import EMBEDDING, HEAD, _peak
+from planner.sizes import fmt_bytes
 
 # A profile warns when one unit holds more than this share of all saved activations, or the
 # embedding and head together do: what a plan can act on comes in too coarse pieces.
@@ -216,7 +217,6 @@ def _unit_warnings(records, units, rep_of, block_names) -> list[str]:
     """What a plan of this profile cannot act on, in words: one unit holding most of the saved
     activations (blocks too coarse), the embedding and head holding most of them (layers
     outside the blocks), tensors custom Functions keep as ctx attributes."""
-    from planner.sizes import fmt_bytes
     out = []
     total = sum(r.saved_bytes for r in records)
     ends = [r for r in records if r.kind != "block"]

@@ -9,8 +9,10 @@ from pathlib import Path
 
 from planner.errors import UserError
 from planner.formats import Profile, write_json_atomic
+from planner.hardware import load_hardware
 from planner.profile.load import MAX_TOKENS, _positive_int
 from planner.profile.run import WARNING_PREFIX, profile_model
+from planner.sizes import fmt_bytes
 
 
 def default_output(profile: Profile) -> Path:
@@ -21,9 +23,8 @@ def default_output(profile: Profile) -> Path:
 
 
 def cli_profile(args) -> int:
-    from planner.hardware import load_hardware
-    from planner.sizes import fmt_bytes
-
+    """``plan profile``: profile MODEL at one shape, print the summary and warnings, write the
+    profile (exit 0; a bad input raises ``UserError``)."""
     batch = _positive_int(args.batch, "batch")
     seq = _positive_int(args.seq, "seq")
     if batch * seq > MAX_TOKENS:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -25,7 +26,6 @@ def ctx_held(outs, known: set) -> tuple[int, tuple]:
     not there. Such tensors are freed only with the graph, after the block's backward: the
     runtime's saved-tensor hooks (recompute, offload) never see them.
     """
-    from torch.autograd.function import BackwardCFunction
     seen_nodes, seen, total, names = set(), set(known), 0, []
     todo = [t.grad_fn for t in outs if t.grad_fn is not None]
     while todo:

@@ -12,7 +12,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from planner.errors import UserError
-from planner.models import DTYPES
+from planner.models import DTYPES, build_model, load_config, make_inputs
 
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
@@ -90,8 +90,6 @@ def _move_input(t, device, dtype):
 
 def resolve_model(model_spec: str, batch: int, seq: int, dtype: str | None, device: str):
     """MODEL -> (module on ``device``, inputs on ``device``, name, config, dtype name)."""
-    from planner.models import build_model, load_config, make_inputs
-
     if device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is available here; use --device meta "
                         "(estimated times) or --device cpu")
