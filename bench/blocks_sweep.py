@@ -5,7 +5,7 @@ transformers, small Hugging Face models of many architectures built from their c
 (sizes shrunk, everything else the default), diffusers' U-Nets when diffusers imports, and
 default-config models on meta with ``--defaults``. Writes ``{model: [block names] | "error:
 ..."}``; ``--compare BEFORE.json`` prints the models whose blocks changed. Used to check that a
-change to ``planner/blocks/__init__.py`` leaves the models it is not about as they were
+change to ``planner/blocks/`` (detection) leaves the models it is not about as they were
 (docs/models.md, Finding the blocks).
 """
 from __future__ import annotations

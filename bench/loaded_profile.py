@@ -31,7 +31,8 @@ import torch  # noqa: E402
 
 from planner.hardware import load_hardware  # noqa: E402
 from planner.plans import baseline_plan  # noqa: E402
-from planner.profile import _LoadMeter, profile_model, resolve_model  # noqa: E402
+from planner.profile import profile_model, resolve_model  # noqa: E402
+from planner.profile.timing import _LoadMeter  # noqa: E402
 
 HOG = "while True: pass"
 

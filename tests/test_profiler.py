@@ -454,17 +454,17 @@ def test_flash_is_assumed_only_where_query_key_and_value_share_a_head_dim(v_dim,
     """DeepSeek-V3's attention has 192-wide queries and keys and 128-wide values; flash
     (which needs one head dim) emulated on meta gave a 192-wide output and the model's
     forward failed, blamed on the model."""
-    from planner.profile import _TargetAttention
+    from planner.profile.sdpa import _TargetAttention
     q = torch.empty(1, 4, 8, 192, dtype=torch.bfloat16, device="meta")
     v = torch.empty(1, 4, 8, v_dim, dtype=torch.bfloat16, device="meta")
     assert _TargetAttention._cuda_choice(q, q, v, None) == kind
 
 
 def test_grouped_matmul_flops_in_every_layout():
-    """``planner.profile.flops``'s grouped matmul: tokens through one expert each (2D x 3D), batched
+    """``planner.blocks.flops``'s grouped matmul: tokens through one expert each (2D x 3D), batched
     (3D x 3D), groups along K (2D x 2D), and transformers' fallback backward (two matmuls
     of the forward's size; a review found it used the input gradient's shape for N)."""
-    from planner.profile.flops import _BY_NAME, _grouped_mm
+    from planner.blocks.flops import _BY_NAME, _grouped_mm
     S, K, N, G = 64, 32, 96, 4
     e = torch.empty
     assert _grouped_mm((S, K), (G, K, N), (S, N)) == 2 * S * K * N
@@ -586,7 +586,7 @@ def test_a_unit_holding_most_saved_activations_is_named_with_the_fix(model, need
                                                                      tmp_path, monkeypatch):
     """More than DOMINANT_SHARE of the saved activations in one unit, or in the embedding and
     head: the profile warns, naming the unit and --blocks; plan profile prints it."""
-    from planner.profile import DOMINANT_SHARE
+    from planner.profile.assemble import DOMINANT_SHARE
     x = torch.randn(4, 8, 16)
     with pytest.warns(UserWarning, match="--blocks") as w:
         prof = profile_module(model(), (x,), name="m", hardware=CPU, timing="estimate")

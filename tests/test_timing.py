@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-import planner.profile as P
+import planner.profile.timing as P
 from planner.cli import main
 from planner.formats import UnitRecord
 from planner.hardware import load_hardware

@@ -208,7 +208,8 @@ def test_meta_and_cpu_profiles_agree_on_every_byte(name):
     from torch.utils._pytree import tree_map
 
     from planner.hardware import load_hardware
-    from planner.profile import _move, _move_input, profile_module
+    from planner.profile import profile_module
+    from planner.profile.load import _move, _move_input
     cpu = profile(name)
     model, inputs = factory(name)(B, S)
     meta = torch.device("meta")

@@ -5,8 +5,8 @@ the CPU flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu``), whi
 ``scaled_dot_product_attention`` runs on CPU without dropout: without these entries every
 attention FLOP of a CPU profile would be silently dropped.
 
-``op_flops(func, args, kwargs, out)`` is the lookup the profiler's dispatch mode uses; it applies
-exactly the formulas ``FlopCounterMode`` would.
+``op_flops(func, args, kwargs, out)`` is the lookup the profiler's dispatch mode and the call
+tracer of block detection use; it applies exactly the formulas ``FlopCounterMode`` would.
 """
 from __future__ import annotations
 
