@@ -65,6 +65,11 @@ def put_hidden(args, kwargs, loc, x):
     return args, k
 
 
+
+class RecomputeMismatch(RuntimeError):
+    """The recomputation did not save what the forward saved (a block that is not replayable)."""
+
+
 class CallState:
     """Taken just before a block's forward; ``replay()`` wraps its recomputation."""
 
@@ -84,7 +89,6 @@ class CallState:
         """``run()`` with the arguments' state objects as they were before the forward and the
         block's written buffers as the forward left them; afterwards everything is as the
         forward left it."""
-        from .recompute import RecomputeMismatch
         if any(t._version != v for t, v in self.sides):
             raise RecomputeMismatch(
                 f"tierplan: recomputing {self.name}: a tensor argument of it (a mask, a position "

@@ -23,11 +23,7 @@ import contextlib
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from .calls import CallState
-
-
-class RecomputeMismatch(RuntimeError):
-    """The recomputation did not save what the forward saved (a block that is not replayable)."""
+from .calls import CallState, RecomputeMismatch
 
 
 class Placeholder:
