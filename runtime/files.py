@@ -557,8 +557,11 @@ class NvmeStore:
     def _where(self) -> str:
         return f"nvme_dir '{_shown(self.base)}'"
 
-    def _forked(self) -> bool:
+    def forked(self) -> bool:
+        """Whether this process is a child forked from the one that owns the store."""
         return self.pid is not None and self.pid != os.getpid()
+
+    _forked = forked
 
     def _refuse_forked(self) -> None:
         if self._forked():

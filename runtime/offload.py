@@ -368,7 +368,13 @@ class Group:
             self._h2d(parts)
 
     def wait(self) -> None:
-        """Block until the I/O issued so far for this group is done (and raise its errors)."""
+        """Block until the I/O issued so far for this group is done (and raise its errors).
+        In a process forked from the one that issued it, nothing: the I/O thread that would
+        finish those futures (and may have held this lock at the fork) is the parent's."""
+        store = self.m.store
+        if store is not None and store.forked():
+            self.futures = []
+            return
         with self.lock:
             futs, self.futures = self.futures, []
         for f in futs:
@@ -448,6 +454,12 @@ class Group:
         self.discard()
 
     def discard(self) -> None:
+        store = self.m.store
+        if store is not None and store.forked():
+            # a forked child: the I/O, the files and the counters are the parent's (its I/O
+            # thread may have held their locks at the fork); the child only lets go
+            self.futures, self.slots, self.segments = [], [], []
+            return
         with contextlib.suppress(Exception):   # only waiting matters: its error reached the reader
             self.wait()
         c = self.m.counters

@@ -577,6 +577,67 @@ def test_a_forked_childs_exit_leaves_the_parents_files(tmp_path):
     assert not (tmp_path / "n").exists()
 
 
+FORK_IN_FLIGHT = textwrap.dedent("""
+    import concurrent.futures, gc, os, sys, time, torch
+    sys.path.insert(0, {tests!r})
+    from conftest import plan_for
+    from planner.models import build_model, load_config, make_inputs
+    from runtime import apply_plan
+    cfg = dict(load_config("gpt-tiny"), dtype="fp32", n_layers=4)
+    torch.manual_seed(0)
+    model = build_model(cfg, dtype="fp32")
+    h = apply_plan(model, plan_for(model, "offload-all", 2, 16, nvme_dir={nvme!r}))
+    out = model(**make_inputs(cfg, 2, 16))
+    # the fork lands while the parent's I/O thread still has a write of every group in flight
+    # and is inside one group's lock and the counters' lock: neither the thread nor its
+    # futures exist in the child
+    groups = [o for o in gc.get_objects() if type(o).__name__ == "Group" and o.futures]
+    assert groups, "no offload group with I/O issued"
+    pending = [concurrent.futures.Future() for _ in groups]
+    for g, f in zip(groups, pending):
+        g.futures.append(f)
+    groups[0].lock.acquire()
+    groups[0].m.counters.lock.acquire()
+    pid = os.fork()
+    if pid == 0:
+        del out, h, groups
+        gc.collect()
+        sys.exit(0)
+    groups[0].lock.release()
+    groups[0].m.counters.lock.release()
+    for f in pending:
+        f.set_result(None)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            print("CHILD HUNG", flush=True)
+            sys.exit(1)
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0, status
+    out.loss.backward()
+    h.remove()
+    print("PARENT OK", flush=True)
+""")
+
+
+def test_a_forked_child_does_not_wait_for_the_parents_io(tmp_path):
+    """A child forked while the parent's I/O thread has writes in flight (and holds a group's
+    lock) exits at once: it neither waits for futures no thread of its own will finish nor
+    takes a lock that only the parent's thread can release. Before, its exit hung in
+    ``Group.wait`` whenever a write was in flight at the fork (one run in four under load)."""
+    code = FORK_IN_FLIGHT.format(tests=str(REPO / "tests"), nvme=str(tmp_path / "n"))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                       env=env, timeout=300)
+    assert r.returncode == 0 and "PARENT OK" in r.stdout, (r.stdout + r.stderr)[-3000:]
+    assert not (tmp_path / "n").exists()
+
+
 def test_a_forked_child_cannot_write_the_parents_files(tmp_path):
     """In a forked child the store refuses every use (its files are the parent's), in one
     line; the parent is unaffected."""
