@@ -6,14 +6,16 @@ import json
 import pytest
 
 from planner.cli import main
-from planner.formats import load_plan, write_json_atomic
+from planner.formats import Budgets, load_plan, write_json_atomic
 from planner.hardware import load_hardware
+from planner.plans import save_plan
 from planner.plans.simulate import simulate
 from planner.sizes import fmt_bytes
 from synthetic import uniform_profile
 
 H200 = load_hardware("h200")
 A100 = load_hardware("a100-80g")
+GiB = 1024**3
 
 
 @pytest.fixture
@@ -216,3 +218,45 @@ def test_exit_3_names_the_smallest_budget_when_a_mip_start_misleads_the_solver(t
     out = solve_profile(prof, None, hw, Budgets(need, 0, 2 * 2**30), time_limit=30,
                         nvme_dir=str(tmp_path))
     assert out.plan.predicted.peak_gpu_bytes + hw.reserved_bytes <= need
+
+
+DEEP_NARROW = """\
+name: deep-narrow
+family: gpt
+n_layers: 64
+d_model: 1024
+n_heads: 16
+d_ff: 4096
+vocab_size: 1024
+max_seq: 2048
+tie_embeddings: false
+dtype: bf16
+"""
+
+
+@pytest.mark.parametrize("cpu_gib,tier", [(64, "cpu"), (4, "nvme")])
+def test_stream_all_puts_the_checkpoints_off_the_device_when_they_do_not_fit_on_it(
+        tmp_path, cpu_gib, tier):
+    """64 blocks whose checkpoints (4 GiB) do not fit beside a streamed block in 4 GiB of GPU:
+    the stream-all baselines with checkpoints on the device do not fit, so the checkpoints go to
+    the host, or to NVMe where the host cannot hold them too. Before, no baseline fitted
+    (gpt3-175b at b16 and b32 on one A100 ended in exit 3 this way)."""
+    from planner.plans import cost_model
+    from planner.profile import profile_model
+    from planner.solve.strategies import baselines
+    (tmp_path / "deep.yaml").write_text(DEEP_NARROW)
+    hw = load_hardware("a100-80g")
+    p = profile_model(str(tmp_path / "deep.yaml"), 16, 2048, device="meta", hardware=hw)
+    b = Budgets(4 * GiB, cpu_gib * GiB, 64 * GiB)
+    cands = {c.origin.split(":", 1)[1]: c for c in baselines(p, None, b, cost_model(p, hw, b),
+                                                              str(tmp_path / "n"))}
+    assert not cands["stream-all+recompute-all"].sim.fits
+    assert not cands["stream-all+keep-all"].sim.fits
+    off = cands[f"stream-all+recompute-all/checkpoints-{tier}"]
+    assert off.sim.fits
+    blocks = [d for d, u in zip(off.plan.layers, p.layers) if u.kind == "block"]
+    assert blocks and all(d.checkpoint.value == tier for d in blocks)
+    assert all(d.home.streams_weights for d in blocks)
+    # the plan is simulator-checked like every other and survives a round trip through its file
+    path = save_plan(off.plan, tmp_path / "p.json")
+    assert simulate(load_plan(path)).fits

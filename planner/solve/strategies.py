@@ -137,6 +137,7 @@ def baselines(profile, path, budgets, cm: CostModel, nvme_dir, clock=None,
         except UserError:
             continue                      # not valid on this spec / these budgets
         out.append(Candidate(plan, r, f"baseline:{pol.value}"))
+    streamed = []
     for pol in (Policy.RECOMPUTE_ALL, Policy.KEEP_ALL):
         layers = stream_all_layers(cm, baseline_layers(pol, profile.layers, hw, breaks))
         if layers is None:
@@ -148,7 +149,37 @@ def baselines(profile, path, budgets, cm: CostModel, nvme_dir, clock=None,
                                                  layers, nvme_dir=nvme_dir, cm=cm))
         except UserError:
             continue
-        out.append(Candidate(plan, r, f"baseline:stream-all+{pol.value}"))
+        streamed.append(Candidate(plan, r, f"baseline:stream-all+{pol.value}"))
+    out += streamed
+    if streamed and not any(c.sim.fits for c in streamed):
+        out += _checkpoints_off_device(profile, path, budgets, cm, nvme_dir, room, timed)
+    return out
+
+
+def _checkpoints_off_device(profile, path, budgets, cm: CostModel, nvme_dir, room,
+                            timed) -> list[Candidate]:
+    """Stream-all with every block recomputed from a checkpoint on the host, then on NVMe: the
+    plans that still fit when the device cannot hold one checkpoint per block (a large batch on
+    a model streamed whole). Tried only when the stream-all baselines above do not fit."""
+    hw = cm.hw
+    base = baseline_layers(Policy.RECOMPUTE_ALL, profile.layers, hw,
+                           profile.model.get("chain_breaks"))
+    layers = stream_all_layers(cm, base)
+    out = []
+    for tier in (Tier.CPU, Tier.NVME):
+        if not cm.budget[tier.value] or not room(f"stream-all+recompute-all/{tier.value}"):
+            continue
+        moved = [LayerDecision(d.name, d.activation, tier, d.home)
+                 if d.activation is Activation.RECOMPUTE and d.checkpoint is Tier.GPU else d
+                 for d in layers]
+        try:
+            plan, r = timed(lambda: plan_and_sim(profile, path, hw, budgets, "stream-all", moved,
+                                                 nvme_dir=nvme_dir, cm=cm))
+        except UserError:
+            continue
+        out.append(Candidate(plan, r, f"baseline:stream-all+recompute-all/checkpoints-{tier.value}"))
+        if r.fits:
+            break
     return out
 
 
