@@ -614,3 +614,26 @@ def test_a_unit_holding_most_saved_activations_is_named_with_the_fix(model, need
 def test_balanced_models_do_not_warn():
     prof = profile_cfg(gpt_cfg(64, 4), 2, 32, CPU)
     assert prof.model["warnings"] == []
+
+
+def test_a_profile_leaves_nothing_of_its_step_alive():
+    """The instrumented step goes with the profile call: nothing it held (the last block's
+    output, on the profiled device) waits for the cycle collector. Before, the bridge's backward
+    hook and the step's last output made a cycle that kept both."""
+    import gc
+
+    from planner.hardware import load_hardware
+    from planner.models import build_model, load_config, make_inputs
+    from planner.profile import profile_module
+    cfg = dict(load_config("gpt-tiny"), dtype="fp32", n_layers=2)
+    model = build_model(cfg, dtype="fp32")
+    gc.collect()
+    gc.disable()
+    try:
+        for timing in ("measure", "estimate"):
+            profile_module(model, make_inputs(cfg, 2, 16), hardware=load_hardware("cpu-host"),
+                           timing=timing, name="t")
+            alive = [o for o in gc.get_objects() if type(o).__name__ == "Step"]
+            assert not alive, f"{len(alive)} profile step(s) alive after timing={timing}"
+    finally:
+        gc.enable()

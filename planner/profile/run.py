@@ -104,6 +104,9 @@ def _profile(model, inputs, blockset, settings: Settings) -> Profile:
             if settings.measure:
                 _time_units(step)
     finally:
+        # the last block's output (timing runs the step again) would keep the step alive
+        # through its bridge's backward hook, holding the device tensor: the old closures did not
+        step.last_out = None
         for block, had, fwd in originals:
             if had:
                 block.forward = fwd
