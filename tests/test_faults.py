@@ -536,8 +536,9 @@ def test_sweep_tells_a_live_owner_from_a_reused_pid(tmp_path):
     assert (other / "a-0123abcd.bin").read_text() == "the user's now"
 
 
-FORK = textwrap.dedent("""
-    import gc, os, sys, torch
+# a 4-block model under offload-all, one forward issued: the parent of the fork tests
+FORK_START = textwrap.dedent("""
+    import concurrent.futures, gc, os, sys, time, torch
     sys.path.insert(0, {tests!r})
     from conftest import plan_for
     from planner.models import build_model, load_config, make_inputs
@@ -547,6 +548,9 @@ FORK = textwrap.dedent("""
     model = build_model(cfg, dtype="fp32")
     h = apply_plan(model, plan_for(model, "offload-all", 2, 16, nvme_dir={nvme!r}))
     out = model(**make_inputs(cfg, 2, 16))
+""")
+
+FORK = FORK_START + textwrap.dedent("""
     d = h._r.mover.store.dir
     before = sorted(os.listdir(d))
     pid = os.fork()
@@ -577,17 +581,7 @@ def test_a_forked_childs_exit_leaves_the_parents_files(tmp_path):
     assert not (tmp_path / "n").exists()
 
 
-FORK_IN_FLIGHT = textwrap.dedent("""
-    import concurrent.futures, gc, os, sys, time, torch
-    sys.path.insert(0, {tests!r})
-    from conftest import plan_for
-    from planner.models import build_model, load_config, make_inputs
-    from runtime import apply_plan
-    cfg = dict(load_config("gpt-tiny"), dtype="fp32", n_layers=4)
-    torch.manual_seed(0)
-    model = build_model(cfg, dtype="fp32")
-    h = apply_plan(model, plan_for(model, "offload-all", 2, 16, nvme_dir={nvme!r}))
-    out = model(**make_inputs(cfg, 2, 16))
+FORK_IN_FLIGHT = FORK_START + textwrap.dedent("""
     # the fork lands while the parent's I/O thread still has a write of every group in flight
     # and is inside one group's lock and the counters' lock: neither the thread nor its
     # futures exist in the child
