@@ -137,11 +137,13 @@ def baselines(profile, path, budgets, cm: CostModel, nvme_dir, clock=None,
         except UserError:
             continue                      # not valid on this spec / these budgets
         out.append(Candidate(plan, r, f"baseline:{pol.value}"))
-    streamed = []
+    streamed, recomputed = [], None
     for pol in (Policy.RECOMPUTE_ALL, Policy.KEEP_ALL):
         layers = stream_all_layers(cm, baseline_layers(pol, profile.layers, hw, breaks))
         if layers is None:
             break
+        if pol is Policy.RECOMPUTE_ALL:
+            recomputed = layers
         if not room(f"stream-all+{pol.value}"):
             continue
         try:
@@ -152,22 +154,21 @@ def baselines(profile, path, budgets, cm: CostModel, nvme_dir, clock=None,
         streamed.append(Candidate(plan, r, f"baseline:stream-all+{pol.value}"))
     out += streamed
     if streamed and not any(c.sim.fits for c in streamed):
-        out += _checkpoints_off_device(profile, path, budgets, cm, nvme_dir, room, timed)
+        out += _checkpoints_off_device(profile, path, budgets, cm, recomputed, nvme_dir, room,
+                                       timed)
     return out
 
 
-def _checkpoints_off_device(profile, path, budgets, cm: CostModel, nvme_dir, room,
+def _checkpoints_off_device(profile, path, budgets, cm: CostModel, layers, nvme_dir, room,
                             timed) -> list[Candidate]:
-    """Stream-all with every block recomputed from a checkpoint on the host, then on NVMe: the
-    plans that still fit when the device cannot hold one checkpoint per block (a large batch on
-    a model streamed whole). Tried only when the stream-all baselines above do not fit."""
+    """``layers`` (stream-all+recompute-all) with every block's checkpoint on the host, then on
+    NVMe: the plans that still fit when the device cannot hold one checkpoint per block (a large
+    batch on a model streamed whole). Tried only when the stream-all baselines do not fit."""
     hw = cm.hw
-    base = baseline_layers(Policy.RECOMPUTE_ALL, profile.layers, hw,
-                           profile.model.get("chain_breaks"))
-    layers = stream_all_layers(cm, base)
     out = []
     for tier in (Tier.CPU, Tier.NVME):
-        if not cm.budget[tier.value] or not room(f"stream-all+recompute-all/{tier.value}"):
+        name = f"stream-all+recompute-all/checkpoints-{tier.value}"
+        if layers is None or not cm.budget[tier.value] or not room(name):
             continue
         moved = [LayerDecision(d.name, d.activation, tier, d.home)
                  if d.activation is Activation.RECOMPUTE and d.checkpoint is Tier.GPU else d
@@ -177,7 +178,7 @@ def _checkpoints_off_device(profile, path, budgets, cm: CostModel, nvme_dir, roo
                                                  nvme_dir=nvme_dir, cm=cm))
         except UserError:
             continue
-        out.append(Candidate(plan, r, f"baseline:stream-all+recompute-all/checkpoints-{tier.value}"))
+        out.append(Candidate(plan, r, f"baseline:{name}"))
         if r.fits:
             break
     return out
