@@ -804,6 +804,9 @@ class Handle:
         """``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, ...)`` for a plan whose
         gradients may live off the device: the same total norm and the same scale, the scale
         reaching the gradients on NVMe as they are read at ``opt.step()``."""
+        if self._r.plan.clip == "none":
+            raise UserError("this plan was solved with --clip none (the loop does not clip by "
+                            "the global gradient norm); re-solve with --clip global to clip")
         params = list(self._r.model.parameters() if parameters is None else parameters)
         for s in self._r.statics.values():
             s.wait()
@@ -1033,6 +1036,11 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
         plan_path = str(plan)
         plan = load_plan(plan)
     src = plan_path or "the plan"
+    if plan.new_families:
+        # priced by the planner, not executed yet (the transfer-engine issue)
+        raise UserError(f"{src}: its schedule uses {' and '.join(plan.new_families)}, which "
+                        "this runtime does not execute yet; re-solve with --optimizer-overlap "
+                        "off (and the default micro-batch order) to train with it")
     from planner.plans.simulate import check_plan
     # its events are those its decisions imply, as simulate checks; its cost model serves the
     # runner's gradient timing and predicted static bytes too

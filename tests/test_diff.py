@@ -152,7 +152,7 @@ def test_diff_bad_files_exit_2_one_line(tmp_path, capsys):
     other = tmp_path / "other.json"
     other.write_text('{"schema": "something/1"}')
     assert main(["diff", str(other), pa]) == 2
-    assert "expected 'tierplan.plan/2'" in _err(capsys)
+    assert "expected 'tierplan.plan/3'" in _err(capsys)
     # A plan whose layer has an unknown activation.
     d = json.loads(Path(pa).read_text())
     d["layers"][3]["activation"] = "swap"

@@ -51,7 +51,7 @@ def test_plans_load_reads_both_schemas(tmp_path):
     from planner.plans import save_plan
     from planner.plans.load import load_any, load_plan, plan_from_dict
     old = load_plan(V1)
-    assert old.schema == "tierplan.plan/2" and old.solver.origin == "plan/1"
+    assert old.schema == "tierplan.plan/3" and old.solver.origin == "plan/1"
     assert plan_from_dict(json.loads(V1.read_text()), str(V1)) == old
     save_plan(old, tmp_path / "v2.json")
     assert load_any(tmp_path / "v2.json") == old == load_any(V1)

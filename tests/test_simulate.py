@@ -210,7 +210,7 @@ def test_a_plan_of_the_previous_schema_loads_with_its_decisions(tmp_path):
     r = simulate(plan)
     assert r.fits
     save_plan(plan, tmp_path / "v2.json")
-    assert load_plan(tmp_path / "v2.json").schema == "tierplan.plan/2"
+    assert load_plan(tmp_path / "v2.json").schema == "tierplan.plan/3"
 
 
 def test_simulate_cli_json(tmp_path):

@@ -138,6 +138,14 @@ def _solve_options(q) -> None:
     q.add_argument("--stream", choices=["auto", "on", "off"], default="auto",
                    help="homes off the device for weights, gradients and optimizer state: "
                    "auto (when they can pay), on (always search them), off (activations only)")
+    q.add_argument("--clip", choices=["global", "none"], default="global",
+                   help="global: the loop clips gradients by their global norm (the Hugging "
+                   "Face Trainer's default), so no update starts before the whole backward; "
+                   "none: it does not, and updates may run beside it (default global)")
+    q.add_argument("--optimizer-overlap", choices=["auto", "off"], default="auto",
+                   help="auto: units' optimizer work (state reads; with --clip none also the "
+                   "update and writes) may run beside the backward where it pays; off: "
+                   "after the whole backward (default auto)")
     q.add_argument("--policy", choices=["optimal", "keep-all", "recompute-all", "sqrt",
                                         "offload-all", "remat-only"], default="optimal")
     q.add_argument("-o", "--output", default=None, help="output file (default: plans/<profile>-<gpu>.json)")

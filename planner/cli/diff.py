@@ -14,7 +14,7 @@ import json
 import sys
 
 from planner.errors import UserError
-from planner.formats import PLAN_SCHEMA, PLAN_SCHEMA_V1, PROFILE_SCHEMA, Plan, read_json
+from planner.formats import PLAN_SCHEMA, PLAN_SCHEMA_V1, PLAN_SCHEMA_V2, PROFILE_SCHEMA, Plan, read_json
 from planner.plans.load import plan_from_dict
 from planner.sizes import fmt_bytes, fmt_seconds
 from planner.cli.table import unit_table
@@ -30,7 +30,7 @@ def load_plan_for(path: str, role: str) -> Plan:
     if schema == PROFILE_SCHEMA:
         raise UserError(f"plan {role} '{path}' is a profile, not a plan; run 'plan solve {path} "
                         "--gpu-mem SIZE' and diff the plans it writes")
-    if schema not in (PLAN_SCHEMA, PLAN_SCHEMA_V1):
+    if schema not in (PLAN_SCHEMA, PLAN_SCHEMA_V2, PLAN_SCHEMA_V1):
         raise UserError(f"plan {role} '{path}' has schema {schema!r}, expected {PLAN_SCHEMA!r}; "
                         "give a plan written by 'plan solve'")
     return plan_from_dict(d, path)

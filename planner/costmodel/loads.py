@@ -121,11 +121,12 @@ class TimeRules:
                         lst.append((hv, float(n)))
         return self._resource_terms(comp, d2h, h2d, rd, wr, host)
 
-    def opt_chains(self, v: View) -> list:
-        """One Lin per unit: its read, step and write back to back (seconds)."""
+    def opt_chains(self, v: View, units=None) -> list:
+        """One Lin per unit (of ``units``, default all) with optimizer work: its read, step
+        and write back to back (seconds)."""
         hw = self.hw
         out = []
-        for j in range(self.U):
+        for j in (range(self.U) if units is None else units):
             terms = []
             for k, h in enumerate(self.homes[j]):
                 r, w = self.step_reads(j, h), self.step_writes(j, h)
@@ -145,8 +146,12 @@ class TimeRules:
     def compute_only(self) -> float:
         """Every plan's floor: K passes of forward and backward, and the optimizer phase at its
         shortest, which is the device's own step unless the host's CPU can take a share of it
-        in parallel (the split that balances the two, fractional)."""
-        return self.K * (sum(self.f) + sum(self.b)) + self.optimizer_floor()
+        in parallel (the split that balances the two, fractional). When the update itself may
+        run beside the backward (overlapped, clip none) only the passes are a floor."""
+        passes = self.K * (sum(self.f) + sum(self.b))
+        if self.optimizer_overlap == "overlapped" and self.clip == "none" and self.opt_depth == 3:
+            return passes
+        return passes + self.optimizer_floor()
 
     def optimizer_floor(self) -> float:
         """min over fractional splits x of max(Σ dev_j (1 - x_j), Σ cpu_j x_j), over the units

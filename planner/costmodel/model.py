@@ -9,7 +9,8 @@ MILP's objective and a plan's simulated step are the same function of the decisi
 
 ``CostModel`` holds the data; its rules come from the parts it is made of: ``OptionRules``
 (homes, choices, windows), ``MemoryRules`` (bytes per tier and stage), ``TimeRules`` (seconds
-per resource), ``RankRules`` (FSDP2/DDP), ``ObjectiveTerms`` (secondary terms).
+per resource), ``OverlapRules`` (the optimizer beside the backward), ``RankRules`` (FSDP2/DDP),
+``ObjectiveTerms`` (secondary terms).
 
 How the functions speak: every quantity is a ``Lin``, a list of ``(value, coefficient)``
 pairs, where ``value`` is whatever the caller's ``View`` returns for a decision: a PuLP
@@ -37,6 +38,7 @@ from planner.costmodel.loads import TimeRules
 from planner.costmodel.memory import MemoryRules
 from planner.costmodel.objective import ObjectiveTerms
 from planner.costmodel.options import OptionRules
+from planner.costmodel.overlap import OverlapRules
 from planner.costmodel.ranks import RankRules
 from planner.formats import HardwareSpec
 
@@ -50,7 +52,7 @@ def device_budget(gpu_bytes: int, hw: HardwareSpec, margin_bytes: int = 0) -> in
 
 
 @dataclass(frozen=True, eq=False)
-class CostModel(OptionRules, MemoryRules, TimeRules, RankRules, ObjectiveTerms):
+class CostModel(OptionRules, MemoryRules, TimeRules, OverlapRules, RankRules, ObjectiveTerms):
     """Everything about one profile on one spec under one set of budgets that the MILP and the
     simulator must agree on. Frozen: a variant (other budgets, depth, homes allowed) is
     ``dataclasses.replace(cm, field=value)``, which derives the rest again.
@@ -80,6 +82,9 @@ class CostModel(OptionRules, MemoryRules, TimeRules, RankRules, ObjectiveTerms):
     engine: str = "none"              # none, fsdp2 or ddp
     chain_breaks: frozenset = frozenset()  # blocks whose input is not the previous block's output
     margin_bytes: int = 0             # kept free below the device budget besides the reserve
+    optimizer_overlap: str = "after-backward"  # or "overlapped" (``OverlapRules``)
+    clip: str = "global"              # the loop clips by the global norm ("global") or not
+    prefetch_bytes: int = 0           # clip global, overlapped: state read ahead and held
 
     def __post_init__(self):
         put = partial(object.__setattr__, self)
@@ -121,6 +126,9 @@ class CostModel(OptionRules, MemoryRules, TimeRules, RankRules, ObjectiveTerms):
         # write back), 3 reads the next and writes the previous back while one steps
         if optimizer_depth not in (1, 3):
             raise ValueError(f"optimizer_depth {optimizer_depth}: use 1 or 3")
+        if self.optimizer_overlap not in ("after-backward", "overlapped") or \
+                self.clip not in ("global", "none"):
+            raise ValueError(f"optimizer_overlap {self.optimizer_overlap!r}, clip {self.clip!r}")
         put("opt_depth", optimizer_depth)
         # a key/value cache the blocks fill (Hugging Face use_cache): the model's output holds
         # it, and a loop may keep that output until the next forward replaces it, so it is

@@ -29,9 +29,10 @@ This ``__init__`` re-exports the names other packages import.
 from __future__ import annotations
 
 from planner.formats.decisions import RESIDENT, Home, LayerDecision
-from planner.formats.enums import (ENGINES, HARDWARE_SCHEMA, PLAN_SCHEMA, PLAN_SCHEMA_V1,
-                                   PROFILE_SCHEMA, REPORT_SCHEMA, Activation, Policy, Tier,
-                                   UnitKind)
+from planner.formats.enums import (CLIPS, ENGINES, HARDWARE_SCHEMA, MICRO_BATCH_ORDERS,
+                                   OPTIMIZER_OVERLAPS, PLAN_SCHEMA, PLAN_SCHEMA_V1,
+                                   PLAN_SCHEMA_V2, PROFILE_SCHEMA, REPORT_SCHEMA, Activation,
+                                   Policy, Tier, UnitKind)
 from planner.formats.fileio import read_json, sha256_file, write_atomic, write_json_atomic
 from planner.formats.plan import Budgets, Plan, Prediction, SolverRecord, load_plan
 from planner.formats.profile import (Profile, UnitRecord, check_model_section, check_units,
@@ -39,7 +40,8 @@ from planner.formats.profile import (Profile, UnitRecord, check_model_section, c
 from planner.formats.spec import HardwareSpec
 
 __all__ = [
-    "ENGINES", "HARDWARE_SCHEMA", "PLAN_SCHEMA", "PLAN_SCHEMA_V1", "PROFILE_SCHEMA",
+    "CLIPS", "ENGINES", "HARDWARE_SCHEMA", "MICRO_BATCH_ORDERS", "OPTIMIZER_OVERLAPS",
+    "PLAN_SCHEMA", "PLAN_SCHEMA_V1", "PLAN_SCHEMA_V2", "PROFILE_SCHEMA",
     "REPORT_SCHEMA", "Activation", "Policy", "Tier", "UnitKind",
     "HardwareSpec", "Profile", "UnitRecord", "check_model_section", "check_units",
     "load_profile", "RESIDENT", "Home", "LayerDecision",

@@ -6,7 +6,8 @@ from __future__ import annotations
 import enum
 
 PROFILE_SCHEMA = "tierplan.profile/1"
-PLAN_SCHEMA = "tierplan.plan/2"
+PLAN_SCHEMA = "tierplan.plan/3"
+PLAN_SCHEMA_V2 = "tierplan.plan/2"   # still loads: optimizer after the backward, batch-major
 PLAN_SCHEMA_V1 = "tierplan.plan/1"   # still loads: every tensor class at home on the GPU
 HARDWARE_SCHEMA = "tierplan.hardware/1"
 REPORT_SCHEMA = "tierplan.report/1"
@@ -47,3 +48,9 @@ class Policy(str, enum.Enum):
 
 
 ENGINES = ("none", "fsdp2", "ddp")   # how the ranks share the model
+# The schedule families a plan names (``tierplan.plan/3``; docs/file-formats.md, Schedule):
+# when a unit's optimizer step may run, whether the loop clips by the global gradient norm,
+# and the order micro-batches take through the units.
+OPTIMIZER_OVERLAPS = ("after-backward", "overlapped")
+CLIPS = ("global", "none")
+MICRO_BATCH_ORDERS = ("batch-major", "layer-major")

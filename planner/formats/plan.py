@@ -1,9 +1,10 @@
-"""The plan (``tierplan.plan/2``): the container of decisions, schedule and prediction, its
+"""The plan (``tierplan.plan/3``): the container of decisions, schedule and prediction, its
 sections (``Budgets``, ``SolverRecord``, ``Prediction``) and the schedule's events read back
 from JSON.
 
-Only the current schema loads here. A ``tierplan.plan/1`` plan is upgraded by
-``planner.plans.load``, above the cost model that rebuilds its schedule.
+The current schema and ``/2`` load here (a ``/2`` plan is read as the schedule it ran:
+``after-backward``, ``global`` clipping, ``batch-major``). A ``tierplan.plan/1`` plan is upgraded
+by ``planner.plans.load``, above the cost model that rebuilds its schedule.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from dataclasses import dataclass
 
 from planner.errors import UserError
 from planner.formats.decisions import LayerDecision
-from planner.formats.enums import ENGINES, PLAN_SCHEMA, PLAN_SCHEMA_V1
+from planner.formats.enums import (CLIPS, ENGINES, MICRO_BATCH_ORDERS, OPTIMIZER_OVERLAPS,
+                                   PLAN_SCHEMA, PLAN_SCHEMA_V1, PLAN_SCHEMA_V2)
 from planner.formats.events import Event, Op, Passes, Stream, TensorClass
 from planner.formats.fileio import read_json
 from planner.formats.profile import UnitRecord, check_model_section, check_units
@@ -130,7 +132,25 @@ class Plan:
     engine: str = "none"
     optimizer_s: float = 0.0
     optimizer_workspace_bytes: int = 0
+    # The schedule family (``tierplan.plan/3``; docs/file-formats.md, "Schedule families"):
+    # ``overlapped``: a unit's optimizer work may run once its last gradient is complete,
+    # beside the backward of the units before it (under ``clip: global`` only its state reads
+    # may, up to ``optimizer_prefetch_bytes``, held until the optimizer phase).
+    optimizer_overlap: str = "after-backward"
+    clip: str = "global"
+    micro_batch_order: str = "batch-major"
+    optimizer_prefetch_bytes: int = 0
     schema: str = PLAN_SCHEMA
+
+    @property
+    def new_families(self) -> list[str]:
+        """The schedule families this plan uses beyond ``/2``'s (after-backward, batch-major)."""
+        out = []
+        if self.optimizer_overlap != "after-backward":
+            out.append(f"optimizer_overlap {self.optimizer_overlap!r}")
+        if self.micro_batch_order != "batch-major":
+            out.append(f"micro_batch_order {self.micro_batch_order!r}")
+        return out
 
     @property
     def hardware_spec(self) -> HardwareSpec:
@@ -168,6 +188,8 @@ class Plan:
             raise UserError(f"plan '{source}' has schema {PLAN_SCHEMA_V1!r}, which must be "
                             "upgraded before it is read; load it with planner.plans.load_plan "
                             "(plan simulate, inspect and diff and apply_plan do)")
+        if d.get("schema") == PLAN_SCHEMA_V2:
+            d = {**d, "schema": PLAN_SCHEMA}      # /3 only adds fields, each with its /2 meaning
         check_schema(d, PLAN_SCHEMA, "plan", source)
         fix = FIX["plan"]
         where = f"plan '{source}'"
@@ -193,6 +215,11 @@ class Plan:
                             f"{plan.world_size}; {fix}")
         if plan.optimizer_depth not in (1, 3):
             raise UserError(f"{where}: optimizer_depth must be 1 or 3; {fix}")
+        for k, allowed in (("optimizer_overlap", OPTIMIZER_OVERLAPS), ("clip", CLIPS),
+                           ("micro_batch_order", MICRO_BATCH_ORDERS)):
+            if getattr(plan, k) not in allowed:
+                raise UserError(f"{where}: {k} {getattr(plan, k)!r} is not one of "
+                                f"{', '.join(allowed)}; {fix}")
         schedule = _schedule_from_dict(plan.schedule, {u.name for u in units}, where, fix)
         return dataclasses.replace(
             plan, units=units, layers=layers, schedule=schedule,
@@ -205,7 +232,8 @@ _PLAN_FIELDS = {"profile": "dict", "model": "dict", "hardware": "dict", "budgets
                 "policy": "name", "solver": "dict", "predicted": "dict", "units": "list",
                 "layers": "list", "schedule": "dict", "nvme_dir": "path?", "optimizer_s": "seconds",
                 "optimizer_workspace_bytes": "bytes", "micro_batches": "count",
-                "optimizer_depth": "count",
+                "optimizer_depth": "count", "optimizer_overlap": "str", "clip": "str",
+                "micro_batch_order": "str", "optimizer_prefetch_bytes": "bytes",
                 "world_size": "count", "ranks_per_node": "count", "engine": "str"}
 
 

@@ -11,7 +11,7 @@ import dataclasses
 import math
 
 from planner.errors import UserError
-from planner.formats.enums import PLAN_SCHEMA, PLAN_SCHEMA_V1, PROFILE_SCHEMA
+from planner.formats.enums import PLAN_SCHEMA, PLAN_SCHEMA_V1, PLAN_SCHEMA_V2, PROFILE_SCHEMA
 from planner.formats.fileio import path_problem
 
 
@@ -21,7 +21,7 @@ def check_schema(d: dict, expected: str, what: str, source: str) -> None:
         hint = ""
         if got == PROFILE_SCHEMA:
             hint = " (this is a profile; run 'plan solve' on it to get a plan)"
-        elif got in (PLAN_SCHEMA, PLAN_SCHEMA_V1):
+        elif got in (PLAN_SCHEMA, PLAN_SCHEMA_V2, PLAN_SCHEMA_V1):
             hint = " (this is a plan, not a profile)"
         raise UserError(f"{what} '{source}' has schema {got!r}, expected {expected!r}{hint}")
 

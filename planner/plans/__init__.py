@@ -76,8 +76,17 @@ def plan_and_sim(profile: Profile, profile_path: str | None, hw: HardwareSpec, b
         micro_batches=cm.K, optimizer_depth=cm.opt_depth,
         world_size=cm.world, ranks_per_node=cm.rpn, engine=cm.engine,
         optimizer_s=float(profile.optimizer_s),
-        optimizer_workspace_bytes=int(profile.optimizer_workspace_bytes))
+        optimizer_workspace_bytes=int(profile.optimizer_workspace_bytes),
+        optimizer_overlap="overlapped" if cm.overlapped else "after-backward", clip=cm.clip,
+        optimizer_prefetch_bytes=int(cm.prefetch_bytes) if cm.overlapped else 0)
     r = simulate(plan)
+    if cm.overlapped and r.overlapped_s <= 0.0:
+        # nothing ran beside the backward: the plan is the after-backward one (what today's
+        # runtime executes), judged again as such
+        return plan_and_sim(profile, profile_path, hw, budgets, policy, layers, shares, solver,
+                            nvme_dir, micro_batches,
+                            dataclasses.replace(cm, optimizer_overlap="after-backward",
+                                                prefetch_bytes=0))
     predicted = Prediction(step_s=r.step_s, compute_s=r.compute_s,
                            peak_gpu_bytes=r.peak_gpu_bytes, peak_cpu_bytes=r.peak_cpu_bytes,
                            peak_nvme_bytes=r.peak_nvme_bytes, pass_s=r.pass_s,

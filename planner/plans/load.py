@@ -1,5 +1,5 @@
-"""Reading plans of any schema this version knows: ``tierplan.plan/2`` through
-``planner.formats``, ``tierplan.plan/1`` upgraded first (``planner.plans.upgrade``, which
+"""Reading plans of any schema this version knows: ``tierplan.plan/3`` and ``/2`` directly
+(``planner.formats``), ``tierplan.plan/1`` upgraded first (``planner.plans.upgrade``, which
 rebuilds its schedule with the cost model), and ``load_any`` for a plan or a profile.
 
 Everything that may be handed an old plan reads it here: the verbs ``simulate``, ``inspect``
@@ -9,7 +9,8 @@ formats layer imports nothing of the planner above it.
 from __future__ import annotations
 
 from planner.errors import UserError
-from planner.formats import PLAN_SCHEMA, PLAN_SCHEMA_V1, PROFILE_SCHEMA, Plan, Profile, read_json
+from planner.formats import (PLAN_SCHEMA, PLAN_SCHEMA_V1, PLAN_SCHEMA_V2, PROFILE_SCHEMA, Plan,
+                             Profile, read_json)
 from planner.plans.upgrade import plan_v1_to_v2
 
 
@@ -28,7 +29,7 @@ def load_plan(path) -> Plan:
 def load_any(path) -> Profile | Plan:
     """Load a profile or a plan, whichever the file's schema says."""
     d = read_json(path, "plan")
-    if d.get("schema") in (PLAN_SCHEMA, PLAN_SCHEMA_V1):
+    if d.get("schema") in (PLAN_SCHEMA, PLAN_SCHEMA_V2, PLAN_SCHEMA_V1):
         return plan_from_dict(d, str(path))
     if d.get("schema") == PROFILE_SCHEMA:
         return Profile.from_dict(d, str(path))

@@ -66,6 +66,7 @@ class SimResult:
     stages: tuple                    # StageRecord per stage
     events: dict                     # event id -> (start, end) in the first pass / the optimizer phase
     flops: float                     # model FLOPs of one step (no recompute)
+    overlapped_s: float = 0.0        # optimizer seconds run beside the backward (busiest resource)
 
     @property
     def overhead(self) -> float | None:
@@ -82,6 +83,7 @@ class SimResult:
                 "budget_violations": list(self.budget_violations), "busy_s": dict(self.busy_s),
                 "stall_s": self.stall_s, "static_bytes": self.static_bytes,
                 "staging_bytes": self.staging_bytes, "flops": self.flops,
+                "overlapped_s": self.overlapped_s,
                 "tflops": self.flops / self.step_s / 1e12 if self.step_s > 0 else 0.0}
 
 
@@ -146,7 +148,8 @@ def cost_model_of(plan: Plan) -> CostModel:
                      cache_bytes=int(plan.model.get("state_bytes") or 0),
                      chain_breaks=plan.model.get("chain_breaks") or (),
                      world_size=plan.world_size, ranks_per_node=plan.ranks_per_node,
-                     engine=plan.engine)
+                     engine=plan.engine, optimizer_overlap=plan.optimizer_overlap,
+                     clip=plan.clip, prefetch_bytes=plan.optimizer_prefetch_bytes)
 
 
 def _check_schedule(plan: Plan, cm: CostModel, shares: dict) -> None:
@@ -174,6 +177,24 @@ def _stage_seconds(cm: CostModel, s: int, v: View, rest: bool) -> tuple[float, d
     if cm.opt_depth == 1:
         return sum(chains), vals
     return max([max(chains, default=0.0), *vals.values()]), vals
+
+
+def _overlapped_phase(cm: CostModel, v: View, last: dict) -> tuple[float, dict, float]:
+    """The optimizer phase under ``optimizer_overlap: overlapped`` (``OverlapRules``): its
+    duration, its loads per resource, and the seconds of optimizer work (on the busiest
+    resource) that ran beside the backward. ``last`` maps each backward stage to the last
+    pass's (duration, loads)."""
+    mov, fixed = cm.opt_work(v)
+    mov = [{r: evaluate(t) for r, t in m.items()} for m in mov]
+    fixed = {r: evaluate(t) for r, t in fixed.items()}
+    rem = cm.overlap_remainder(mov, {s: ld for s, (_, ld) in last.items()},
+                               {s: d for s, (d, _) in last.items()})
+    loads = {r: rem[r] + fixed[r] for r in rem}
+    # with clip none unit 0 (released last) steps whole in the phase; with clip global every
+    # unit's step and write do, so each unit's whole chain is a floor (read ahead or not)
+    chain = [evaluate(t) for t in cm.opt_chains(v, [0] if cm.clip == "none" else None)]
+    moved = max((sum(m.get(r, 0.0) for m in mov) - rem[r] for r in rem), default=0.0)
+    return max([*chain, *loads.values(), 0.0]), loads, max(0.0, moved)
 
 
 def check_plan(plan: Plan, source: str | None = None) -> tuple[CostModel, dict]:
@@ -222,8 +243,11 @@ def simulate(plan: Plan) -> SimResult:
     carried = {t: 0.0 for t in TIERS}
     prev_free = {t: 0.0 for t in TIERS}
     t0 = 0.0
-    pass_s = rest_s = opt_s = recompute_s = stall = 0.0
+    pass_s = rest_s = opt_s = recompute_s = stall = overlapped_s = 0.0
     busy = {r: 0.0 for r in RESOURCES}
+    last = {}                       # backward stage -> the last pass's (seconds, loads)
+    held = {t: max((evaluate(x) for x in per), default=0.0)
+            for t, per in cm.opt_transients(v).items()}
     for s in range(L.n_stages):
         in_pass = s in L.pass_stages
         if in_pass:
@@ -234,17 +258,21 @@ def simulate(plan: Plan) -> SimResult:
             ws = max(evaluate(c) for c in cm.transient(s, v))
             mem = {t: base[t] + carried[t] for t in TIERS}
             mem["gpu"] += cm.shared[s] + ws
+            if cm.overlapped and s > cm.U:
+                _overlap_memory(cm, mem, held)
         else:
-            held = {t: max((evaluate(x) for x in per), default=0.0)
-                    for t, per in cm.opt_transients(v).items()}
-            mem = {t: base_opt[t] + cm.opt_depth * held[t] for t in TIERS}
-            mem["gpu"] += cm.opt_ws
+            mem = _opt_memory(cm, base_opt, held)
         if staging:
             mem[pool_tier] += staging
         for t in TIERS:
             mem_peak[t] = max(mem_peak[t], mem[t])
-        dur, loads = _stage_seconds(cm, s, v, False)
+        if in_pass or not cm.overlapped:
+            dur, loads = _stage_seconds(cm, s, v, False)
+        else:
+            dur, loads, overlapped_s = _overlapped_phase(cm, v, last)
         dur_r = _stage_seconds(cm, s, v, True)[0] if (in_pass and rest) else dur
+        if in_pass and s > cm.U:
+            last[s] = _stage_seconds(cm, s, v, True) if cm.last_pass_rest() else (dur, loads)
         if in_pass:
             pass_s += dur
             rest_s += dur_r
@@ -275,7 +303,31 @@ def simulate(plan: Plan) -> SimResult:
         peak_gpu_bytes=peaks["gpu"], peak_cpu_bytes=peaks["cpu"], peak_nvme_bytes=peaks["nvme"],
         budgets=budgets.to_dict(), fits=not violations, budget_violations=tuple(violations),
         busy_s=busy, stall_s=stall, static_bytes=int(base["gpu"]), staging_bytes=int(staging),
-        stages=tuple(stages), events=_event_times(plan, cm, stages), flops=float(flops))
+        stages=tuple(stages), events=_event_times(plan, cm, stages), flops=float(flops),
+        overlapped_s=overlapped_s)
+
+
+def _opt_memory(cm: CostModel, base_opt: dict, held: dict) -> dict:
+    """Bytes per tier in the optimizer phase: every home's resident bytes (gradients on the
+    device included), ``opt_depth`` units' steps in flight, the device optimizer's workspace,
+    and under clip global the state read ahead during the backward."""
+    mem = {t: base_opt[t] + cm.opt_depth * held[t] for t in TIERS}
+    mem["gpu"] += cm.opt_ws
+    if cm.overlapped and cm.clip == "global":
+        mem[cm.prefetch_tier()] += cm.prefetch_bytes
+    return mem
+
+
+def _overlap_memory(cm: CostModel, mem: dict, held: dict) -> None:
+    """What the optimizer work beside a backward stage holds (``OverlapRules``): with clip
+    none, ``opt_depth`` units' steps in flight (as in the optimizer phase); with clip global,
+    the state read ahead, held until the phase. Counted in every pass's backward (the last
+    pass's figure, the largest)."""
+    if cm.clip == "none":
+        for t in TIERS:
+            mem[t] += cm.opt_depth * held[t]
+    else:
+        mem[cm.prefetch_tier()] += cm.prefetch_bytes
 
 
 def _bound(loads: dict) -> str:

@@ -102,7 +102,8 @@ def solve_options(args, profile: Profile) -> tuple:
                     time_limit=args.time_limit, gap=args.gap, nvme_dir=nvme_dir,
                     progress=sys.stderr.isatty(), micro_batches=args.micro_batches,
                     stream=args.stream, world_size=args.world_size,
-                    ranks_per_node=args.ranks_per_node, engine=args.engine)
+                    ranks_per_node=args.ranks_per_node, engine=args.engine,
+                    clip=args.clip, optimizer_overlap=args.optimizer_overlap)
 
 
 def cli_solve(args) -> int:

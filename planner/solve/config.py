@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 from planner.costmodel import CostModel
 from planner.errors import UserError
-from planner.formats import Budgets, HardwareSpec, Policy, Profile
+from planner.formats import CLIPS, Budgets, HardwareSpec, Policy, Profile
 from planner.plans import cost_model
 
 STREAM_MODES = ("auto", "on", "off")
+OVERLAP_MODES = ("auto", "off")
 # The MILP's rows bound memory in GB with the solvers' feasibility tolerance (1e-6 on the row,
 # i.e. a kilobyte) and bytes are rounded to whole numbers when written: solve against the
 # budget less this margin, so that every written plan fits to the byte.
@@ -67,25 +68,38 @@ class SolveConfig:
     """Show the solver's progress on stderr."""
     margin_bytes: int = MARGIN_BYTES
     """Device bytes the MILP keeps free below the budget (its rows' tolerance, ``MARGIN_BYTES``)."""
+    clip: str = "global"
+    """``global``: the loop clips by the global gradient norm (HF Trainer's default), so no
+    update starts before the whole backward; ``none``: it does not (``--clip``)."""
+    optimizer_overlap: str = "auto"
+    """``auto``: units' optimizer work may run beside the backward where it pays (the plan says
+    ``overlapped`` only if some does); ``off``: after the backward (``--optimizer-overlap``)."""
 
     @classmethod
     def build(cls, hw: HardwareSpec, budgets: Budgets, policy="optimal", *,
               solver: str = "highs", time_limit: float | None = 60.0, gap: float = 0.005,
               nvme_dir: str | None = None, progress: bool = False, micro_batches: int = 1,
               stream: str = "auto", world_size: int = 1, ranks_per_node: int | None = None,
-              engine: str | None = None) -> "SolveConfig":
+              engine: str | None = None, clip: str = "global",
+              optimizer_overlap: str = "auto") -> "SolveConfig":
         """The configuration of these options, checked, with the ranks' defaults filled in
         (``rank_options``). One UserError line per bad value."""
         policy = getattr(policy, "value", policy)
         if stream not in STREAM_MODES:
             raise UserError(f"--stream {stream!r}: use {', '.join(STREAM_MODES)}")
+        if clip not in CLIPS:
+            raise UserError(f"--clip {clip!r}: use {', '.join(CLIPS)}")
+        if optimizer_overlap not in OVERLAP_MODES:
+            raise UserError(f"--optimizer-overlap {optimizer_overlap!r}: use "
+                            f"{', '.join(OVERLAP_MODES)}")
         ranks = rank_options(world_size, ranks_per_node, engine)
         if ranks["engine"] != "none" and stream == "on":
             raise UserError(f"--stream on: homes off the device are not supported with "
                             f"--engine {ranks['engine']} yet; use --stream auto or off")
         return cls(hw=hw, budgets=budgets, policy=policy, micro_batches=int(micro_batches),
                    solver=solver, time_limit=time_limit, gap=gap, stream=stream,
-                   nvme_dir=nvme_dir, progress=progress, **ranks)
+                   nvme_dir=nvme_dir, progress=progress, clip=clip,
+                   optimizer_overlap=optimizer_overlap, **ranks)
 
     @property
     def allow_offload(self) -> bool:
@@ -99,7 +113,9 @@ class SolveConfig:
         return cost_model(profile, self.hw, self.budgets, self.micro_batches,
                           allow_streaming=self.stream != "off", allow_offload=self.allow_offload,
                           optimizer_depth=self.optimizer_depth, world_size=self.world_size,
-                          ranks_per_node=self.ranks_per_node, engine=self.engine)
+                          ranks_per_node=self.ranks_per_node, engine=self.engine,
+                          clip=self.clip, optimizer_overlap="after-backward"
+                          if self.optimizer_overlap == "off" else "overlapped")
 
     def milp_model(self, cm: CostModel) -> CostModel:
         """``cm`` with the MILP's margin kept free below the device budget."""

@@ -21,9 +21,10 @@ import pulp
 from planner.costmodel import (CHOICE_DECISION, EPS_S_PER_BYTE, REC, TIERS, CostModel, View,
                                decision_choice)
 from planner.formats import LayerDecision
+from planner.solve.lin import GB, lin
 from planner.solve.opt_floor import home_groups, opt_floor_int
+from planner.solve.overlap_rows import overlap_rows
 
-GB = 1e9
 # Shares below this are solver noise, not a decision to move bytes.
 SHARE_EPS = 1e-7
 
@@ -60,16 +61,6 @@ class Options:
     minimise: str = "time"          # time | gpu | cpu: what the objective minimises
 
 
-def lin(terms, scale: float = 1.0, constant: float = 0.0) -> pulp.LpAffineExpression:
-    """A PuLP expression from cost-model terms ``(value, coef)`` where value is a variable or a
-    number; repeated variables are summed (pulp's own constructor keeps the last)."""
-    e = pulp.LpAffineExpression(constant=constant)
-    for v, c in terms:
-        if isinstance(v, (int, float)):
-            e.constant += v * c * scale
-        else:
-            e.addterm(v, c * scale)
-    return e
 
 
 class _Vars(View):
@@ -115,6 +106,7 @@ class Solution:
     shares: dict                   # (kind, unit index, stage) -> share in (0, 1]
     objective: float               # the step (or the budget minimised), solver's incumbent
     stage_s: list = field(default_factory=list)
+    prefetch_bytes: int = 0        # overlapped, clip global: optimizer state read ahead
 
 
 class Model:
@@ -205,6 +197,9 @@ class Model:
         self.T = {s: self._var(f"T_{s}") for s in L.pass_stages}
         self.T2 = {s: self._var(f"Tr_{s}") for s in L.pass_stages} if self.rest else {}
         self.To = self._var("To")
+        # overlapped, clip global: the state read ahead during the backward (GB), held until
+        # the optimizer phase (``OverlapRules``)
+        self.Vpre = self._var("Vpre") if cm.overlapped and cm.clip == "global" else None
         self.pool = self._var("pi") if cm.staging_needs(self.v) else None
         self.C = {(t, s): self._var(f"C{t[0]}_{s}") for t in self._tiers() for s in L.pass_stages}
         if self.opt.minimise == "gpu":
@@ -356,6 +351,13 @@ class Model:
             for n, need in enumerate(cm.staging_needs(v)):
                 self._c(self.pool - lin(need, 1 / GB) >= 0, f"staging_{n}")
         pool_tier = None if self.pool is None else ("gpu" if cm.unified else "cpu")
+        tmax = {}
+        for t, per_unit in cm.opt_transients(v).items():
+            if t not in self._tiers():
+                continue
+            tmax[t] = self._var(f"tmax_{t}") if per_unit else 0
+            for j, terms in enumerate(per_unit):
+                self._c(tmax[t] - lin(terms, 1 / GB) >= 0, f"opt_held_{t}_{j}")
         for t in self._tiers():
             prev_free = None
             for s in L.pass_stages:
@@ -378,19 +380,25 @@ class Model:
                         row += ws
                 if t == pool_tier:
                     row += self.pool
+                if cm.overlapped and s > cm.U:
+                    row += self._overlap_held(t, tmax)
                 self._c(row - self.budget(t) <= 0, f"mem_{t}_{s}")
-        for t, per_unit in cm.opt_transients(v).items():
-            if t not in self._tiers():
-                continue
-            tmax = self._var(f"tmax_{t}") if per_unit else 0
-            for j, terms in enumerate(per_unit):
-                self._c(tmax - lin(terms, 1 / GB) >= 0, f"opt_held_{t}_{j}")
-            row = lin(base_opt[t], 1 / GB) + cm.opt_depth * tmax
+        for t in tmax:
+            row = lin(base_opt[t], 1 / GB) + cm.opt_depth * tmax[t]
             if t == "gpu" and cm.opt_ws:
                 row += cm.opt_ws / GB
             if t == pool_tier:
                 row += self.pool
+            if self.Vpre is not None and t == cm.prefetch_tier():
+                row += self.Vpre
             self._c(row - self.budget(t) <= 0, f"mem_{t}_opt")
+
+    def _overlap_held(self, t: str, tmax: dict):
+        """GB the optimizer work beside a backward stage holds on tier t: ``opt_depth``
+        units' steps in flight (clip none), or the state read ahead (clip global)."""
+        if self.Vpre is not None:
+            return self.Vpre if t == self.cm.prefetch_tier() else 0
+        return self.cm.opt_depth * tmax.get(t, 0)
 
     def c_time(self):
         """A stage lasts as long as its longest resource (transfers overlap compute):
@@ -414,6 +422,8 @@ class Model:
         if cm.opt_depth == 1:
             # one unit after the other: the phase is the sum of their chains
             self._c(self.To - lin([t for c in chains for t in c], 1 / self.ts) >= 0, "timeo_sum")
+        elif cm.overlapped:
+            overlap_rows(self)
         else:
             for r, terms in cm.opt_loads(v).items():
                 if terms:
@@ -549,7 +559,9 @@ class Model:
             layers.append(LayerDecision(u.name, act, ck, cm.homes[i][k]))
         shares = {key: val(x) for key, x in self.sv.items() if val(x) > SHARE_EPS}
         stage_s = [val(self.T[s]) * self.ts for s in cm.L.pass_stages] + [val(self.To) * self.ts]
-        return Solution(layers=layers, shares=shares, objective=self.step_s(), stage_s=stage_s)
+        pre = 0 if self.Vpre is None else max(0, int(val(self.Vpre) * GB))
+        return Solution(layers=layers, shares=shares, objective=self.step_s(), stage_s=stage_s,
+                        prefetch_bytes=pre)
 
     def step_s(self) -> float:
         """The step of the solution held in the variables, in seconds."""

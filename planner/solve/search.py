@@ -42,7 +42,8 @@ def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: 
                   *, solver: str = "highs", time_limit: float | None = 60.0, gap: float = 0.005,
                   nvme_dir: str | None = None, progress: bool = False, micro_batches: int = 1,
                   stream: str = "auto", world_size: int = 1, ranks_per_node: int | None = None,
-                  engine: str | None = None, seeds: tuple = ()) -> SolveOutcome:
+                  engine: str | None = None, seeds: tuple = (), clip: str = "global",
+                  optimizer_overlap: str = "auto") -> SolveOutcome:
     """The plan ``plan solve`` writes: fits in the simulator, or ``NoFitError``. With
     ``world_size`` N > 1 (or ``engine`` fsdp2/ddp) the plan is one rank's, every rank replaying
     it (``rank_options``: defaults, checks). ``seeds``: plans of the same profile solved under
@@ -51,7 +52,7 @@ def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: 
     cfg = SolveConfig.build(hw, budgets, policy, solver=solver, time_limit=time_limit, gap=gap,
                             nvme_dir=nvme_dir, progress=progress, micro_batches=micro_batches,
                             stream=stream, world_size=world_size, ranks_per_node=ranks_per_node,
-                            engine=engine)
+                            engine=engine, clip=clip, optimizer_overlap=optimizer_overlap)
     return solve(profile, profile_path, cfg, seeds)
 
 

@@ -226,6 +226,8 @@ def milp(profile, path, cfg: SolveConfig, cm: CostModel, *, origin, clock, warm,
                        objective=out.solution.objective, gap=out.gap,
                        solve_s=round(time.perf_counter() - t0, 4), variables=out.variables,
                        constraints=out.constraints)
+    if out.solution.prefetch_bytes:
+        cm = dataclasses.replace(cm, prefetch_bytes=out.solution.prefetch_bytes)
     plan, r = plan_and_sim(profile, path, cm.hw, cfg.budgets, "optimal", out.solution.layers,
                            shares=out.solution.shares, solver=rec, nvme_dir=cfg.nvme_dir, cm=cm)
     return Candidate(plan, r, origin)

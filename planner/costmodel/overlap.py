@@ -1,0 +1,117 @@
+"""The optimizer overlapped with the backward (``OverlapRules``, a part of ``CostModel``).
+
+Under ``optimizer_overlap: overlapped`` a unit's optimizer work may start once its gradient of
+the last micro-batch is complete (the end of its backward stage, ``bwd(j)``) and runs in the
+time the later backward stages of the last pass leave idle on each resource; what does not fit
+there runs in the optimizer phase. With ``clip: none`` all of a unit's work may move (its state
+reads, its step on the host or the device, its writes and its weights' way home); with ``clip:
+global`` no update may start before the whole backward (the norm needs every gradient), so only
+the state reads of units stepped on the host move, up to ``prefetch_bytes`` held in host
+memory until the optimizer phase. A stage is never lengthened by optimizer work: it fills idle
+time only.
+
+Per resource r this is a fluid schedule with release times and one deadline, whose exact
+feasibility condition (Hall's) is one row per release point c: the work of the units released
+at or after c fits in the idle time after c plus what the optimizer phase takes,
+
+    R_r >= Σ_{j : bwd(j) >= c} w_r(j) - Σ_{s = c+1}^{2U} (T_s - load_r(s)),    R_r >= 0,
+
+and the optimizer phase lasts at least R_r + F_r on each resource (F_r: work that may not move).
+The resources are taken one at a time (a unit's read, step and write are one fluid stream on
+each), as the pipelined optimizer phase already takes them; the next step's forward waits for
+every unit's writes, as it does after the optimizer phase.
+"""
+from __future__ import annotations
+
+from planner.costmodel.layout import View
+from planner.formats import Tier
+
+OVERLAP_RESOURCES = ("compute", "d2h", "h2d", "duplex", "nvme", "host")
+
+
+class OverlapRules:
+    """What may move into the backward, of a ``CostModel`` (which holds the data it reads)."""
+
+    @property
+    def overlapped(self) -> bool:
+        """Whether this model prices the overlapped family (the pipelined phase only)."""
+        return self.optimizer_overlap == "overlapped" and self.opt_depth == 3
+
+    def prefetch_tier(self) -> str:
+        """Where state read ahead under ``clip: global`` is held: host memory (the device's on
+        a unified-memory spec, whose host is the device)."""
+        return "gpu" if self.unified else "cpu"
+
+    def opt_work(self, v: View) -> tuple[list, dict]:
+        """``(movable, fixed)``: per unit j a dict resource -> Lin (seconds) of its optimizer
+        work that may run after ``bwd(j)``, and per resource the Lin of the work that stays in
+        the optimizer phase."""
+        movable, fixed = [], {r: [] for r in OVERLAP_RESOURCES}
+        for j in range(self.U):
+            mine = {r: [] for r in OVERLAP_RESOURCES}
+            for k, h in enumerate(self.homes[j]):
+                hv = v.h(j, k)
+                r, w = self.step_reads(j, h), self.step_writes(j, h)
+                dev, cpu = self.step_seconds(j, h)
+                parts = {"rd": r["nvme"], "d2h": r["d2h"], "wr": w["nvme"], "h2d": w["h2d"],
+                         "comp": dev, "host": cpu}
+                move = set(parts) if self.clip == "none" else \
+                    ({"rd"} if h.step is Tier.CPU else set())
+                for name, n in parts.items():
+                    if n:
+                        dest = mine if name in move else fixed
+                        for res, c in self._work_terms(name, float(n)):
+                            dest[res].append((hv, c))
+            movable.append(mine)
+        return movable, fixed
+
+    def _work_terms(self, part: str, n: float) -> list:
+        """(resource, seconds) of one part of a step: bytes over its link, or seconds."""
+        hw = self.hw
+        if part == "comp":
+            return [("compute", n)]
+        if part == "host":
+            return [("host", n)]
+        if part == "rd":
+            return [("nvme", n / hw.nvme_read_bandwidth)]
+        if part == "wr":
+            return [("nvme", n / hw.nvme_write_bandwidth)]
+        if self.unified:
+            return []
+        link = hw.d2h_bandwidth if part == "d2h" else hw.h2d_bandwidth
+        return [(part, n / link), ("duplex", n / hw.duplex)]
+
+    def last_pass_rest(self) -> bool:
+        """Whether the last pass is one of the 'later' passes (they differ from the first)."""
+        return self.K > 1 and self.needs_rest_pass()
+
+    def release_cuts(self) -> range:
+        """The release points c of the Hall rows: every backward stage (unit 2U - c released)."""
+        return range(self.U + 1, 2 * self.U + 1)
+
+    def prefetch_s_per_byte(self) -> float:
+        """NVMe seconds of one byte read ahead (``clip: global`` moves reads only)."""
+        return 1.0 / self.hw.nvme_read_bandwidth if self.hw.nvme_read_bandwidth else 0.0
+
+    def overlap_remainder(self, movable: list, last_loads: dict, last_dur: dict) -> dict:
+        """Per resource, the movable seconds left for the optimizer phase (numbers): the Hall
+        maximum over release points, given the last pass's stage durations and loads and the
+        movable work per unit (dicts resource -> seconds)."""
+        U = self.U
+        out = {}
+        for r in OVERLAP_RESOURCES:
+            w = [m.get(r, 0.0) for m in movable]
+            if not any(w):
+                out[r] = 0.0
+                continue
+            need, idle, worst = 0.0, 0.0, 0.0
+            for c in range(2 * U, U, -1):          # from the last release point backwards
+                need += w[2 * U - c]
+                worst = max(worst, need - idle)
+                idle += max(0.0, last_dur[c] - last_loads[c].get(r, 0.0))
+            out[r] = max(0.0, worst)
+        if self.clip == "global":
+            # only what the host can hold until the optimizer phase is read ahead
+            total = sum(m.get("nvme", 0.0) for m in movable)
+            out["nvme"] = max(out["nvme"], total - self.prefetch_bytes * self.prefetch_s_per_byte())
+        return out

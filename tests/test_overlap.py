@@ -1,0 +1,167 @@
+"""The optimizer overlapped with the backward (planner.costmodel.overlap): the remainder each
+resource leaves for the optimizer phase, the MILP and the simulator agreeing on it, the clip
+rule, the plan fields, and the runtime refusing what it cannot run yet."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pytest
+
+from planner.errors import UserError
+from planner.formats import Budgets, Plan
+from planner.hardware import load_hardware
+from planner.plans import cost_model, plan_and_sim
+from planner.plans.simulate import simulate
+from planner.solve.config import SolveConfig
+from planner.solve.search import solve
+from synthetic import uniform_profile
+
+GiB = 2**30
+
+
+def _greedy_remainder(cm, movable, loads, dur, r):
+    """One resource, fluid: run released work in every idle second of the backward stages in
+    order (work-conserving, so optimal for one resource); what is left at the end."""
+    U, pending = cm.U, 0.0
+    for s in range(U + 1, 2 * U + 1):
+        pending -= min(pending, max(0.0, dur[s] - loads[s].get(r, 0.0)))
+        pending += movable[2 * U - s].get(r, 0.0)     # unit 2U-s is complete at the end of s
+    return pending
+
+
+def test_the_remainder_is_the_greedy_fluid_schedule_of_each_resource():
+    hw = load_hardware("a100-80g")
+    cm = cost_model(uniform_profile(6, hw), hw, Budgets(80 * GiB, 512 * GiB, 4096 * GiB),
+                    optimizer_overlap="overlapped", clip="none")
+    rng = random.Random(3)
+    for _ in range(200):
+        movable = [{r: rng.choice([0.0, rng.random()]) for r in ("nvme", "host", "h2d")}
+                   for _ in range(cm.U)]
+        dur, loads = {}, {}
+        for s in range(cm.U + 1, 2 * cm.U + 1):
+            dur[s] = rng.random()
+            loads[s] = {r: dur[s] * rng.random() for r in ("nvme", "host", "h2d")}
+        got = cm.overlap_remainder(movable, loads, dur)
+        for r in ("nvme", "host", "h2d"):
+            assert got[r] == pytest.approx(_greedy_remainder(cm, movable, loads, dur, r),
+                                           abs=1e-9), r
+
+
+def _profile_and_cfg(clip, overlap="auto", cpu=64 * GiB):
+    hw = load_hardware("a100-80g")
+    prof = uniform_profile(8, hw, fwd_s=2.0, param_bytes=2_000_000_000, saved_bytes=200_000_000)
+    cfg = SolveConfig.build(hw, Budgets(20 * GiB, cpu, 2048 * GiB), time_limit=10,
+                            clip=clip, optimizer_overlap=overlap)
+    return prof, cfg
+
+
+@pytest.mark.parametrize("clip", ["none", "global"])
+def test_overlap_never_loses_and_the_milp_agrees_with_the_simulator(clip):
+    """A model whose static state must leave the device: with the overlap the step is no
+    longer than after the backward, and the written plan's MILP objective is what the
+    simulator replays (the promise of docs/formulation.md)."""
+    prof, cfg = _profile_and_cfg(clip)
+    off = solve(prof, None, dataclasses.replace(cfg, optimizer_overlap="off"))
+    on = solve(prof, None, cfg)
+    assert on.plan.predicted.step_s <= off.plan.predicted.step_s * (1 + 1e-6)
+    if clip == "none":
+        # the host steps of every unit but the last one released can hide in the backward
+        assert on.plan.optimizer_overlap == "overlapped"
+        assert on.plan.predicted.optimizer_s < off.plan.predicted.optimizer_s * 0.9
+    r = simulate(on.plan)
+    assert r.step_s == pytest.approx(on.plan.predicted.step_s, rel=1e-9)
+    if on.plan.solver.origin.startswith("milp") and on.plan.solver.objective:
+        assert on.plan.solver.objective == pytest.approx(r.step_s, rel=2e-3)
+    assert r.fits
+
+
+def test_a_plan_where_nothing_moved_is_written_as_after_backward():
+    """Under clip global with no state read ahead, nothing runs beside the backward: the plan
+    says after-backward, which the runtime executes today."""
+    prof, cfg = _profile_and_cfg("global")
+    cm = cfg.cost_model(prof)
+    assert cm.overlapped
+    layers = solve(prof, None, dataclasses.replace(cfg, optimizer_overlap="off")).plan.layers
+    plan, r = plan_and_sim(prof, None, cfg.hw, cfg.budgets, "optimal", layers, cm=cm)
+    assert r.overlapped_s == 0.0 and plan.optimizer_overlap == "after-backward"
+    assert plan.optimizer_prefetch_bytes == 0
+
+
+def test_clip_global_holds_what_it_reads_ahead():
+    """The state read ahead under clip global is held on the host from the backward to the
+    optimizer phase: the plan's host peak grows by it, and its NVMe reads in the phase shrink."""
+    prof, cfg = _profile_and_cfg("global")
+    cm = cfg.cost_model(prof)
+    layers = solve(prof, None, dataclasses.replace(cfg, optimizer_overlap="off")).plan.layers
+    base, r0 = plan_and_sim(prof, None, cfg.hw, cfg.budgets, "optimal", layers,
+                            cm=dataclasses.replace(cm, optimizer_overlap="after-backward"))
+    pre = 4 * GiB
+    plan, r1 = plan_and_sim(prof, None, cfg.hw, cfg.budgets, "optimal", layers,
+                            cm=dataclasses.replace(cm, prefetch_bytes=pre))
+    if r1.overlapped_s == 0.0:
+        pytest.skip("no host-stepped state read from NVMe in this plan")
+    assert plan.optimizer_prefetch_bytes == pre
+    assert r1.peak_cpu_bytes >= r0.peak_cpu_bytes
+    assert r1.optimizer_s < r0.optimizer_s
+    # the reads it moved are at most what the bytes held allow
+    assert r0.optimizer_s - r1.optimizer_s <= pre / cfg.hw.nvme_read_bandwidth * (1 + 1e-9)
+
+
+def test_the_plan_fields_load_and_bad_ones_are_refused(tmp_path):
+    prof, cfg = _profile_and_cfg("none")
+    plan = solve(prof, None, cfg).plan
+    d = plan.to_dict()
+    assert Plan.from_dict(json.loads(json.dumps(d))).clip == "none"
+    for k, bad in (("clip", "sometimes"), ("optimizer_overlap", "during"),
+                   ("micro_batch_order", "random")):
+        with pytest.raises(UserError, match=k):
+            Plan.from_dict({**d, k: bad})
+    # a /2 plan has none of the fields: it is read as the schedule it ran
+    old = {k: v for k, v in d.items() if k not in ("clip", "optimizer_overlap",
+                                                    "micro_batch_order",
+                                                    "optimizer_prefetch_bytes")}
+    old["schema"] = "tierplan.plan/2"
+    p2 = Plan.from_dict(old)
+    assert (p2.optimizer_overlap, p2.clip, p2.micro_batch_order) == \
+        ("after-backward", "global", "batch-major")
+
+
+def test_bad_clip_and_overlap_options_are_one_line():
+    hw = load_hardware("a100-80g")
+    with pytest.raises(UserError, match="--clip"):
+        SolveConfig.build(hw, Budgets(GiB), clip="sometimes")
+    with pytest.raises(UserError, match="--optimizer-overlap"):
+        SolveConfig.build(hw, Budgets(GiB), optimizer_overlap="yes")
+
+
+def test_the_runtime_refuses_a_family_it_does_not_run_and_clipping_under_clip_none(tmp_path):
+    """apply_plan refuses an overlapped plan in one line naming the family (until the runtime
+    executes it); a plan solved with --clip none refuses the handle's clipping."""
+    import torch
+    from planner.models import build_model, load_config
+    from runtime import apply_plan
+    from conftest import plan_for
+
+    torch.manual_seed(0)
+    model = build_model(dict(load_config("gpt-tiny"), dtype="fp32"), dtype="fp32")
+    plan = plan_for(model, "keep-all", 2, 16, nvme_dir=tmp_path / "nvme")
+    with pytest.raises(UserError, match="optimizer_overlap 'overlapped'.*--optimizer-overlap off"):
+        apply_plan(model, dataclasses.replace(plan, optimizer_overlap="overlapped"),
+                   optimizer=torch.optim.AdamW(model.parameters()))
+    with pytest.raises(UserError, match="micro_batch_order 'layer-major'"):
+        apply_plan(model, dataclasses.replace(plan, micro_batch_order="layer-major"),
+                   optimizer=torch.optim.AdamW(model.parameters()))
+    handle = apply_plan(model, dataclasses.replace(plan, clip="none"),
+                        optimizer=torch.optim.AdamW(model.parameters()))
+    try:
+        with pytest.raises(UserError, match="--clip none"):
+            handle.clip_grad_norm_(1.0)
+    finally:
+        handle.remove()
+    handle = apply_plan(model, plan, optimizer=torch.optim.AdamW(model.parameters()))
+    try:
+        assert float(handle.clip_grad_norm_(1.0)) == 0.0     # no gradients yet: norm 0
+    finally:
+        handle.remove()
