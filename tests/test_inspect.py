@@ -166,7 +166,7 @@ def test_parameter_counts_carry_their_unit(plan_file, tmp_path, capsys):
     p = tmp_path / "small.json"
     write_json_atomic(p, small.to_dict())
     assert main(["inspect", str(p)]) == 0
-    assert "  199K params  1 pass(es)" in capsys.readouterr().out
+    assert "  199K params  1 micro-batch(es)" in capsys.readouterr().out
 
 
 def test_streamed_units_show_their_homes_and_traffic():

@@ -146,6 +146,12 @@ def _solve_options(q) -> None:
                    help="auto: units' optimizer work (state reads; with --clip none also the "
                    "update and writes) may run beside the backward where it pays; off: "
                    "after the whole backward (default auto)")
+    q.add_argument("--micro-batch-order", choices=["batch-major", "layer-major", "auto"],
+                   default="batch-major",
+                   help="with K > 1: batch-major (K whole passes, the runtime's today), "
+                   "layer-major (every micro-batch through a unit while its weights are on the "
+                   "device: streamed weights move once per step, the K micro-batches' "
+                   "activations are held), auto (both solved, the faster kept)")
     q.add_argument("--policy", choices=["optimal", "keep-all", "recompute-all", "sqrt",
                                         "offload-all", "remat-only"], default="optimal")
     q.add_argument("-o", "--output", default=None, help="output file (default: plans/<profile>-<gpu>.json)")

@@ -28,7 +28,8 @@ LINK_NAMES = {"d2h": "D2H", "h2d": "H2D", "duplex": "PCIe both ways", "nvme": "N
 def time_breakdown(plan: Plan, sim) -> dict:
     """Where the step's time above compute-only goes, in seconds per optimizer step."""
     K = sim.micro_batches
-    out = {"recompute": sim.recompute_s * K}
+    passes = 1 if plan.micro_batch_order == "layer-major" else K   # stage sequences per step
+    out = {"recompute": sim.recompute_s * passes}
     for r in sim.stages:
         if r.phase == "optimizer":
             continue
@@ -36,7 +37,7 @@ def time_breakdown(plan: Plan, sim) -> dict:
         extra_rest = r.seconds_rest - r.loads.get("compute", 0.0)
         if extra > 1e-12 or extra_rest > 1e-12:
             key = f"waiting on {LINK_NAMES.get(r.bound, r.bound)}"
-            out[key] = out.get(key, 0.0) + extra + (K - 1) * extra_rest
+            out[key] = out.get(key, 0.0) + extra + (passes - 1) * extra_rest
     floor = sim.compute_s - K * sum(u.fwd_s + u.bwd_s for u in plan.units)
     out["optimizer phase above its floor"] = sim.optimizer_s - floor
     return {k: v for k, v in out.items() if abs(v) > 1e-12}
@@ -166,7 +167,8 @@ def render(plan: Plan, sim, source: str, report=None) -> str:
     lines = [f"plan {source}",
              f"  model     {m.get('name')}  batch {m.get('batch')}  seq {m.get('seq')}  "
              f"{m.get('dtype')}  {fmt_count(int(m.get('param_count', 0)))} params  "
-             f"{plan.micro_batches} pass(es) per optimizer step",
+             f"{plan.micro_batches} micro-batch(es) per optimizer step ({plan.micro_batch_order}"
+             f"; optimizer {plan.optimizer_overlap}, clip {plan.clip})",
              f"  hardware  {hw.get('name')}  ({hw.get('description')})",
              f"  budgets   GPU {fmt_bytes(b.gpu_bytes)}  host {fmt_bytes(b.cpu_bytes)}  NVMe "
              f"{fmt_bytes(b.nvme_bytes)}" + (f"  (nvme dir {plan.nvme_dir})" if plan.nvme_dir else ""),

@@ -39,7 +39,7 @@ def unit_table(plan: Plan, sim=None) -> pd.DataFrame:
         elif e.stream is Stream.NVME:
             continue
         times = 1 if e.stage == cm.L.opt_stage else \
-            (plan.micro_batches - 1 if e.passes.value == "rest" else plan.micro_batches)
+            (cm.passes - 1 if e.passes.value == "rest" else cm.passes)
         into = e.op in (Op.PREFETCH, Op.UPLOAD, Op.READ)
         cls = "act" if e.cls in (TensorClass.ACT, TensorClass.CKPT) else e.cls.value
         key = (e.unit, cls, "in" if into else "out")

@@ -28,8 +28,9 @@ class TimeRules:
         return ACCUMULATE_TRAFFIC / bw if bw else 0.0
 
     def needs_rest_pass(self) -> bool:
-        """Passes after the first read back an NVMe gradient accumulator: they differ."""
-        return self.K > 1 and any(h.grads is Tier.NVME for hs in self.homes for h in hs)
+        """Passes after the first read back an NVMe gradient accumulator: they differ (a
+        layer-major step is one pass: each unit's gradient is complete within its stage)."""
+        return self.passes > 1 and any(h.grads is Tier.NVME for hs in self.homes for h in hs)
 
     # -- time ------------------------------------------------------------------------------
 
@@ -148,7 +149,7 @@ class TimeRules:
         shortest, which is the device's own step unless the host's CPU can take a share of it
         in parallel (the split that balances the two, fractional). When the update itself may
         run beside the backward (overlapped, clip none) only the passes are a floor."""
-        passes = self.K * (sum(self.f) + sum(self.b))
+        passes = self.passes * (sum(self.f) + sum(self.b))
         if self.optimizer_overlap == "overlapped" and self.clip == "none" and self.opt_depth == 3:
             return passes
         return passes + self.optimizer_floor()

@@ -128,7 +128,7 @@ class MemoryRules:
         with K = 1 the root's unsharded gradients (``_engine_memory``) already hold it from
         the head's backward on."""
         out = [0] * (2 * self.U + 1)
-        if self.K == 1 and self.engine == "fsdp2":
+        if self.passes == 1 and self.engine == "fsdp2":
             return out
         idx = {x.name: i for i, x in enumerate(self.units)}
         for j, x in enumerate(self.units):
@@ -146,8 +146,8 @@ class MemoryRules:
         unit's backward to the end of the optimizer step: ``opt.zero_grad()`` sets every
         ``.grad`` to None (PyTorch's default since 2.0), so the next forward runs without them
         (the runtime warns when a step starts with gradients present). With K > 1 they carry
-        from pass to pass and count for the whole step."""
-        return self.K == 1
+        from pass to pass and count for the whole step (layer-major: one pass, so from B:i)."""
+        return self.passes == 1
 
     def base(self, v: View, optimizer_phase: bool = False) -> dict:
         """Lin per tier: what every home holds for the whole step (a key/value cache, and a

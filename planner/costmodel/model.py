@@ -85,6 +85,7 @@ class CostModel(OptionRules, MemoryRules, TimeRules, OverlapRules, RankRules, Ob
     optimizer_overlap: str = "after-backward"  # or "overlapped" (``OverlapRules``)
     clip: str = "global"              # the loop clips by the global norm ("global") or not
     prefetch_bytes: int = 0           # clip global, overlapped: state read ahead and held
+    micro_batch_order: str = "batch-major"  # or "layer-major": K micro-batches per unit stage
 
     def __post_init__(self):
         put = partial(object.__setattr__, self)
@@ -98,6 +99,13 @@ class CostModel(OptionRules, MemoryRules, TimeRules, OverlapRules, RankRules, Ob
         put("U", len(self.units))
         put("L", Layout(self.U))
         put("K", max(1, int(self.micro_batches)))
+        # batch-major: the stages run K times (K passes); layer-major: once, each unit's
+        # stage running all K micro-batches while its weights are on the device
+        if self.micro_batch_order not in ("batch-major", "layer-major"):
+            raise ValueError(f"micro_batch_order {self.micro_batch_order!r}")
+        layer_major = self.micro_batch_order == "layer-major"
+        put("passes", 1 if layer_major else self.K)
+        per = self.K if layer_major else 1          # micro-batches in one stage
         put("unified", bool(hw.unified_memory))
         # Every host byte the runtime holds is pinned (CUDA): the pinned limit caps the budget.
         cpu_cap = cpu_bytes if self.unified or not hw.pinned_limit else min(cpu_bytes, hw.pinned_limit)
@@ -106,16 +114,18 @@ class CostModel(OptionRules, MemoryRules, TimeRules, OverlapRules, RankRules, Ob
         put("budget", {"gpu": device_budget(self.gpu_bytes, hw, self.margin_bytes),
                        "cpu": cpu_cap, "nvme": nvme_bytes})
         u = self.units
-        put("A", [x.activation_bytes for x in u])
-        put("X", [x.input_bytes for x in u])
+        # a layer-major stage holds every micro-batch's saved bytes and checkpoint, computes
+        # K times as long, and needs one micro-batch's workspace at a time
+        put("A", [per * x.activation_bytes for x in u])
+        put("X", [per * x.input_bytes for x in u])
         put("W", [x.workspace_bytes for x in u])
         put("P", [x.param_bytes for x in u])
         put("G", [x.grad_bytes for x in u])
         put("O", [x.optimizer_bytes for x in u])
         put("M", [x.master_bytes for x in u])
         put("N", [x.param_count for x in u])
-        put("f", [float(x.fwd_s) for x in u])
-        put("b", [float(x.bwd_s) for x in u])
+        put("f", [per * float(x.fwd_s) for x in u])
+        put("b", [per * float(x.bwd_s) for x in u])
         put("opt_ws", int(self.optimizer_workspace_bytes))
         # a sharded engine (FSDP2, DDP): per-rank static state, budgets and optimizer step
         optimizer_s = self._ranks(self.world_size, self.ranks_per_node, self.engine,
@@ -133,7 +143,7 @@ class CostModel(OptionRules, MemoryRules, TimeRules, OverlapRules, RankRules, Ob
         # a key/value cache the blocks fill (Hugging Face use_cache): the model's output holds
         # it, and a loop may keep that output until the next forward replaces it, so it is
         # counted for the whole step
-        put("cache", int(self.cache_bytes))
+        put("cache", per * int(self.cache_bytes))
         static = [self.P[i] + self.G[i] + self.O[i] for i in range(self.U)]
         total = sum(static)
         # The device optimizer step of each unit: the profile's figure, shared by static bytes.
@@ -145,7 +155,7 @@ class CostModel(OptionRules, MemoryRules, TimeRules, OverlapRules, RankRules, Ob
         put("n_staging", 0 if self.staging_cap == 0 else int(hw.staging_buffers))
         put("homes", [self._homes(i, allow_streaming) for i in range(self.U)])
         put("choices", [self._choices(i) for i in range(self.U)])
-        put("shared", self._shared_memory())
+        put("shared", [per * n for n in self._shared_memory()])
         for s, n in enumerate(self._tied_grad_buffers()):
             self.shared[s] += n
         if self.distributed:

@@ -66,7 +66,7 @@ class OptionRules:
         # large solves markedly slower to converge; so with K > 1 only where the host cannot
         # hold every gradient accumulator
         grad_tiers = (G_, C_, N_) if self.has_nvme and (
-            self.K == 1 or sum(self.G) > self.budget["cpu"]) else (G_, C_)
+            self.passes == 1 or sum(self.G) > self.budget["cpu"]) else (G_, C_)
         for w in (G_, C_, N_):
             for g in grad_tiers:
                 for o in (C_, N_):

@@ -83,7 +83,7 @@ class OverlapRules:
 
     def last_pass_rest(self) -> bool:
         """Whether the last pass is one of the 'later' passes (they differ from the first)."""
-        return self.K > 1 and self.needs_rest_pass()
+        return self.passes > 1 and self.needs_rest_pass()
 
     def release_cuts(self) -> range:
         """The release points c of the Hall rows: every backward stage (unit 2U - c released)."""

@@ -78,7 +78,8 @@ def plan_and_sim(profile: Profile, profile_path: str | None, hw: HardwareSpec, b
         optimizer_s=float(profile.optimizer_s),
         optimizer_workspace_bytes=int(profile.optimizer_workspace_bytes),
         optimizer_overlap="overlapped" if cm.overlapped else "after-backward", clip=cm.clip,
-        optimizer_prefetch_bytes=int(cm.prefetch_bytes) if cm.overlapped else 0)
+        optimizer_prefetch_bytes=int(cm.prefetch_bytes) if cm.overlapped else 0,
+        micro_batch_order=cm.micro_batch_order)
     r = simulate(plan)
     if cm.overlapped and r.overlapped_s <= 0.0:
         # nothing ran beside the backward: the plan is the after-backward one (what today's

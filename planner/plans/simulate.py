@@ -149,7 +149,8 @@ def cost_model_of(plan: Plan) -> CostModel:
                      chain_breaks=plan.model.get("chain_breaks") or (),
                      world_size=plan.world_size, ranks_per_node=plan.ranks_per_node,
                      engine=plan.engine, optimizer_overlap=plan.optimizer_overlap,
-                     clip=plan.clip, prefetch_bytes=plan.optimizer_prefetch_bytes)
+                     clip=plan.clip, prefetch_bytes=plan.optimizer_prefetch_bytes,
+                     micro_batch_order=plan.micro_batch_order)
 
 
 def _check_schedule(plan: Plan, cm: CostModel, shares: dict) -> None:
@@ -232,7 +233,7 @@ def simulate(plan: Plan) -> SimResult:
     (``PlanInconsistent``) a plan whose events are not what its decisions imply."""
     cm, shares = check_plan(plan)
     v = PlanView(cm, plan.layers, shares)
-    L, K = cm.L, cm.K
+    L, K, n_pass = cm.L, cm.K, cm.passes
     rest = cm.needs_rest_pass()
 
     base = {t: evaluate(x) for t, x in cm.base(v).items()}
@@ -279,12 +280,12 @@ def simulate(plan: Plan) -> SimResult:
             i = L.unit_of(s)
             if s > cm.U and i is not None:
                 recompute_s += loads["compute"] - cm.b[i]
-            stall += (dur - loads["compute"]) + (K - 1) * (dur_r - loads["compute"])
+            stall += (dur - loads["compute"]) + (n_pass - 1) * (dur_r - loads["compute"])
         else:
             opt_s += dur
             stall += dur - max(loads["compute"], loads["host"])
         for r, x in loads.items():          # RESOURCES, and net under a sharded engine
-            busy[r] = busy.get(r, 0.0) + x * (K if in_pass else 1)
+            busy[r] = busy.get(r, 0.0) + x * (n_pass if in_pass else 1)
         i = L.unit_of(s)
         stages.append(StageRecord(stage=s, phase=L.phase(s),
                                   unit=None if i is None else cm.units[i].name, start=t0,
@@ -292,7 +293,7 @@ def simulate(plan: Plan) -> SimResult:
                                   bound=_bound(loads),
                                   memory={t: int(round(mem[t])) for t in TIERS}))
         t0 += dur
-    step = pass_s + (K - 1) * rest_s + opt_s
+    step = pass_s + (n_pass - 1) * rest_s + opt_s
     budgets = plan.budgets
     peaks = {t: int(round(mem_peak[t])) for t in TIERS}
     violations = _violations(cm, budgets, peaks)

@@ -103,7 +103,8 @@ def solve_options(args, profile: Profile) -> tuple:
                     progress=sys.stderr.isatty(), micro_batches=args.micro_batches,
                     stream=args.stream, world_size=args.world_size,
                     ranks_per_node=args.ranks_per_node, engine=args.engine,
-                    clip=args.clip, optimizer_overlap=args.optimizer_overlap)
+                    clip=args.clip, optimizer_overlap=args.optimizer_overlap,
+                    micro_batch_order=args.micro_batch_order)
 
 
 def cli_solve(args) -> int:

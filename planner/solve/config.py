@@ -20,6 +20,7 @@ from planner.plans import cost_model
 
 STREAM_MODES = ("auto", "on", "off")
 OVERLAP_MODES = ("auto", "off")
+ORDER_MODES = ("batch-major", "layer-major", "auto")
 # The MILP's rows bound memory in GB with the solvers' feasibility tolerance (1e-6 on the row,
 # i.e. a kilobyte) and bytes are rounded to whole numbers when written: solve against the
 # budget less this margin, so that every written plan fits to the byte.
@@ -74,6 +75,9 @@ class SolveConfig:
     optimizer_overlap: str = "auto"
     """``auto``: units' optimizer work may run beside the backward where it pays (the plan says
     ``overlapped`` only if some does); ``off``: after the backward (``--optimizer-overlap``)."""
+    micro_batch_order: str = "batch-major"
+    """``batch-major`` (K whole passes), ``layer-major`` (every micro-batch through a unit before
+    the next) or ``auto`` (both solved, the faster kept) (``--micro-batch-order``)."""
 
     @classmethod
     def build(cls, hw: HardwareSpec, budgets: Budgets, policy="optimal", *,
@@ -81,7 +85,8 @@ class SolveConfig:
               nvme_dir: str | None = None, progress: bool = False, micro_batches: int = 1,
               stream: str = "auto", world_size: int = 1, ranks_per_node: int | None = None,
               engine: str | None = None, clip: str = "global",
-              optimizer_overlap: str = "auto") -> "SolveConfig":
+              optimizer_overlap: str = "auto",
+              micro_batch_order: str = "batch-major") -> "SolveConfig":
         """The configuration of these options, checked, with the ranks' defaults filled in
         (``rank_options``). One UserError line per bad value."""
         policy = getattr(policy, "value", policy)
@@ -92,14 +97,23 @@ class SolveConfig:
         if optimizer_overlap not in OVERLAP_MODES:
             raise UserError(f"--optimizer-overlap {optimizer_overlap!r}: use "
                             f"{', '.join(OVERLAP_MODES)}")
+        if micro_batch_order not in ORDER_MODES:
+            raise UserError(f"--micro-batch-order {micro_batch_order!r}: use "
+                            f"{', '.join(ORDER_MODES)}")
         ranks = rank_options(world_size, ranks_per_node, engine)
+        if ranks["engine"] != "none" and micro_batch_order != "batch-major":
+            raise UserError(f"--micro-batch-order {micro_batch_order}: only batch-major is "
+                            f"planned with --engine {ranks['engine']} yet; leave it out")
+        if int(micro_batches) == 1:
+            micro_batch_order = "batch-major"      # one micro-batch: the orders are one
         if ranks["engine"] != "none" and stream == "on":
             raise UserError(f"--stream on: homes off the device are not supported with "
                             f"--engine {ranks['engine']} yet; use --stream auto or off")
         return cls(hw=hw, budgets=budgets, policy=policy, micro_batches=int(micro_batches),
                    solver=solver, time_limit=time_limit, gap=gap, stream=stream,
                    nvme_dir=nvme_dir, progress=progress, clip=clip,
-                   optimizer_overlap=optimizer_overlap, **ranks)
+                   optimizer_overlap=optimizer_overlap, micro_batch_order=micro_batch_order,
+                   **ranks)
 
     @property
     def allow_offload(self) -> bool:
@@ -115,7 +129,9 @@ class SolveConfig:
                           optimizer_depth=self.optimizer_depth, world_size=self.world_size,
                           ranks_per_node=self.ranks_per_node, engine=self.engine,
                           clip=self.clip, optimizer_overlap="after-backward"
-                          if self.optimizer_overlap == "off" else "overlapped")
+                          if self.optimizer_overlap == "off" else "overlapped",
+                          micro_batch_order="layer-major"
+                          if self.micro_batch_order == "layer-major" else "batch-major")
 
     def milp_model(self, cm: CostModel) -> CostModel:
         """``cm`` with the MILP's margin kept free below the device budget."""

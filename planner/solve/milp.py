@@ -506,7 +506,7 @@ class Model:
     def step_expr(self) -> pulp.LpAffineExpression:
         """step = Σ_s T_s (first pass) + (K-1) Σ_s T'_s (later passes) + To, in the model's
         time unit (``ts`` seconds)"""
-        K = self.cm.K
+        K = self.cm.passes
         first = pulp.lpSum(self.T.values())
         later = pulp.lpSum(self.T2.values()) if self.T2 else first
         return first + (K - 1) * later + self.To
@@ -520,7 +520,7 @@ class Model:
             return self.Gvar + 1e-4 * step
         if self.opt.minimise == "cpu":
             return self.Hvar + 1e-4 * step
-        return step + lin(self.cm.moved_bytes(self.v), EPS_S_PER_BYTE * self.cm.K / self.ts)
+        return step + lin(self.cm.moved_bytes(self.v), EPS_S_PER_BYTE * self.cm.passes / self.ts)
 
     def objective_value(self, x: float) -> float:
         """A value of the objective in its own unit: seconds when the step is minimised (the

@@ -6,6 +6,7 @@ face of the Python API (tests and benchmarks): it builds the configuration and c
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 from planner.costmodel import CostModel
@@ -43,7 +44,8 @@ def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: 
                   nvme_dir: str | None = None, progress: bool = False, micro_batches: int = 1,
                   stream: str = "auto", world_size: int = 1, ranks_per_node: int | None = None,
                   engine: str | None = None, seeds: tuple = (), clip: str = "global",
-                  optimizer_overlap: str = "auto") -> SolveOutcome:
+                  optimizer_overlap: str = "auto",
+                  micro_batch_order: str = "batch-major") -> SolveOutcome:
     """The plan ``plan solve`` writes: fits in the simulator, or ``NoFitError``. With
     ``world_size`` N > 1 (or ``engine`` fsdp2/ddp) the plan is one rank's, every rank replaying
     it (``rank_options``: defaults, checks). ``seeds``: plans of the same profile solved under
@@ -52,12 +54,33 @@ def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: 
     cfg = SolveConfig.build(hw, budgets, policy, solver=solver, time_limit=time_limit, gap=gap,
                             nvme_dir=nvme_dir, progress=progress, micro_batches=micro_batches,
                             stream=stream, world_size=world_size, ranks_per_node=ranks_per_node,
-                            engine=engine, clip=clip, optimizer_overlap=optimizer_overlap)
+                            engine=engine, clip=clip, optimizer_overlap=optimizer_overlap,
+                            micro_batch_order=micro_batch_order)
     return solve(profile, profile_path, cfg, seeds)
 
 
 def solve(profile: Profile, profile_path, cfg: SolveConfig, seeds: tuple = ()) -> SolveOutcome:
-    """``solve_profile`` of a configuration already built."""
+    """``solve_profile`` of a configuration already built. ``micro_batch_order: auto`` solves
+    batch-major, then layer-major in the time left, and keeps the faster plan that fits."""
+    if cfg.micro_batch_order != "auto":
+        return _solve_order(profile, profile_path, cfg, seeds)
+    t0, outs, refused = time.perf_counter(), [], None
+    for n, order in enumerate(("batch-major", "layer-major")):
+        limit = cfg.time_limit
+        if limit is not None:
+            limit = max(0.5, (limit - (time.perf_counter() - t0)) / (2 - n))
+        try:
+            outs.append(_solve_order(profile, profile_path, dataclasses.replace(
+                cfg, micro_batch_order=order, time_limit=limit), seeds))
+        except NoFitError as e:
+            refused = e
+    if not outs:
+        raise refused
+    return min(outs, key=lambda o: o.plan.predicted.step_s)
+
+
+def _solve_order(profile: Profile, profile_path, cfg: SolveConfig, seeds: tuple = ()) -> SolveOutcome:
+    """``solve`` for one micro-batch order."""
     clock = _Clock(cfg.time_limit)
     hw, budgets = cfg.hw, cfg.budgets
     if (not hw.unified_memory and hw.pinned_limit and budgets.cpu_bytes > hw.pinned_limit):
@@ -170,5 +193,5 @@ def _search(profile, profile_path, cfg: SolveConfig, models: _Models, clock,
 def _streaming_may_pay(cm: CostModel, best: Candidate, gap: float) -> bool:
     """Whether a plan with homes off the device can beat ``best`` by more than the gap: no
     plan is faster than the passes' compute alone (K x forward and backward)."""
-    floor = cm.K * (sum(cm.f) + sum(cm.b))
+    floor = cm.passes * (sum(cm.f) + sum(cm.b))
     return best.sim.step_s > floor * (1 + gap)
