@@ -15,9 +15,9 @@ import time
 import warnings
 from pathlib import Path
 
+from planner.cli.sweep import _short_reason
 from planner.errors import NoFitError, UserError
 from planner.formats import write_json_atomic
-from planner.hardware import load_hardware
 from planner.sizes import fmt_bytes, fmt_seconds
 from planner.solve.command import WRITE_S_PER_UNIT, check_nvme_dir, parse_budgets, solve_options
 from planner.solve.throughput import candidates, fastest, search
@@ -69,8 +69,9 @@ def _tf(x) -> str:
 
 def row_text(c) -> tuple:
     if not c.fits:
-        return (str(c.batch), str(c.K), c.order, "-", "", "", "", "", "", "", "",
-                c.status[:100])
+        why = (f"no plan fits ({_short_reason(c.status)})" if c.status.startswith("no plan fits")
+               else c.status[:100])
+        return (str(c.batch), str(c.K), c.order, "-", "", "", "", "", "", "", "", why)
     return (str(c.batch), str(c.K), c.order, fmt_seconds(c.step_s), f"{c.tokens_per_s:,.0f}",
             _tf(c.tflops_6nt), _tf(c.tflops_counted), fmt_bytes(c.peaks["gpu"]),
             fmt_bytes(c.peaks["cpu"]), fmt_bytes(c.peaks["nvme"]),
@@ -95,7 +96,8 @@ def table(cells, best) -> str:
 
 def _progress_line(c) -> str:
     state = (f"step {fmt_seconds(c.step_s)}, {c.tokens_per_s:,.0f} tokens/s" if c.fits
-             else c.status[:120])
+             else c.status if not c.status.startswith("no plan fits")
+             else f"no plan fits ({_short_reason(c.status)})")
     return f"plan search: micro-batch {c.batch} x K {c.K} ({c.order}): {state} [{c.solve_s:.1f} s]"
 
 
@@ -124,6 +126,7 @@ def cli_search(args) -> int:
     if not (limit > 0 and limit < float("inf")):
         raise UserError(f"--time-limit {args.time_limit}: give a positive number of seconds")
     check_nvme_dir(args)
+    from planner.hardware import load_hardware
     hw = load_hardware(args.hardware)
     budgets = parse_budgets(args, hw)
     profile_at = _profiler(args, hw)
