@@ -137,10 +137,9 @@ def cli_search(args) -> int:
     _, kw = solve_options(_cell_args(args), first)
     kw["progress"] = False                        # one line per cell instead
     kw.pop("micro_batches"), kw.pop("time_limit")
-    show = not args.json or sys.stderr.isatty()
     cells = search(lambda b: cache.pop(b, None) or profile_at(b), hw, budgets, kw, cands,
                    tokens, t_start + limit,
-                   progress=(lambda c: print(_progress_line(c), file=sys.stderr)) if show else None,
+                   progress=lambda c: print(_progress_line(c), file=sys.stderr),
                    reserve_s=WRITE_S_PER_UNIT * len(first.layers), profile_s=profile_s)
     best = fastest(cells)
     if best is None and not any(c.status.startswith("no plan fits") for c in cells):

@@ -152,7 +152,7 @@ def _solve_cell(profile, cfg: SolveConfig, cell: Cell, tokens: int) -> None:
     try:
         out = solve(profile, None, cfg)
     except NoFitError as e:
-        cell.status = f"no plan fits: {e}"
+        cell.status = str(e) if str(e).startswith("no plan fits") else f"no plan fits: {e}"
     else:
         fill(cell, out, int(profile.model.get("param_count") or 0), tokens)
     cell.solve_s = time.perf_counter() - t0
