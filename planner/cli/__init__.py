@@ -1,4 +1,4 @@
-"""The ``plan`` command: profile, solve, sweep, calibrate, simulate, inspect, diff, hardware.
+"""The ``plan`` command: profile, solve, sweep, search, calibrate, simulate, inspect, diff, hardware.
 
 Each verb's work lives in its own module (imported only when that verb runs, so ``plan
 inspect`` never pays for importing torch). This file only parses arguments and turns a
@@ -9,7 +9,7 @@ so temporary files are removed and solver processes ended.
 
 Modules here: ``inspect`` (``plan inspect``), ``diff`` (``plan diff``), ``plot`` (``--plot``),
 ``table`` (the per-unit table they share), ``sweep`` (``plan sweep``: solves along one
-budget axis), ``__main__`` (``python -m planner.cli``). The other
+budget axis), ``search`` (``plan search``: micro-batch size and K at fixed tokens per step), ``__main__`` (``python -m planner.cli``). The other
 verbs run in their stage's package: ``planner.profile`` (profile), ``planner.profile.calibrate``
 (calibrate), ``planner.solve`` (solve),
 ``planner.plans.simulate`` (simulate) and ``planner.hardware.measure`` (hardware).
@@ -36,6 +36,9 @@ EPILOG = {
     "sweep": "example: plan sweep profiles/gpt2-xl-b8-s1024.json --gpu-mem 30G:80G:5G --plot "
              "sweep.png\n(one budget is A:B:STEP; the other options are plan solve's, "
              "--time-limit per point)",
+    "search": "example: plan search gpt2-small --seq 1024 --tokens-per-step 16384 --hardware "
+              "a100-80g --gpu-mem 24G --cpu-mem 256G\n(candidates: the powers of two dividing "
+              "N / --seq; --time-limit for the whole search; the other options are plan solve's)",
     "calibrate": "example: plan calibrate profiles/m.json --report report.json -o "
                  "profiles/m-calibrated.json",
     "hardware": "example: plan hardware --nvme-dir /tmp/tierplan-probe -o profiles/hardware/this-host.yaml",
@@ -62,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     _solve_options(solve_q)
     _sweep_options(_verb(sub, "sweep", "Solve along one budget axis: the memory-time table, its "
                          "knee, a plot."), solve_q)
+    _search_options(_verb(sub, "search", "Choose the micro-batch size (and K) of the fastest "
+                         "step at a fixed number of tokens per step."), solve_q)
     _calibrate_options(_verb(sub, "calibrate", "Write a profile with the unit times and "
                              "bandwidths a run measured."))
     _simulate_options(_verb(sub, "simulate", "Replay a plan event by event: step time, peaks, "
@@ -168,6 +173,40 @@ def _sweep_options(q, solve_q) -> None:
     q.add_argument("--json", action="store_true", help="print the rows as one JSON object")
 
 
+# plan solve's options that plan search sets itself (or leaves at one rank)
+SEARCH_OWN = ("help", "profile", "output", "micro_batches", "time_limit", "hardware",
+              "world_size", "ranks_per_node", "engine")
+
+
+def _search_options(q, solve_q) -> None:
+    """``plan search``'s arguments: its own, then ``plan solve``'s (the same action objects,
+    so the same defaults and checks) but those it sets itself (``SEARCH_OWN``)."""
+    q.add_argument("model", help="built-in name, model YAML or package.module:function "
+                   "(as plan profile)")
+    q.add_argument("--seq", required=True, help="sequence length (positive integer)")
+    q.add_argument("--tokens-per-step", required=True, metavar="N",
+                   help="tokens per optimizer step: micro-batch x --seq x K, a multiple of --seq")
+    q.add_argument("--hardware", required=True, help="spec name or YAML the profiles and plans "
+                   "are for")
+    q.add_argument("--micro-batch-sizes", default=None, metavar="B1,B2,...",
+                   help="candidate micro-batch sizes, each dividing N / --seq (default: the "
+                   "powers of two that do)")
+    q.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="compute dtype (as plan profile)")
+    q.add_argument("--optimizer", choices=["adamw", "adamw-pure", "sgd"], default="adamw",
+                   help="as plan profile")
+    q.add_argument("--blocks", default=None, help="the blocks (as plan profile)")
+    q.add_argument("--time-limit", type=float, default=None, help="seconds for the whole search, "
+                   "profiles included (default 60 per candidate micro-batch size), shared "
+                   "evenly among the cells still to solve")
+    for a in solve_q._actions:
+        if a.dest not in SEARCH_OWN:
+            q._add_action(a)
+    q.add_argument("-o", "--output", default=None, help="the fastest plan (default: "
+                   "plans/<model>-s<S>-n<N>-<gpu>.json)")
+    q.add_argument("--json", action="store_true", help="print the rows as one JSON object")
+
+
 def _calibrate_options(q) -> None:
     """``plan calibrate``'s arguments."""
     q.add_argument("profile", help="the profile the run's plan was solved from")
@@ -223,6 +262,8 @@ def _dispatch(args) -> int:
         from planner.hardware.measure import cli_hardware as run
     elif args.verb == "sweep":
         from planner.cli.sweep import cli_sweep as run
+    elif args.verb == "search":
+        from planner.cli.search import cli_search as run
     elif args.verb == "calibrate":
         from planner.profile.calibrate import cli_calibrate as run
     else:

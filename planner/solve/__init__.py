@@ -27,6 +27,8 @@ Modules:
 - ``strategies``: the candidates (baselines, one MILP solve, seeds), the clock, ``_pick``;
 - ``nofit``: the smallest budget that fits and the exit-3 message;
 - ``command``: ``plan solve``'s options, budgets and output (``cli_solve``);
+- ``throughput``: ``plan search``'s loop: candidate micro-batch sizes and their K, each solved
+  by ``solve`` per order (``orders_to_try``) under a share of the time limit, the cells' figures;
 - ``budget``: a GPU budget for experiments (``plan sweep`` is ``planner.cli.sweep``);
 - ``milp``: the MILP's rows; ``solvers``: the solver wrappers and heuristics; ``highs``.
 """

@@ -1,0 +1,173 @@
+"""``plan search``: candidates and K, the table's rows, the written plan (its tokens, the
+fastest row, the simulator's check), the time shared out, bad inputs and exit codes."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from planner.cli import main
+from planner.errors import NoFitError, UserError
+from planner.formats import Budgets
+from planner.hardware import load_hardware
+from planner.plans.load import load_plan
+from planner.plans.simulate import simulate
+from planner.solve import SolveConfig, throughput
+from planner.solve.throughput import candidates, orders_to_try, recompute_flops, with_order
+
+
+
+def _search(tmp_path, capsys, *extra, seq=128, tokens=1024, code=0):
+    out = tmp_path / "plan.json"
+    argv = ["search", "gpt-tiny", "--seq", str(seq), "--tokens-per-step", str(tokens),
+            "--time-limit", "20", "-o", str(out), "--json", *extra]
+    assert main(argv) == code
+    cap = capsys.readouterr()
+    return (json.loads(cap.out) if code == 0 else None), out, cap.err
+
+
+def _check_rows(d, out, seq, tokens):
+    rows = d["rows"]
+    assert [r["micro_batch"] for r in rows] == [b for b in (1, 2, 4, 8, 16, 32)
+                                                if (tokens // seq) % b == 0]
+    for r in rows:
+        assert r["micro_batch"] * r["micro_batches"] * seq == tokens
+        assert r["order"] == "batch-major"
+    fit = [r for r in rows if r["fits"]]
+    assert fit
+    best = min(fit, key=lambda r: r["step_s"])
+    assert d["best"] == rows.index(best) and d["plan"] == str(out)
+    plan = load_plan(out)
+    assert plan.model["batch"] * plan.model["seq"] * plan.micro_batches == tokens
+    assert (plan.model["batch"], plan.micro_batches) == (best["micro_batch"],
+                                                         best["micro_batches"])
+    sim = simulate(plan)
+    assert sim.fits and sim.step_s == pytest.approx(best["step_s"], rel=1e-12)
+    for r in fit:
+        assert r["tokens_per_s"] == pytest.approx(tokens / r["step_s"])
+        assert r["tflops_6nt"] == pytest.approx(
+            6 * d["param_count"] * tokens / r["step_s"] / 1e12)
+        assert r["tflops_counted"] > 0 and 0 < r["bound_share"] <= 1
+        assert r["peak_gpu_bytes"] <= d["budgets"]["gpu_bytes"]
+    return rows, plan, sim
+
+
+def test_cpu_host_rows_k_and_the_fastest_plan(tmp_path, capsys):
+    d, out, err = _search(tmp_path, capsys, "--hardware", "cpu-host", "--gpu-mem", "4G")
+    rows, plan, sim = _check_rows(d, out, 128, 1024)
+    assert [r["micro_batches"] for r in rows] == [8, 4, 2, 1]
+    assert d["hardware"] == "cpu-host" and d["schema"] == "tierplan.search/1"
+    # keep-all fits everywhere: counted FLOPs are the passes' own (no recompute)
+    assert sim.flops / sim.step_s / 1e12 == pytest.approx(rows[d["best"]]["tflops_counted"])
+
+
+def test_gpu_spec_tight_budget_rows_that_do_not_fit_and_recompute_counted(tmp_path, capsys):
+    d, out, err = _search(tmp_path, capsys, "--hardware", "h200", "--gpu-mem", "10M",
+                          "--cpu-mem", "0", "--stream", "off", tokens=4096)
+    rows, plan, sim = _check_rows(d, out, 128, 4096)
+    assert [r["fits"] for r in rows] == [True, True, True, True, False, False]
+    assert all(r["status"].startswith("no plan fits") for r in rows if not r["fits"])
+    # the largest fitting micro-batch recomputes: its counted FLOPs exceed the passes' own
+    r4, r8 = rows[2], rows[3]
+    assert r8["origin"].startswith("milp")
+    assert r8["tflops_counted"] / r8["tflops_6nt"] > r4["tflops_counted"] / r4["tflops_6nt"]
+    # one progress line per cell on stderr, --json or not
+    assert err.count("plan search: micro-batch") == 6
+    assert err.count("no plan fits (needs --gpu-mem >= ") == 2
+
+
+def test_recompute_flops_follow_the_plan(tmp_path):
+    from planner.profile import profile_model
+    from planner.solve import solve_profile
+    hw = load_hardware("h200")
+    p = profile_model("gpt-tiny", 8, 128, device="meta", hardware=hw, timing="estimate")
+    keep = solve_profile(p, None, hw, Budgets(1 << 30, 0, 0), "keep-all").plan
+    rec = solve_profile(p, None, hw, Budgets(1 << 30, 0, 0), "recompute-all").plan
+    assert recompute_flops(keep) == 0
+    blocks = [u for u in p.layers if u.kind == "block"]
+    assert recompute_flops(rec) == pytest.approx(sum(u.fwd_flops for u in blocks))
+
+
+def test_text_table_progress_lines_and_the_mark(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["search", "gpt-tiny", "--seq", "64", "--tokens-per-step", "256",
+                 "--hardware", "h200", "--gpu-mem", "2G", "--time-limit", "20",
+                 "-o", str(out)]) == 0
+    cap = capsys.readouterr()
+    assert cap.err.count("plan search: micro-batch") == 3       # b = 1, 2, 4
+    lines = cap.out.splitlines()
+    head = next(ln for ln in lines if "micro-batch" in ln and "order" in ln)
+    for col in ("K", "step", "tokens/s", "TFLOPS 6NT", "TFLOPS counted", "peak GPU",
+                "peak host", "peak NVMe", "bound", "status"):
+        assert col in head
+    marked = [ln for ln in lines if ln.startswith("*")]
+    assert len(marked) == 1 and "batch-major" in marked[0]
+    assert lines[-1] == str(out) and out.is_file()
+
+
+def test_no_candidate_fits_is_exit_3_one_line(tmp_path, capsys):
+    _, out, err = _search(tmp_path, capsys, "--hardware", "h200", "--gpu-mem", "1M",
+                          "--cpu-mem", "0", "--stream", "off", code=3)
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("plan: error: plan search: no candidate fits")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("extra, what", [
+    (["--tokens-per-step", "1000"], "not a multiple of --seq"),
+    (["--tokens-per-step", "1024", "--micro-batch-sizes", "3"], "does not divide"),
+    (["--tokens-per-step", "1024", "--micro-batch-sizes", "a,b"], "positive integers"),
+    (["--tokens-per-step", "0"], "positive integer"),
+    (["--tokens-per-step", "1024", "--gap", "2"], "--gap"),
+    (["--tokens-per-step", "1024", "--time-limit", "-1"], "--time-limit"),
+])
+def test_bad_inputs_one_line_exit_2(tmp_path, capsys, extra, what):
+    argv = ["search", "gpt-tiny", "--seq", "128", "--hardware", "h200", "--gpu-mem", "2G",
+            "-o", str(tmp_path / "p.json"), *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("plan: error:") and what in err[0]
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_unknown_model_is_exit_2(tmp_path, capsys):
+    assert main(["search", "no-such-model", "--seq", "128", "--tokens-per-step", "256",
+                 "--hardware", "h200", "--gpu-mem", "2G", "-o", str(tmp_path / "p.json")]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_candidates_and_k():
+    assert candidates(2048 * 8, 2048) == [(1, 8), (2, 4), (4, 2), (8, 1)]
+    assert candidates(128 * 12, 128) == [(1, 12), (2, 6), (4, 3)]
+    assert candidates(128 * 12, 128, [3, 6, 12]) == [(3, 4), (6, 2), (12, 1)]
+    assert candidates(100 * 8192, 100)[0] == (2, 4096)      # K at most 4096: b = 1 left out
+    with pytest.raises(UserError, match="not a multiple"):
+        candidates(1000, 128)
+
+
+def test_orders_today_and_with_order():
+    cfg = SolveConfig.build(load_hardware("h200"), Budgets(1 << 30, 0, 0), micro_batches=4)
+    assert orders_to_try(cfg) == ("batch-major",)
+    assert with_order(cfg, "batch-major") == cfg
+
+
+def test_time_is_shared_evenly_and_carried_over(monkeypatch):
+    """Each cell gets the time left over the cells left; a quick cell leaves its time on."""
+    seen = []
+
+    def fake_solve(profile, path, cfg, seeds=()):
+        seen.append(cfg.time_limit)
+        raise NoFitError("no plan fits (fake)")
+
+    monkeypatch.setattr(throughput, "solve", fake_solve)
+    hw = load_hardware("h200")
+    t0 = time.perf_counter()
+    cells = throughput.search(lambda b: object(), hw, Budgets(1 << 30, 0, 0), {},
+                              [(1, 4), (2, 2), (4, 1)], 4096, t0 + 12.0, profile_s=1.0)
+    assert [c.status for c in cells] == ["no plan fits (fake)"] * 3
+    # 12 s, two profiles still to take (1 s each), three cells: 10/3; then 11/2, then 12/1
+    assert seen[0] == pytest.approx(10 / 3, abs=0.05)
+    assert seen[1] == pytest.approx(11 / 2, abs=0.05)
+    assert seen[2] == pytest.approx(12.0, abs=0.05)
+    assert throughput.fastest(cells) is None
