@@ -146,10 +146,16 @@ def test_candidates_and_k():
         candidates(1000, 128)
 
 
-def test_orders_today_and_with_order():
-    cfg = SolveConfig.build(load_hardware("h200"), Budgets(1 << 30, 0, 0), micro_batches=4)
+def test_orders_follow_the_option_and_with_order():
+    hw = load_hardware("h200")
+    cfg = SolveConfig.build(hw, Budgets(1 << 30, 0, 0), micro_batches=4)
     assert orders_to_try(cfg) == ("batch-major",)
     assert with_order(cfg, "batch-major") == cfg
+    auto = SolveConfig.build(hw, Budgets(1 << 30, 0, 0), micro_batches=4, micro_batch_order="auto")
+    assert orders_to_try(auto) == ("batch-major", "layer-major")
+    one = SolveConfig.build(hw, Budgets(1 << 30, 0, 0), micro_batches=1, micro_batch_order="auto")
+    assert orders_to_try(one) == ("batch-major",)
+    assert with_order(auto, "layer-major").micro_batch_order == "layer-major"
 
 
 def test_time_is_shared_evenly_and_carried_over(monkeypatch):
