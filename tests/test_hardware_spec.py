@@ -138,3 +138,18 @@ def test_fuzzed_array_fields_load_consistently_or_refuse_in_one_line():
             assert s.nvme_read_bandwidth == pytest.approx(s.nvme_drive_read_bandwidth * eff)
         assert _load(s.to_dict()) == s
     assert loaded > 10 and refused > 100
+
+
+def test_a_measured_tier_figure_replaces_the_array():
+    """calibrate writes a measured tier rate: the array it replaces goes, the rest loads."""
+    from planner.formats.spec import without_nvme_array
+    d = _load(_base(**ARRAY)).to_dict()
+    d["nvme_read_bandwidth"] = 50e9                      # measured, below the array's 70.2e9
+    with pytest.raises(UserError, match="disagrees"):
+        _load(d)
+    s = _load(without_nvme_array(d, "calibrated"))
+    assert s.nvme_drives == 0 and s.nvme_read_bandwidth == 50e9
+    assert s.nvme_write_bandwidth == pytest.approx(12 * 3.4e9 * 0.9)  # the other way kept
+    assert "calibrated" in s.sources["nvme_drives"] and "12 drives" in s.sources["nvme_drives"]
+    plain = load_hardware("a100-80g").to_dict()
+    assert without_nvme_array(plain, "x") == plain

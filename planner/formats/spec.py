@@ -186,6 +186,20 @@ def _with_nvme_tier(d: dict, where: str) -> dict:
     return out
 
 
+def without_nvme_array(d: dict, why: str) -> dict:
+    """A spec dict whose tier figures stand alone: its NVMe array fields dropped (they would
+    disagree with a tier figure measured in their place), ``why`` noted in its sources."""
+    if not d.get("nvme_drives"):
+        return d
+    out = {k: v for k, v in d.items() if k not in _ARRAY + ("nvme_striping_efficiency",)}
+    sources = dict(out.get("sources") or {})
+    sources["nvme_drives"] = (f"{why}; the spec gave {d['nvme_drives']} drives of "
+                              f"{d.get('nvme_drive_read_bandwidth', 0):g} / "
+                              f"{d.get('nvme_drive_write_bandwidth', 0):g} B/s")
+    out["sources"] = sources
+    return out
+
+
 def with_nvme_drives(spec: HardwareSpec, n: int) -> HardwareSpec:
     """``spec`` with ``n`` of its drives (same per-drive figures and striping efficiency): the
     tier's rates and, where known, its capacity follow; the NVMe source says so."""
