@@ -132,7 +132,7 @@ class Seeds:
                      predicted_moved={"d2h": 0, "h2d": 0, "nvme_write": 10**9, "nvme_read": 10**9},
                      predicted_static_bytes=10**9, steps=steps)
         self.files["report.json"] = dump(rep.to_dict())
-        for hw in ("cpu-host", "h100-80g"):
+        for hw in ("cpu-host", "h100-80g", "lohan-4090"):     # lohan-4090: an NVMe array
             self.files[f"{hw}.yaml"] = (ROOT / "profiles" / "hardware" / f"{hw}.yaml").read_bytes()
         self.files["tiny.yaml"] = (ROOT / "profiles" / "models" / "gpt-tiny.yaml").read_bytes()
         self.files["fz_factory.py"] = FACTORY.encode()
@@ -235,6 +235,8 @@ BAD = {
     "schema": ["tierplan.plan/9", "", None, 3, "tierplan.profile/1 "],
     "path?": ["", 5, ["x"], "a\u0000b", "x" * 5000, "/tmp/a\nb", "/tmp/" + "y" * 300],
     "micro": [0, -1, 4097, 1.5, "2", None, True],
+    "drives": [-1, 1.5, "12", True, None, 1025, HUGE_INT, NAN],
+    "cores": [-1, 2.5, "52", True, None, 2**21, HUGE_INT, NAN],
     "stage": [-1, 1.5, "3", None, HUGE_INT],
 }
 
@@ -256,6 +258,9 @@ HW_FIELDS = {
     "efficiency": "fraction", "memory_bandwidth": "rate+", "h2d_bandwidth": "rate",
     "d2h_bandwidth": "rate", "nvme_read_bandwidth": "rate", "nvme_write_bandwidth": "rate",
     "duplex_bandwidth": "rate", "host_memory_bandwidth": "rate", "cpu_adam_params_per_s": "rate",
+    "nvme_drives": "drives", "nvme_drive_read_bandwidth": "rate",
+    "nvme_drive_write_bandwidth": "rate", "nvme_striping_efficiency": "fraction",
+    "cpu_adam_cores": "cores",
     "sources": "dict?", "schema": "schema",
 }
 HW_REQUIRED = ("name", "description", "device", "unified_memory", "memory_bytes",
@@ -937,7 +942,8 @@ def case_solve(draw, seeds: Seeds):
         h, bad = _pick(draw, clean, ["h100-80g", "cpu-host", "a100-80g", "hw.yaml"],
                        ["tpu9", "hw.yaml"], 3)
         if h == "hw.yaml":
-            whys.append(draw(input_file("hardware", seeds, ["cpu-host.yaml", "h100-80g.yaml"],
+            whys.append(draw(input_file("hardware", seeds, ["cpu-host.yaml", "h100-80g.yaml",
+                                                           "lohan-4090.yaml"],
                                         "hardware", files, "hw.yaml", clean or not bad)))
             protect.append("hw.yaml")
         elif bad:

@@ -195,7 +195,9 @@ def test_a_failing_solver_loses_its_strategy_not_the_solve(prof, tmp_path, capsy
     err = capsys.readouterr().err
     assert "solver failed" in err and "strategy is left out" in err, err
     plan = load_plan(out)
-    assert plan.solver.origin.startswith("baseline"), plan.solver.origin
+    # the best survivor: a baseline, or a MILP strategy that did not go through the crashed call
+    failed = err.split(" strategy is left out")[0].rsplit("the ", 1)[1]
+    assert failed and plan.solver.origin.split("/")[0] != failed, (failed, plan.solver.origin)
     assert simulate(plan).fits
 
 

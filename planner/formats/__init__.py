@@ -11,7 +11,7 @@ Modules, by job:
   policies, engines);
 - ``validate``: the validation engine every loader uses (field kinds and ranges, one-line
   errors);
-- ``spec``: ``HardwareSpec``;
+- ``spec``: ``HardwareSpec``, ``with_nvme_drives`` (the same drives, n of them);
 - ``profile``: ``UnitRecord``, ``Profile`` and the checks on units and the model section;
 - ``decisions``: ``LayerDecision`` and ``Home``, the choices for one unit;
 - ``plan``: ``Plan`` and its sections (``Budgets``, ``SolverRecord``, ``Prediction``), the
@@ -37,13 +37,13 @@ from planner.formats.fileio import read_json, sha256_file, write_atomic, write_j
 from planner.formats.plan import Budgets, Plan, Prediction, SolverRecord, load_plan
 from planner.formats.profile import (Profile, UnitRecord, check_model_section, check_units,
                                      load_profile)
-from planner.formats.spec import HardwareSpec
+from planner.formats.spec import HardwareSpec, nvme_aggregate, with_nvme_drives
 
 __all__ = [
     "CLIPS", "ENGINES", "HARDWARE_SCHEMA", "MICRO_BATCH_ORDERS", "OPTIMIZER_OVERLAPS",
     "PLAN_SCHEMA", "PLAN_SCHEMA_V1", "PLAN_SCHEMA_V2", "PROFILE_SCHEMA",
     "REPORT_SCHEMA", "Activation", "Policy", "Tier", "UnitKind",
-    "HardwareSpec", "Profile", "UnitRecord", "check_model_section", "check_units",
+    "HardwareSpec", "nvme_aggregate", "with_nvme_drives", "Profile", "UnitRecord", "check_model_section", "check_units",
     "load_profile", "RESIDENT", "Home", "LayerDecision",
     "Budgets", "Plan", "Prediction", "SolverRecord", "load_plan",
     "read_json", "sha256_file", "write_atomic", "write_json_atomic",

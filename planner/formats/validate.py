@@ -96,6 +96,11 @@ _KINDS = {
     "rate": (_rate, f"0 or a finite number of bytes/s from {MIN_RATE:g} to {MAX_RATE:g}"),
     "fraction": (lambda v: is_num(v) and 0 < v <= 1, "a number above 0 and at most 1"),
     "bool": (lambda v: isinstance(v, bool), "true or false"),
+    # a hardware spec's NVMe drives and CPU cores: 0 (not given) or a real machine's count
+    "drives": (lambda v: is_int(v) and 0 <= v <= 1024, "0 (not given) or a whole number of "
+               "drives up to 1024"),
+    "cores": (lambda v: is_int(v) and 0 <= v <= 1 << 20, "0 (not given) or a whole number of "
+              "cores up to 2^20"),
     "dict?": (lambda v: v is None or isinstance(v, dict), "null or a mapping"),
     "str": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
     "str?": (lambda v: v is None or isinstance(v, str), "null or a string"),

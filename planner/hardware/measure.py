@@ -1,10 +1,15 @@
 """``plan hardware``: measure this host and write a hardware spec (``tierplan.hardware/1``).
 
-Disk bandwidth is measured with the page cache out of the way: ``O_DIRECT`` where the file
-system takes it (aligned buffers, sizes in whole blocks), otherwise buffered I/O with ``fsync``
-after writing and ``posix_fadvise(DONTNEED)`` before reading, so the read comes from the disk and
-not from memory. Compute rates are the median of a few timed matmuls after a warm-up. On CUDA,
-pinned host<->device copies and device matmuls are timed with the device synchronised.
+Disk bandwidth is measured the way the runtime's transfer engine uses the drive: requests of
+``request`` bytes (1 MiB), ``in_flight`` of them at once (one thread each, ``pwrite``/``preadv``
+release the GIL), with the page cache out of the way: ``O_DIRECT`` where the file system takes
+it (page-aligned buffers, whole requests), otherwise buffered I/O with ``fsync`` after writing
+and ``posix_fadvise(DONTNEED)`` before reading, so the read comes from the disk and not from
+memory; the spec's source line says which. The CPU AdamW rate is torch's own fused kernel
+(``foreach`` where torch has no fused CPU AdamW) over fp32 parameters, on the
+``torch.get_num_threads()`` cores the runtime's optimizer step gets. Compute rates are the median
+of a few timed matmuls after a warm-up. On CUDA, pinned host<->device copies and device matmuls
+are timed with the device synchronised.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import stat
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -24,9 +30,12 @@ import yaml
 from planner.errors import UserError
 from planner.formats.fileio import _check_path_text, _shown, check_output, write_atomic
 from planner.formats import HARDWARE_SCHEMA, HardwareSpec
-from planner.sizes import parse_size
+from planner.sizes import fmt_bytes, parse_size
 
-BLOCK = 8 << 20          # 8 MiB per I/O call: large enough for sequential bandwidth
+REQUEST = 1 << 20        # bytes per I/O request: what the runtime's transfer engine issues
+IN_FLIGHT = 4            # requests at once (threads)
+ALIGN = 4096             # O_DIRECT: buffer address, offset and size in whole blocks
+ADAM_PARAMS = 1 << 25    # fp32 parameters the AdamW probe steps (~0.5 GiB with its state)
 
 
 def _median_time(fn, repeats=3):
@@ -42,54 +51,130 @@ def _median_time(fn, repeats=3):
 # ----------------------------------------------------------------------------- disk
 
 def _aligned_buffer(nbytes: int) -> mmap.mmap:
-    # An anonymous mapping is page aligned, which O_DIRECT needs for its buffer.
+    # An anonymous mapping is page aligned, which O_DIRECT needs for its buffer; random bytes,
+    # since some drives compress what they store.
     buf = mmap.mmap(-1, nbytes)
-    buf.write(os.urandom(min(nbytes, 1 << 20)) * (nbytes // min(nbytes, 1 << 20)))
+    buf.write(os.urandom(nbytes))
     return buf
 
 
-def disk_bandwidth(directory: Path, size: int) -> dict:
-    """Write then read ``size`` bytes in ``directory``; bytes/s each way and the method used."""
-    size = max(BLOCK, size - size % BLOCK)
-    buf = _aligned_buffer(BLOCK)
+def _open_direct(path: Path, flags: int, probe: mmap.mmap | None) -> tuple[int, str | None]:
+    """``path`` opened with O_DIRECT, and None; or opened buffered, and why O_DIRECT was not
+    used (the platform lacks it, or the file system refuses it at open or at the first write)."""
+    direct = getattr(os, "O_DIRECT", 0)
+    if not direct:
+        return os.open(path, flags), "this platform has no O_DIRECT"
+    try:
+        fd = os.open(path, flags | direct)
+    except OSError as e:
+        return os.open(path, flags), f"the file system refuses O_DIRECT ({e.strerror})"
+    if probe is not None:                 # some refuse only the first write (EINVAL)
+        try:
+            os.pwrite(fd, memoryview(probe)[:ALIGN], 0)
+        except OSError as e:
+            os.close(fd)
+            return os.open(path, flags), f"the file system refuses O_DIRECT writes ({e.strerror})"
+    return fd, None
+
+
+def _parallel_io(fd: int, count: int, request: int, in_flight: int, write: bool) -> int:
+    """Issue requests 0..count-1 of ``request`` bytes on ``fd``, ``in_flight`` at a time; the
+    bytes moved (a short read ends early)."""
+    nxt, done, lock, errors = [0], [0], threading.Lock(), []
+
+    def worker():
+        buf = _aligned_buffer(request)
+        view = memoryview(buf)
+        try:
+            while not errors:
+                with lock:
+                    i = nxt[0]
+                    nxt[0] += 1
+                if i >= count:
+                    return
+                n = os.pwrite(fd, view, i * request) if write else os.preadv(fd, [view], i * request)
+                with lock:
+                    done[0] += n
+                if n < request:
+                    return
+        except OSError as e:
+            errors.append(e)
+        finally:
+            view.release()
+            buf.close()
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(in_flight, count))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return done[0]
+
+
+def disk_bandwidth(directory: Path, size: int, request: int = REQUEST,
+                   in_flight: int = IN_FLIGHT) -> dict:
+    """Write then read ``size`` bytes in ``directory`` in ``request``-byte requests,
+    ``in_flight`` at once; bytes/s each way, the method and, where O_DIRECT was not used, why."""
+    count = max(1, size // request)
+    size = count * request
     fd, name = tempfile.mkstemp(prefix=".tierplan-probe-", dir=directory)
     os.close(fd)
     path = Path(name)
+    probe = _aligned_buffer(ALIGN)
     try:
-        method = "O_DIRECT"
+        fd, why = _open_direct(path, os.O_WRONLY, probe)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
-            os.write(fd, buf)                      # O_DIRECT may be refused on first write
-            os.lseek(fd, 0, os.SEEK_SET)
-        except (AttributeError, OSError):
-            method = "fsync+fadvise"
-            fd = os.open(path, os.O_WRONLY)
-        t0 = time.perf_counter()
-        for _ in range(size // BLOCK):
-            os.write(fd, buf)
-        os.fsync(fd)
-        write_s = time.perf_counter() - t0
-        os.close(fd)
-
-        if method == "O_DIRECT":
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            t0 = time.perf_counter()
+            written = _parallel_io(fd, count, request, in_flight, write=True)
+            os.fsync(fd)
+            write_s = time.perf_counter() - t0
+        finally:
+            os.close(fd)
+        if why is None:
+            fd, why_read = _open_direct(path, os.O_RDONLY, None)
+            why = why_read
         else:
             fd = os.open(path, os.O_RDONLY)
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        t0 = time.perf_counter()
-        done = 0
-        while done < size:
-            n = os.readv(fd, [buf])
-            if n <= 0:
-                break
-            done += n
-        read_s = time.perf_counter() - t0
-        os.close(fd)
+        if why is not None and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        try:
+            t0 = time.perf_counter()
+            done = _parallel_io(fd, count, request, in_flight, write=False)
+            read_s = time.perf_counter() - t0
+        finally:
+            os.close(fd)
     finally:
-        buf.close()
+        probe.close()
         path.unlink(missing_ok=True)
-    return {"write": size / write_s, "read": done / read_s, "method": method, "bytes": size}
+    method = "O_DIRECT" if why is None else "buffered, fsync after writing, page cache dropped " \
+        f"before reading ({why})"
+    return {"write": written / write_s, "read": done / read_s, "method": method, "bytes": size,
+            "request": request, "in_flight": in_flight, "direct": why is None}
+
+
+# ----------------------------------------------------------------------------- CPU AdamW
+
+def adamw_rate(params: int, repeats: int = 3) -> dict:
+    """Parameters per second of one torch AdamW step over ``params`` fp32 parameters (four
+    tensors, gradients set), fused where torch has a fused CPU AdamW, else foreach; median of
+    ``repeats`` steps after a warm-up, on ``torch.get_num_threads()`` threads."""
+    import torch
+    n = max(4, params)
+    sizes = [n // 4 + (1 if i < n % 4 else 0) for i in range(4)]
+    ps = [torch.nn.Parameter(torch.randn(k)) for k in sizes]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    kernel = "fused"
+    try:
+        opt = torch.optim.AdamW(ps, lr=1e-4, fused=True)
+        opt.step()                        # CPU fused AdamW may exist only on newer torch
+    except (RuntimeError, TypeError, ValueError):
+        kernel = "foreach"
+        opt = torch.optim.AdamW(ps, lr=1e-4, foreach=True)
+    t = _median_time(opt.step, repeats)
+    return {"params_per_s": n / t, "params": n, "kernel": kernel,
+            "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
 def host_memory_bytes() -> int:
@@ -156,13 +241,16 @@ def pinned_bandwidth(nbytes: int) -> tuple[float, float]:
 
 # ----------------------------------------------------------------------------- the spec
 
-def measure_host(nvme_dir: str | None, size: int, matmul_n: int | None = None) -> HardwareSpec:
+def measure_host(nvme_dir: str | None, size: int, matmul_n: int | None = None,
+                 request: int = REQUEST, in_flight: int = IN_FLIGHT,
+                 adam_params: int = ADAM_PARAMS) -> HardwareSpec:
     """This host's spec, measured: the disk probe in ``nvme_dir`` (or the temp folder), the
-    matmul rate per dtype, copy bandwidths and memory sizes."""
+    CPU AdamW rate, the matmul rate per dtype, copy bandwidths and memory sizes."""
     import torch
 
     probe_dir, created = _probe_dir(nvme_dir)
-    disk, free = _disk_probe(probe_dir, size, created)
+    disk, free = _disk_probe(probe_dir, size, created, request, in_flight)
+    adam = adamw_rate(adam_params)
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     n = matmul_n or (8192 if cuda else 1024)
@@ -180,8 +268,6 @@ def measure_host(nvme_dir: str | None, size: int, matmul_n: int | None = None) -
         h2d = d2h = 0.0
         host = 0
         name_dev = f"{os.cpu_count()} CPU cores"
-    when = time.strftime("%Y-%m-%d")
-    how = f"measured by 'plan hardware' on {when}"
     return HardwareSpec(
         name=socket.gethostname() or "this-host",
         description=f"{name_dev}, measured by plan hardware",
@@ -192,18 +278,33 @@ def measure_host(nvme_dir: str | None, size: int, matmul_n: int | None = None) -
         nvme_read_bandwidth=float(f"{disk['read']:.4g}"),
         nvme_write_bandwidth=float(f"{disk['write']:.4g}"),
         nvme_bytes=int(free),
-        sources={
-            "peak_flops": f"{how}: median of 3 torch.mm of up to n={n} per dtype on {device}",
-            "efficiency": "not measured: 0.6, the shipped cpu-host figure for transformer blocks "
-                          "against the matmul rate",
-            "memory_bandwidth": f"{how}: tensor copy, read + write bytes over time",
-            "h2d_bandwidth": f"{how}: pinned 256 MiB copies" if cuda else "unified memory: none",
-            "nvme": f"{how}: {disk['bytes'] >> 20} MiB written then read in {BLOCK >> 20} MiB "
-                    f"blocks in {probe_dir} ({disk['method']})",
-            "nvme_bytes": f"free space in {probe_dir} when measured",
-            "memory_bytes": "torch.cuda device total" if cuda else "physical memory (sysconf)",
-        },
+        cpu_adam_params_per_s=float(f"{adam['params_per_s']:.4g}"),
+        cpu_adam_cores=int(adam["threads"]),
+        sources=_sources(device, n, disk, adam, probe_dir),
         schema=HARDWARE_SCHEMA)
+
+
+def _sources(device: str, n: int, disk: dict, adam: dict, probe_dir: Path) -> dict:
+    """How each measured number was measured (the spec's ``sources``)."""
+    how = f"measured by 'plan hardware' on {time.strftime('%Y-%m-%d')}"
+    cuda = device == "cuda"
+    return {
+        "peak_flops": f"{how}: median of 3 torch.mm of up to n={n} per dtype on {device}",
+        "efficiency": "not measured: 0.6, the shipped cpu-host figure for transformer blocks "
+                      "against the matmul rate",
+        "memory_bandwidth": f"{how}: tensor copy, read + write bytes over time",
+        "h2d_bandwidth": f"{how}: pinned 256 MiB copies" if cuda else "unified memory: none",
+        "nvme": f"{how}: {fmt_bytes(disk['bytes'])} written then read in "
+                f"{fmt_bytes(disk['request'])} requests, {disk['in_flight']} in flight, in "
+                f"{probe_dir} ({disk['method']}); the whole tier as the runtime sees it",
+        "nvme_bytes": f"free space in {probe_dir} when measured",
+        "memory_bytes": "torch.cuda device total" if cuda else "physical memory (sysconf)",
+        "cpu_adam_params_per_s": f"{how}: torch {adam['torch']} AdamW ({adam['kernel']}) over "
+                                 f"{adam['params']} fp32 parameters in 4 tensors, median of 3 "
+                                 f"steps on {adam['threads']} threads (torch.get_num_threads())",
+        "cpu_adam_cores": f"{how}: torch.get_num_threads(), the threads the runtime's optimizer "
+                          "step gets",
+    }
 
 
 def _probe_dir(nvme_dir: str | None) -> tuple[Path, list[Path]]:
@@ -240,7 +341,8 @@ def _probe_dir(nvme_dir: str | None) -> tuple[Path, list[Path]]:
     return target, created
 
 
-def _disk_probe(probe_dir: Path, size: int, created: list[Path]) -> tuple[dict, int]:
+def _disk_probe(probe_dir: Path, size: int, created: list[Path], request: int = REQUEST,
+                in_flight: int = IN_FLIGHT) -> tuple[dict, int]:
     """The disk's read and write bandwidth in ``probe_dir`` and its free bytes; the folders
     in ``created`` are removed afterwards, whatever happens."""
     try:
@@ -249,7 +351,7 @@ def _disk_probe(probe_dir: Path, size: int, created: list[Path]) -> tuple[dict, 
             # the probe's file would take most of the disk (and, past its room, fail late)
             raise UserError(f"--size {size} bytes is more than half the {free} bytes free in "
                             f"'{_shown(probe_dir)}'; give a smaller --size, e.g. 1G")
-        disk = disk_bandwidth(probe_dir, size)
+        disk = disk_bandwidth(probe_dir, size, request, in_flight)
     except OSError as e:
         raise UserError(f"--nvme-dir '{_shown(probe_dir)}': disk probe failed ({e.strerror}); "
                         "give a writable directory on the disk to measure") from None
@@ -271,13 +373,43 @@ def spec_yaml(spec: HardwareSpec) -> str:
     return yaml.safe_dump(head, sort_keys=False) + yaml.safe_dump(d, sort_keys=True)
 
 
-def cli_hardware(args) -> int:
+MAX_IN_FLIGHT = 64
+MAX_REQUEST = 64 << 20
+MAX_ADAM_PARAMS = 1 << 31
+
+
+def _probe_options(args) -> tuple[int, int, int, int]:
+    """``--size``, ``--request``, ``--in-flight`` and ``--adam-params``, each checked (one
+    line naming the option and a value that works)."""
     size = parse_size(args.size, "--size")
     if size <= 0:
         raise UserError("--size 0: give the number of bytes the disk probe writes, e.g. 1G")
+    request = parse_size(args.request, "--request")
+    if not ALIGN <= request <= MAX_REQUEST or request % ALIGN:
+        raise UserError(f"--request {args.request}: give a whole number of 4 KiB blocks from "
+                        "4K to 64M (O_DIRECT needs whole blocks), e.g. 1M")
+    if size < request:
+        raise UserError(f"--size {args.size} is smaller than one --request "
+                        f"({fmt_bytes(request)}); give a larger --size, e.g. 1G")
+    text = str(args.in_flight).strip()
+    if not text.isdigit() or not 1 <= int(text) <= MAX_IN_FLIGHT:
+        raise UserError(f"--in-flight {_shown(str(args.in_flight))}: give the number of "
+                        f"requests at once, 1 to {MAX_IN_FLIGHT}, e.g. {IN_FLIGHT}")
+    adam = parse_size(args.adam_params, "--adam-params")
+    if not 4 <= adam <= MAX_ADAM_PARAMS:
+        raise UserError(f"--adam-params {args.adam_params}: give the number of fp32 "
+                        "parameters the AdamW probe steps, 4 to 2G, e.g. 32M")
+    return size, request, int(text), adam
+
+
+def cli_hardware(args) -> int:
+    size, request, in_flight, adam = _probe_options(args)
     if args.output:       # refused before the minutes of measuring, not after
         check_output(args.output, what="-o output", make_parents=True)
-    spec = measure_host(args.nvme_dir, size)
+    spec = measure_host(args.nvme_dir, size, request=request, in_flight=in_flight,
+                        adam_params=adam)
+    if "(O_DIRECT)" not in spec.sources["nvme"]:      # the fallback, said where it happened
+        print(f"plan hardware: note: no O_DIRECT; {spec.sources['nvme']}", file=sys.stderr)
     text = spec_yaml(spec)
     if args.output:
         # atomically, like every output (a directory or device is refused; Ctrl-C or SIGTERM

@@ -27,6 +27,7 @@ from planner.errors import UserError
 from planner.formats.fileio import check_output, write_json_atomic
 from planner.formats import Profile, load_profile, sha256_file
 from planner.formats.report import Report, load_report
+from planner.formats.spec import without_nvme_array
 from planner.sizes import fmt_bytes, fmt_seconds
 
 # A link measured over less than this is left at the spec's figure: a few small transfers
@@ -97,6 +98,8 @@ def calibrate(profile: Profile, report: Report, ppath: str, rpath: str) -> tuple
         sources[f] = (f"calibrated {when} from report {rpath}: {fmt_bytes(r['bytes'])} in "
                       f"{fmt_seconds(r['busy_s'])} of busy time")
     hw["sources"] = sources
+    if links:      # a measured tier rate replaces what the array of drives gave
+        hw = without_nvme_array(hw, f"array fields dropped: the NVMe tier calibrated {when}")
     opt = report.after_backward_s()
     try:
         load = list(os.getloadavg())
