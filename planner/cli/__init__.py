@@ -151,6 +151,9 @@ def _solve_options(q) -> None:
                    help="auto: units' optimizer work (state reads; with --clip none also the "
                    "update and writes) may run beside the backward where it pays; off: "
                    "after the whole backward (default auto)")
+    q.add_argument("--nvme-drives", type=int, default=None, metavar="N",
+                   help="N of the spec's NVMe drives in its array (same per-drive rates and "
+                   "striping efficiency; the spec must give its NVMe tier as drives)")
     q.add_argument("--micro-batch-order", choices=["batch-major", "layer-major", "auto"],
                    default="batch-major",
                    help="with K > 1: batch-major (K whole passes, the runtime's today), "

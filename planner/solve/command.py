@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 from planner.errors import UserError
-from planner.formats import Budgets, Plan, Profile, load_profile, write_json_atomic
+from planner.formats import (Budgets, Plan, Profile, load_profile, with_nvme_drives,
+                             write_json_atomic)
 from planner.formats.fileio import _shown, path_problem
 from planner.hardware import load_hardware
 from planner.sizes import fmt_bytes, fmt_rate, fmt_seconds, parse_size
@@ -90,6 +91,8 @@ def solve_options(args, profile: Profile) -> tuple:
                   "figures")
     else:
         hw = profile.hardware_spec
+    if getattr(args, "nvme_drives", None) is not None:
+        hw = with_nvme_drives(hw, args.nvme_drives)
     if args.time_limit is not None and not (math.isfinite(args.time_limit) and args.time_limit > 0):
         raise UserError(f"--time-limit {args.time_limit}: give a positive number of seconds")
     if not (math.isfinite(args.gap) and 0 <= args.gap < 1):
