@@ -35,6 +35,7 @@ from planner.formats import Tier
 
 from .files import NvmeStore, Sums, byte_view, pread_all, pwrite_all
 from .offload import Counters, as_bytes
+from .transfer import ByteStream
 
 ZERO, HOME = "zero", "home"      # a gradient at home: zeroed in place, or the accumulation
 
@@ -123,27 +124,18 @@ def _own_storage(p: torch.nn.Parameter) -> None:
         p.data = p.data.clone(memory_format=torch.contiguous_format)
 
 
-class _Flat:
-    """A unit's tensors as one byte stream: (tensor, offset, nbytes) in a fixed order."""
+class _Flat(ByteStream):
+    """A unit's tensors as one byte stream (``transfer.ByteStream``, one piece per tensor:
+    ``items`` are (tensor, offset, nbytes) in a fixed order)."""
 
     def __init__(self, tensors):
-        self.items = []
-        off = 0
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            self.items.append((t, off, n))
-            off += n
-        self.size = off
+        super().__init__(tensors, lambda t: t.numel() * t.element_size())
 
     def parts(self, a: int, b: int, by: str):
-        """(index, tensor, 0, nbytes, offset) of the whole tensors a planned share [a, b) of
-        the stream moves: a tensor goes with the share its first byte falls in (``by="start"``:
-        sends, which free it) or its last byte (``by="end"``: fetches, which allocate it). The
-        shares tile the stream, so each tensor moves once, and the runtime never holds more
-        than the plan's fractional count (it frees no later and allocates no earlier)."""
-        for k, (t, off, n) in enumerate(self.items):
-            if n and (a <= off < b if by == "start" else a < off + n <= b):
-                yield k, t, 0, n, off
+        """(index, tensor, 0, nbytes, offset) of the whole tensors the share [a, b) moves
+        (``ByteStream.parts``)."""
+        for k, t, off, n in super().parts(a, b, by):
+            yield k, t, 0, n, off
 
 
 def _covers(ranges, n: int) -> bool:
@@ -239,8 +231,7 @@ class UnitStatic:
         """Bring the planned share [fa, fb) of the weights back (an I/O job)."""
         if not self.weights_out:
             return
-        a = int(round(fa * self.flat.size))
-        b = self.flat.size if fb >= 1 - 1e-12 else int(round(fb * self.flat.size))
+        a, b = self.flat.span(fa, fb)
         parts = list(self.flat.parts(a, b, by="end"))
         for k, t, lo, hi, off in parts:      # allocate on the training thread, fill on the I/O one
             if t.untyped_storage().nbytes() == 0:
@@ -391,8 +382,7 @@ class UnitStatic:
             self.g_fd, self.g_path = self.store_of().open(f"g-{self.name}")
             self.g_sums = Sums(self.g_path, f"g-{self.name}")
             self.c.add("nvme", size)
-        a = int(round(fa * size))
-        b = size if fb >= 1 - 1e-12 else int(round(fb * size))
+        a, b = self.flat.span(fa, fb)
         last = fb >= 1 - 1e-12
         self.futures.append(self.store_of().submit(self._accumulate, a, b, last))
 
