@@ -171,3 +171,26 @@ def test_a_removed_wait_is_caught_in_training(tmp_path):
     except Exception:   # noqa: BLE001 -- garbage may reach autograd; the count is the check
         pass
     assert be.missing > 0
+
+
+def test_a_slab_view_is_given_back_only_after_its_last_copy():
+    """``unpin(view, event)`` while the copy out of the view is still queued keeps the range
+    taken (the host does not wait); once the stream has run, the next request reaps it. Given
+    back at once instead, the next copy into the reused range is a missing wait."""
+    be = RecordingBackend(pinned_bytes=128)
+    h2d = be.stream("h2d")
+    view = be.pinned(128)
+    view.fill_(7)
+    out = torch.zeros(128, dtype=torch.uint8)
+    be.copy(out, view, h2d)
+    ev = be.event()
+    be.record(ev, h2d)
+    be.unpin(view, ev)
+    assert be.slab.in_use == 128 and be.ran_ops == 0     # deferred: nothing forced
+    be.wait(None, ev)                                    # the consumer waits: the copy runs
+    again = be.pinned(128)                               # reaped now
+    assert torch.equal(out, torch.full((128,), 7, dtype=torch.uint8)) and be.missing == 0
+    be.copy(out, again, h2d)
+    be.slab.give(again)                                  # wrong: the copy has not run
+    be.copy(be.pinned(128), torch.zeros(128, dtype=torch.uint8), be.stream("d2h"))
+    assert be.missing == 1 and "overwrites unread bytes" in be.problems[0]

@@ -98,6 +98,8 @@ class Backend:
     def __init__(self, device: torch.device, pinned_bytes: int = 0):
         self.device = device
         self.slab = Slab(pinned_bytes, self._alloc_pinned)
+        self.unpinning: list = []      # (view, event): given back once the event has happened
+        self.unpin_lock = threading.Lock()
 
     def size_pinned(self, nbytes: int) -> None:
         """The slab's size, before its first use (the runtime gives it from the plan)."""
@@ -135,13 +137,39 @@ class Backend:
         """Hold ``tensor`` until ``event`` has happened (a copy stream still reads it)."""
 
     def pinned(self, nbytes: int) -> torch.Tensor:
-        return self.slab.take(nbytes)
+        self._reap(block=False)
+        try:
+            return self.slab.take(nbytes)
+        except TransferError:
+            self._reap(block=True)       # views whose last copy is still queued: wait for them
+            return self.slab.take(nbytes)
 
     def unpin(self, view: torch.Tensor, event=None) -> None:
-        """Give a slab view back; after ``event`` where a copy may still use it."""
-        if event is not None:
-            self.host_wait(event)
-        self.slab.give(view)
+        """Give a slab view back: now, or once ``event`` has happened (a copy may still read
+        it); the host does not wait here."""
+        if event is None or self.done(event):
+            self.slab.give(view)
+            return
+        with self.unpin_lock:
+            self.unpinning.append((view, event))
+
+    def _reap(self, block: bool) -> None:
+        with self.unpin_lock:
+            todo, self.unpinning = self.unpinning, []
+        keep = []
+        for view, ev in todo:
+            if block:
+                self.host_wait(ev)
+            if block or self.done(ev):
+                self.slab.give(view)
+            else:
+                keep.append((view, ev))
+        with self.unpin_lock:
+            self.unpinning = keep + self.unpinning
+
+    def done(self, event) -> bool:
+        """Whether ``event`` has happened (without waiting)."""
+        raise NotImplementedError
 
     def _alloc_pinned(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)

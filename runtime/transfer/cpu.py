@@ -54,6 +54,9 @@ class CpuBackend(Backend):
     def host_wait(self, event) -> None:
         event.fut.result()
 
+    def done(self, event) -> bool:
+        return event.fut.done()
+
     def synchronize(self) -> None:
         for s in self.streams.values():
             s.submit(lambda: None).result()

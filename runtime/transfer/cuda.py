@@ -43,10 +43,14 @@ class CudaBackend(Backend):
     def host_wait(self, event) -> None:
         event.synchronize()
 
+    def done(self, event) -> bool:
+        return event.query()
+
     def synchronize(self) -> None:
         self.mod.synchronize(self.device)
         with self.lock:
             self.kept = []
+        self._reap(block=True)
 
     def copy(self, dst, src, stream) -> None:
         with self.mod.stream(self._s(stream)):

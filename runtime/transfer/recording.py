@@ -101,6 +101,7 @@ class RecordingBackend(Backend):
         with self.lock:
             for s in sorted(self.streams.values(), key=lambda s: -s.order):
                 self._run(s, s.issued)
+            self._reap(block=True)
 
     # -- copies and buffers
     def copy(self, dst, src, stream) -> None:
@@ -123,11 +124,15 @@ class RecordingBackend(Backend):
         return tensor
 
     def unpin(self, view, event=None) -> None:
+        with self.lock:      # given back once its event has run (Backend.unpin), not forced
+            super().unpin(view, event)
+
+    def pinned(self, nbytes: int):
         with self.lock:
-            if event is not None:
-                self._force(event)
-            self._check_write(view, None, "slab reuse")
-            self.slab.give(view)
+            return super().pinned(nbytes)
+
+    def done(self, event) -> bool:
+        return event.done
 
     def write(self, fd, offset, view, sums=None) -> None:
         # view: a memoryview of a host tensor; checked by address
