@@ -12,16 +12,21 @@ from .backend import Backend, Slab, TransferError
 from .bytestream import ByteStream
 
 _override: list = []
+_backends: dict = {}     # one backend per device, shared by every runtime in the process
 
 
 def backend_for(device) -> Backend:
     if _override:
         return _override[-1]
-    if device.type == "cpu":
-        from .cpu import CpuBackend
-        return CpuBackend()
-    from .cuda import CudaBackend
-    return CudaBackend(device)
+    key = str(device)
+    if key not in _backends:
+        if device.type == "cpu":
+            from .cpu import CpuBackend
+            _backends[key] = CpuBackend(device)
+        else:
+            from .cuda import CudaBackend
+            _backends[key] = CudaBackend(device)
+    return _backends[key]
 
 
 @contextlib.contextmanager

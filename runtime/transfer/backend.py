@@ -102,8 +102,11 @@ class Backend:
         self.unpin_lock = threading.Lock()
 
     def size_pinned(self, nbytes: int) -> None:
-        """The slab's size, before its first use (the runtime gives it from the plan)."""
-        if self.slab.buf is None:
+        """The slab's size (the runtime gives it from the plan): set before its first use; a
+        larger one later replaces it while none of it is in use (the next plan's runtime)."""
+        if self.slab.buf is not None:
+            self._reap(block=True)
+        if self.slab.buf is None or (nbytes > self.slab.nbytes and self.slab.in_use == 0):
             self.slab = Slab(nbytes, self._alloc_pinned)
 
     # -- streams and events
