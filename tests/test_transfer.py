@@ -194,3 +194,24 @@ def test_a_slab_view_is_given_back_only_after_its_last_copy():
     be.slab.give(again)                                  # wrong: the copy has not run
     be.copy(be.pinned(128), torch.zeros(128, dtype=torch.uint8), be.stream("d2h"))
     assert be.missing == 1 and "overwrites unread bytes" in be.problems[0]
+
+
+def test_cpu_backend_streams_run_in_order_and_events_gate_the_waiter():
+    """The CPU backend: one backend per device, unified; a copy on a stream runs on its
+    thread, another stream's wait for its event orders the next copy after it."""
+    from runtime.transfer import backend_for
+    from runtime.transfer.cpu import CpuBackend
+    be = backend_for(torch.device("cpu"))
+    assert isinstance(be, CpuBackend) and be.unified and be is backend_for(torch.device("cpu"))
+    a, b = be.stream("t-a"), be.stream("t-b")
+    src = torch.arange(1 << 16, dtype=torch.float32)
+    mid, out = torch.zeros_like(src), torch.zeros_like(src)
+    be.copy(mid, src, a)
+    ev = be.event()
+    be.record(ev, a)
+    be.wait(b, ev)
+    be.copy(out, mid, b)
+    done = be.event()
+    be.record(done, b)
+    be.wait(None, done)
+    assert be.done(done) and torch.equal(out, src)
