@@ -30,7 +30,7 @@ def _grads(name, layers=None, tmp=None, homes=None, backend=None, steps=2):
     handle = None
     if layers is not None:
         n = len(plan_for(model, "keep-all", B, S, inputs=inputs).units) - 2
-        acts = [layers] * n
+        acts = [layers] * n if isinstance(layers, tuple) else (layers * n)[:n]
         # a discrete device's plan (it has a host tier), run on the CPU: the recording backend
         # is the device that is not host memory
         # with no homes: a discrete device's plan (it has a host tier), run on the CPU, the
@@ -105,6 +105,24 @@ def test_activation_offload_in_adversarial_order(name, tier, tmp_path):
     assert copies > 0 and be.ran_ops == copies
     assert {s for s, op, _ in be.log if op == "copy"} == {"d2h", "h2d"}
     assert be.slab.in_use == 0 and be.slab.peak > 0     # every slab view given back
+
+
+MIXED = [("cpu", None), ("recompute", "cpu"), ("recompute", "none"), ("nvme", None),
+         ("recompute", "nvme")]
+
+
+@pytest.mark.parametrize("name", ["nested", "mixed_sequential"])
+def test_mixed_plan_in_adversarial_order(name, tmp_path):
+    """Host and NVMe offload and recompute segments checkpointed on the host and on NVMe in
+    one plan (the checkpoints move through the same groups): gradients and weights equal,
+    0 missing waits."""
+    ref = _grads(name)
+    be = RecordingBackend()
+    got = _grads(name, MIXED, tmp_path, backend=be)
+    _same(ref[0], got[0])
+    _same([ref[1]], [got[1]])
+    assert be.missing == 0, be.problems[:3]
+    assert be.ran_ops > 0
 
 
 @pytest.mark.parametrize("name", ["raw_mlp", "nested"])
