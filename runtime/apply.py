@@ -37,6 +37,7 @@ from .binding import InputGuard, InputTooLargeError, PlanMismatchError, bind
 from .calls import find_hidden as _find_hidden, hidden_of as _hidden_of
 from .files import OffloadError, planned_files
 from .offload import Counters, Group, Mover
+from .transfer import backend_for
 from .recompute import Placeholder, RecomputeMismatch, Segment
 from .report import malloc_trim, read_status, reset_hwm
 from .timing import StageClock
@@ -279,7 +280,7 @@ class _Runner:
         p0 = next(model.parameters(), None)
         self.device = p0.device if p0 is not None else torch.device("cpu")
         self.counters = Counters()
-        self.mover = Mover(self.device, nvme_dir, self.counters)
+        self.mover = Mover(self.device, nvme_dir, self.counters, _pinned_bytes(plan))
         self.param_ids = {id(p) for p in model.parameters()}
         self.static_ptrs: set = set()
         self.pass_: _Pass | None = None
@@ -405,10 +406,7 @@ class _Runner:
                 g.wait()
         for s in self.statics.values():
             s.wait()
-        if self.mover.cuda:
-            cur = torch.cuda.current_stream(self.device)
-            cur.wait_stream(self.mover.d2h)
-            cur.wait_stream(self.mover.h2d)
+        self.mover.barrier()
 
     def _on_stage(self, ctx, stage: int) -> None:
         """Stage ``stage`` begins (its transfers not yet issued): the unit that computed in the
@@ -644,10 +642,11 @@ class _Runner:
                           "the default), or for gradient accumulation solve with "
                           "--micro-batches K", stacklevel=3)
         self.step_static = self._static_bytes()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.step_base = torch.cuda.memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+        be = self.mover.be
+        if be.allocated() is not None:
+            be.synchronize()
+            self.step_base = be.allocated()
+            be.reset_peak()
         else:
             if self.trim:
                 malloc_trim()
@@ -686,13 +685,14 @@ class _Runner:
     def end_step(self):
         if not self.step_open:
             return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        be = self.mover.be
+        if be.allocated() is not None:
+            be.synchronize()
         t1 = time.perf_counter()
         c = self.counters
         stall = c.stall_s + self.driver.wait_s
-        if self.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(self.device)
+        if be.peak() is not None:
+            peak = be.peak()
         else:
             hwm = read_status().get("VmHWM")
             # max: the kernel's per-thread RSS counters can leave VmHWM a few pages below the
@@ -755,6 +755,16 @@ def _unit_params(model, plan: Plan, blocks: dict) -> dict:
         else:
             out[head if seen_block else emb].append((n, p))
     return out
+
+
+def _pinned_bytes(plan: Plan) -> int:
+    """The pinned slab's size: the plan's predicted peak of pinned host bytes, and at least
+    twice the largest unit's offloaded activations (an NVMe tier stages through it). Used only
+    where the device is not host memory; allocated once, at the first request."""
+    dec = {d.name: d for d in plan.layers}
+    staged = [int(u.activation_bytes) for u in plan.units
+              if dec[u.name].activation is not Activation.KEEP]
+    return max(int(plan.predicted.peak_cpu_bytes), 2 * max(staged, default=0))
 
 
 def _predicted_moved(plan: Plan) -> dict:
@@ -1087,7 +1097,8 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
         if Tier.NVME in (d.checkpoint, d.home.weights, d.home.grads, d.home.optimizer) or \
                 d.activation is Activation.NVME:
             nvme_needed = True
-        if (d.activation is Activation.CPU or d.checkpoint is Tier.CPU) and dev != "cuda":
+        if (d.activation is Activation.CPU or d.checkpoint is Tier.CPU) and \
+                backend_for(torch.device(dev)).unified:
             raise PlanMismatchError(f"{src}: {u.name} offloads to host memory, which needs a CUDA "
                                     "device; use a cpu-host plan (nvme) on a CPU")
         streams = streams or not d.home.resident

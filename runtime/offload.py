@@ -11,13 +11,19 @@ slot leaves the device when its last byte has gone and comes back (allocated) wh
 byte arrives; ``get`` returns a view whole, fetching on demand what has not come back yet
 (counted as a stall). The runtime decides nothing here.
 
-Paths:
-- CPU device (unified memory, spec ``cpu-host``): the I/O thread writes each tensor's own
+Every byte moves through the transfer engine's backend (``runtime.transfer``); nothing here
+knows which device it is. Paths:
+- Unified memory (a CPU device, spec ``cpu-host``): the I/O thread writes each tensor's own
   memory to the group's file and reads into freshly allocated tensors; no staging.
-- CUDA, ``cpu`` tier: device-to-host copies into pinned buffers on a side stream, back on
-  another; the compute stream waits for a tensor's copy only where it is unpacked.
-- CUDA, ``nvme`` tier: the same copies through pinned buffers, with the I/O thread writing them
-  to the file after the copy's event and reading them back before the host-to-device copy.
+- Staged (a device that is not host memory), ``cpu`` tier: copies into views of the pinned
+  slab on the ``d2h`` stream, back on the ``h2d`` stream; each waits explicitly for the event
+  of what produced its source (the compute stream, the ``d2h`` copy) and the compute stream
+  waits for a slot's ``h2d`` event only where it is unpacked. Buffers a copy stream still
+  reads are held until its event (``Backend.keep``), never ``record_stream``; a slot's buffer
+  back on the device is allocated on the training thread for the compute stream, and the
+  ``h2d`` copy waits for the event recorded after that allocation.
+- Staged, ``nvme`` tier: the same copies through the slab, with the I/O thread writing them to
+  the file after the copy's event and reading them back before the ``h2d`` copy.
 """
 from __future__ import annotations
 
@@ -29,7 +35,8 @@ from concurrent.futures import Future
 
 import torch
 
-from .files import NvmeStore, Sums, byte_view, pread_all, pwrite_all
+from .files import NvmeStore, Sums, byte_view
+from .transfer import ByteStream, backend_for
 
 
 class Counters:
@@ -91,17 +98,30 @@ def _extent_bytes(t: torch.Tensor) -> tuple[int, int]:
 
 
 class Mover:
-    """Everything that moves bytes: side streams, the NVMe store, the counters."""
+    """Everything that moves bytes: the backend and its copy streams, the NVMe store, the
+    counters. ``pinned_bytes``: the size of the backend's pinned slab (the plan's figure)."""
 
-    def __init__(self, device: torch.device, nvme_dir: str | None, counters: Counters):
+    def __init__(self, device: torch.device, nvme_dir: str | None, counters: Counters,
+                 pinned_bytes: int = 0):
         self.device = device
-        self.cuda = device.type == "cuda"
+        self.be = backend_for(device)
+        if pinned_bytes:
+            self.be.size_pinned(pinned_bytes)
+        self.staged = not self.be.unified
         self.counters = counters
         self.nvme_dir = nvme_dir
         self.store: NvmeStore | None = None
-        if self.cuda:
-            self.d2h = torch.cuda.Stream(device)
-            self.h2d = torch.cuda.Stream(device)
+        if self.staged:
+            self.d2h = self.be.stream("d2h")
+            self.h2d = self.be.stream("h2d")
+
+    def barrier(self) -> None:
+        """The compute stream waits for everything issued on the copy streams so far."""
+        if self.staged:
+            for s in (self.d2h, self.h2d):
+                ev = self.be.event()
+                self.be.record(ev, s)
+                self.be.wait(None, ev)
 
     def nvme_store(self) -> NvmeStore:
         if self.store is None:
@@ -112,8 +132,8 @@ class Mover:
         return self.store
 
     def close(self):
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
+        if self.staged:
+            self.be.synchronize()
         if self.store is not None:
             self.store.close()
             self.store = None
@@ -126,7 +146,7 @@ class Slot:
     come back laid out as they were, each view at its place."""
 
     __slots__ = ("base", "lo", "hi", "nbytes", "offset", "src", "sent", "disk", "host", "out",
-                 "got", "ready", "read", "views")
+                 "got", "ready", "read", "views", "sent_ev", "alloc_ev")
 
     def __init__(self, base: torch.Tensor | None, lo: int, hi: int):
         self.base = base          # the whole storage as bytes, until the group is sealed
@@ -136,10 +156,12 @@ class Slot:
         self.src = None           # the bytes on the device, until the last has left
         self.sent = 0             # bytes sent off the device
         self.disk = 0             # bytes written to the file (CUDA nvme: after staging)
-        self.host = None          # pinned copy (CUDA)
+        self.host = None          # pinned copy (a slab view; staged paths)
         self.out = None           # the bytes back on the device (uint8, nbytes)
         self.got = 0              # bytes back
-        self.ready = None         # CUDA event: the last copy into ``out`` has been issued
+        self.ready = None         # event: the last copy into ``out`` (staged paths)
+        self.sent_ev = None       # event: the last copy into ``host`` (staged paths)
+        self.alloc_ev = None      # event: ``out`` allocated, on the compute stream
         self.read = 0             # bytes read back from the file (checksums: verified when all)
         self.views = 0            # views not released yet
 
@@ -176,7 +198,7 @@ class Group:
         self.tier = tier
         self.label = label
         self.slots: list[Slot] = []
-        self.size = 0
+        self.stream = ByteStream()    # the slots, once sealed, as one byte stream
         self.path = None
         self.fd = None
         self.futures: list[Future] = []
@@ -208,7 +230,6 @@ class Group:
             self.slots.append(slot)
             if self.sealed:            # a tensor saved after the group began to move
                 self._seal_slot(slot)
-                self.size += slot.nbytes
             else:
                 self.by_storage[key] = slot
             self.m.counters.add("act", slot.nbytes)
@@ -223,7 +244,11 @@ class Group:
     def _seal_slot(self, slot: Slot) -> None:
         slot.src = slot.base[slot.lo:slot.hi]
         slot.base = None
-        slot.offset = self.size
+        slot.offset = self.stream.append(slot, slot.nbytes)
+
+    @property
+    def size(self) -> int:
+        return self.stream.size
 
     def seal(self) -> None:
         """Fix the stream: every slot's place in it. The first send, fetch or get seals."""
@@ -233,25 +258,18 @@ class Group:
         self.by_storage = {}
         for slot in self.slots:
             self._seal_slot(slot)
-            self.size += slot.nbytes
 
     def _parts(self, a: int, b: int, by: str):
-        """(slot, 0, nbytes) of the whole slots a planned share [a, b) of the stream moves: a
-        slot goes with the share its first byte falls in (``by="start"``: sends, which free
-        it) or its last byte (``by="end"``: fetches, which allocate it). The shares tile the
-        stream, so each slot moves once and the runtime never holds more than the plan's
-        fractional count."""
-        for s in self.slots:
-            edge = s.offset if by == "start" else s.offset + s.nbytes
-            if s.nbytes and (a <= edge < b if by == "start" else a < edge <= b):
-                yield s, 0, s.nbytes
+        """(slot, 0, nbytes) of the whole slots the planned share [a, b) moves
+        (``ByteStream.parts``: a slot goes with the share of its first byte for sends, of its
+        last for fetches)."""
+        for _, s, _, n in self.stream.parts(a, b, by):
+            yield s, 0, n
 
     def span(self, fa: float, fb: float) -> tuple[int, int]:
         """The real bytes of the planned fraction range [fa, fb) of the stream."""
         self.seal()
-        a = int(round(fa * self.size))
-        b = self.size if fb >= 1.0 - 1e-12 else int(round(fb * self.size))
-        return a, b
+        return self.stream.span(fa, fb)
 
     # -- out
     def send(self, a: int, b: int) -> None:
@@ -263,26 +281,32 @@ class Group:
             return
         if self.tier == "nvme":
             c.add("nvme", sum(hi - lo for _, lo, hi in parts))
-        if not m.cuda:
+        if not m.staged:
             self.futures.append(m.nvme_store().submit(self._write_direct, parts))
             return
-        m.d2h.wait_stream(torch.cuda.current_stream(m.device))
-        staged = []
-        with torch.cuda.stream(m.d2h):
-            for s, lo, hi in parts:
-                if s.host is None:
-                    s.host = torch.empty(s.nbytes, dtype=torch.uint8, pin_memory=True)
-                    c.add("host", s.nbytes)
-                s.host[lo:hi].copy_(as_bytes(s.src)[lo:hi], non_blocking=True)
-                c.moved_add("d2h", hi - lo)
-                s.sent += hi - lo
-                if s.sent >= s.nbytes:
-                    s.src.record_stream(m.d2h)   # freed once the copy has run, not before
-                    s.src = None
-                    c.add("act", -s.nbytes)
-                staged.append((s, lo, hi))
-            ev = torch.cuda.Event()
-            ev.record(m.d2h)
+        be = m.be
+        produced = be.event()                # the compute stream has written what is sent
+        be.record(produced, None)
+        be.wait(m.d2h, produced)
+        staged, gone = [], []
+        for s, lo, hi in parts:
+            if s.host is None:
+                s.host = be.pinned(s.nbytes)
+                c.add("host", s.nbytes)
+            be.copy(s.host[lo:hi], as_bytes(s.src)[lo:hi], m.d2h)
+            c.moved_add("d2h", hi - lo)
+            s.sent += hi - lo
+            if s.sent >= s.nbytes:
+                gone.append(s.src)
+                s.src = None
+                c.add("act", -s.nbytes)
+            staged.append((s, lo, hi))
+        ev = be.event()
+        be.record(ev, m.d2h)
+        for t in gone:
+            be.keep(t, ev)                   # freed once the copy has run, not before
+        for s, _, _ in staged:
+            s.sent_ev = ev
         if self.tier == "nvme":
             self.futures.append(m.nvme_store().submit(self._write_staged, staged, ev))
 
@@ -292,7 +316,7 @@ class Group:
             src = s.src
             if src is None:
                 continue
-            pwrite_all(self.fd, byte_view(as_bytes(src)[lo:hi]), s.offset + lo, self.sums)
+            self.m.be.write(self.fd, s.offset + lo, byte_view(as_bytes(src)[lo:hi]), self.sums)
             c.moved_add("nvme_write", hi - lo)
             s.sent += hi - lo
             if s.sent >= s.nbytes:
@@ -300,15 +324,17 @@ class Group:
                 c.add("act", -s.nbytes)
 
     def _write_staged(self, parts, ev):
-        ev.synchronize()
+        be = self.m.be
+        be.host_wait(ev)
         c = self.m.counters
         for s, lo, hi in parts:
-            pwrite_all(self.fd, byte_view(s.host[lo:hi]), s.offset + lo, self.sums)
+            be.write(self.fd, s.offset + lo, byte_view(s.host[lo:hi]), self.sums)
             c.moved_add("nvme_write", hi - lo)
             s.disk += hi - lo
             if s.disk >= s.nbytes:
                 c.add("host", -s.nbytes)
-                s.host = None           # every staged byte is on disk
+                host, s.host = s.host, None   # every staged byte is on disk
+                be.unpin(host)
 
     # -- back
     def fetch(self, a: int, b: int) -> None:
@@ -318,53 +344,58 @@ class Group:
         parts = [(s, lo, hi) for s, lo, hi in self._parts(a, b, "end") if s.src is None]
         if not parts:
             return
-        if not m.cuda or self.tier == "nvme":
+        if m.staged:
+            for s, _, _ in parts:             # on the training thread, for the compute stream
+                self._alloc_out(s)
+        if not m.staged or self.tier == "nvme":
             self.futures.append(m.nvme_store().submit(self._read, parts))
             return
         self._h2d(parts)
 
     def _alloc_out(self, s: Slot):
         if s.out is None:
-            if self.m.cuda:
-                with torch.cuda.stream(self.m.h2d):
-                    s.out = torch.empty(s.nbytes, dtype=torch.uint8, device=self.m.device)
-            else:
-                s.out = torch.empty(s.nbytes, dtype=torch.uint8)
+            be = self.m.be
+            s.out = be.empty(s.nbytes) if self.m.staged else torch.empty(s.nbytes,
+                                                                        dtype=torch.uint8)
             self.m.counters.add("act", s.nbytes)
+            if self.m.staged:
+                s.alloc_ev = be.event()      # the copy into it waits for this
+                be.record(s.alloc_ev, None)
 
     def _h2d(self, parts):
-        m, c = self.m, self.m.counters
-        m.h2d.wait_stream(m.d2h)             # the host copy it reads must have landed
-        with torch.cuda.stream(m.h2d):
-            for s, lo, hi in parts:
-                self._alloc_out(s)
-                s.out[lo:hi].copy_(s.host[lo:hi], non_blocking=True)
-                s.got += hi - lo
-                c.moved_add("h2d", hi - lo)
-                s.ready = torch.cuda.Event()
-                s.ready.record(m.h2d)
+        m, c, be = self.m, self.m.counters, self.m.be
+        for s, lo, hi in parts:
+            if s.alloc_ev is not None:
+                be.wait(m.h2d, s.alloc_ev)
+            if self.tier == "cpu" and s.sent_ev is not None:
+                be.wait(m.h2d, s.sent_ev)    # the host copy it reads must have landed
+            be.copy(s.out[lo:hi], s.host[lo:hi], m.h2d)
+            s.got += hi - lo
+            c.moved_add("h2d", hi - lo)
+            s.ready = be.event()
+            be.record(s.ready, m.h2d)
 
     def _read(self, parts):
-        c = self.m.counters
+        c, be, staged = self.m.counters, self.m.be, self.m.staged
         for s, lo, hi in parts:
-            if self.m.cuda:
+            if staged:
                 if s.host is None:
-                    s.host = torch.empty(s.nbytes, dtype=torch.uint8, pin_memory=True)
+                    s.host = be.pinned(s.nbytes)
                     c.add("host", s.nbytes)
-                pread_all(self.fd, byte_view(s.host[lo:hi]), s.offset + lo, self.sums)
+                be.read(self.fd, s.offset + lo, byte_view(s.host[lo:hi]), self.sums)
             else:
                 self._alloc_out(s)
-                pread_all(self.fd, byte_view(s.out[lo:hi]), s.offset + lo, self.sums)
+                be.read(self.fd, s.offset + lo, byte_view(s.out[lo:hi]), self.sums)
                 s.got += hi - lo
             s.read += hi - lo
             if s.read >= s.nbytes and self.sums is not None:
                 # the whole tensor is back: its bytes must be those written (raises otherwise,
                 # before the tensor reaches autograd: get() waits for this job)
-                self.sums.verify(s.offset, byte_view(s.host if self.m.cuda else s.out), self.fd)
+                self.sums.verify(s.offset, byte_view(s.host if staged else s.out), self.fd)
             c.moved_add("nvme_read", hi - lo)
             if self.tier == "nvme":
                 c.add("nvme", -(hi - lo))
-        if self.m.cuda:
+        if staged:
             self._h2d(parts)
 
     def wait(self) -> None:
@@ -395,16 +426,19 @@ class Group:
             return v.over(s.src, s.lo)
         if s.got < s.nbytes:
             missing = [(s, 0, s.nbytes)] if s.out is None else [(s, s.got, s.nbytes)]
-            if self.m.cuda and self.tier == "cpu":
+            if self.m.staged:
+                self._alloc_out(s)
+            if self.m.staged and self.tier == "cpu":
                 self._h2d(missing)
             else:
                 self._read_sync(missing)
         self.m.counters.stalled(time.perf_counter() - t0)
         out = s.out
-        if self.m.cuda:
-            cur = torch.cuda.current_stream(self.m.device)
-            cur.wait_event(s.ready)
-            out.record_stream(cur)
+        if self.m.staged:
+            # out was allocated for the compute stream: once it waited for the copy's event,
+            # the allocator's stream is the one that reads and frees it (no record_stream)
+            self.m.be.wait(None, s.ready)
+            out = self.m.be.use(out)
         return v.over(out, s.lo)
 
     def _read_sync(self, parts):
@@ -441,7 +475,8 @@ class Group:
         for s in self.slots:
             if s.host is not None:
                 self.m.counters.add("host", -s.nbytes)
-                s.host = None
+                host, s.host = s.host, None
+                self.m.be.unpin(host, s.ready)   # after the last copy out of it
 
     def abandon(self) -> None:
         """The pass that owned this group is gone (its graph was freed, with or without a
@@ -468,6 +503,8 @@ class Group:
                 s.base = None
                 c.add("act", -s.nbytes)
             if s.out is not None:
+                if s.ready is not None:
+                    self.m.be.keep(s.out, s.ready)   # a copy into it may still be queued
                 s.out = None
                 c.add("act", -s.nbytes)
             if s.src is not None:

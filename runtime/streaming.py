@@ -33,8 +33,9 @@ from planner.costmodel import ACC_CHUNK_BYTES, STEP_PIECE_ALIGN, STEP_PIECE_BYTE
 from planner.errors import UserError
 from planner.formats import Tier
 
-from .files import NvmeStore, Sums, byte_view, pread_all, pwrite_all
+from .files import NvmeStore, Sums, byte_view
 from .offload import Counters, as_bytes
+from .transfer import ByteStream, backend_for
 
 ZERO, HOME = "zero", "home"      # a gradient at home: zeroed in place, or the accumulation
 
@@ -123,27 +124,18 @@ def _own_storage(p: torch.nn.Parameter) -> None:
         p.data = p.data.clone(memory_format=torch.contiguous_format)
 
 
-class _Flat:
-    """A unit's tensors as one byte stream: (tensor, offset, nbytes) in a fixed order."""
+class _Flat(ByteStream):
+    """A unit's tensors as one byte stream (``transfer.ByteStream``, one piece per tensor:
+    ``items`` are (tensor, offset, nbytes) in a fixed order)."""
 
     def __init__(self, tensors):
-        self.items = []
-        off = 0
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            self.items.append((t, off, n))
-            off += n
-        self.size = off
+        super().__init__(tensors, lambda t: t.numel() * t.element_size())
 
     def parts(self, a: int, b: int, by: str):
-        """(index, tensor, 0, nbytes, offset) of the whole tensors a planned share [a, b) of
-        the stream moves: a tensor goes with the share its first byte falls in (``by="start"``:
-        sends, which free it) or its last byte (``by="end"``: fetches, which allocate it). The
-        shares tile the stream, so each tensor moves once, and the runtime never holds more
-        than the plan's fractional count (it frees no later and allocates no earlier)."""
-        for k, (t, off, n) in enumerate(self.items):
-            if n and (a <= off < b if by == "start" else a < off + n <= b):
-                yield k, t, 0, n, off
+        """(index, tensor, 0, nbytes, offset) of the whole tensors the share [a, b) moves
+        (``ByteStream.parts``)."""
+        for k, t, off, n in super().parts(a, b, by):
+            yield k, t, 0, n, off
 
 
 def _covers(ranges, n: int) -> bool:
@@ -166,6 +158,7 @@ class UnitStatic:
         self.home = home
         self.device = device
         self.store_of = store_of             # () -> NvmeStore
+        self.be = backend_for(device)        # file ranges go through the transfer engine
         self.c = counters
         self.weights_out = home.weights is not Tier.GPU
         self.grads_out = home.grads is not Tier.GPU
@@ -202,6 +195,12 @@ class UnitStatic:
         self.flat = _Flat([p for _, p in params])
 
     # -- weights ----------------------------------------------------------------------------
+    def _pread(self, fd: int, mv, off: int, sums) -> None:
+        self.be.read(fd, off, mv, sums)
+
+    def _pwrite(self, fd: int, mv, off: int, sums) -> None:
+        self.be.write(fd, off, mv, sums)
+
     def setup(self, source=None) -> None:
         """Write the current weights to their home and free them on the device. With
         ``source`` (index, parameter: fills the parameter, e.g. from a checkpoint) each
@@ -219,7 +218,7 @@ class UnitStatic:
                 with torch.no_grad():
                     p.untyped_storage().resize_(n)
                     source(k, p)
-                store.submit(pwrite_all, self.w_fd, byte_view(as_bytes(p.detach())), off,
+                store.submit(self._pwrite, self.w_fd, byte_view(as_bytes(p.detach())), off,
                              self.w_sums).result()
                 p.untyped_storage().resize_(0)
         self.c.add("nvme", self.flat.size)
@@ -227,7 +226,7 @@ class UnitStatic:
 
     def _write_all_weights(self):
         for t, off, n in self.flat.items:
-            pwrite_all(self.w_fd, byte_view(as_bytes(t.detach())), off, self.w_sums)
+            self._pwrite(self.w_fd, byte_view(as_bytes(t.detach())), off, self.w_sums)
             self.c.moved_add("nvme_write", n)
 
     def _free_weights(self):
@@ -239,8 +238,7 @@ class UnitStatic:
         """Bring the planned share [fa, fb) of the weights back (an I/O job)."""
         if not self.weights_out:
             return
-        a = int(round(fa * self.flat.size))
-        b = self.flat.size if fb >= 1 - 1e-12 else int(round(fb * self.flat.size))
+        a, b = self.flat.span(fa, fb)
         parts = list(self.flat.parts(a, b, by="end"))
         for k, t, lo, hi, off in parts:      # allocate on the training thread, fill on the I/O one
             if t.untyped_storage().nbytes() == 0:
@@ -250,7 +248,7 @@ class UnitStatic:
     def _read_weights(self, parts):
         for k, t, lo, hi, off in parts:
             mv = byte_view(as_bytes(t.detach())[lo:hi])
-            pread_all(self.w_fd, mv, off + lo, self.w_sums)
+            self._pread(self.w_fd, mv, off + lo, self.w_sums)
             self.c.moved_add("nvme_read", hi - lo)
             # verified before it counts as present: a corrupted home is reported every time
             # it is read, never trusted by a later use, state dict or ``remove``
@@ -391,8 +389,7 @@ class UnitStatic:
             self.g_fd, self.g_path = self.store_of().open(f"g-{self.name}")
             self.g_sums = Sums(self.g_path, f"g-{self.name}")
             self.c.add("nvme", size)
-        a = int(round(fa * size))
-        b = size if fb >= 1 - 1e-12 else int(round(fb * size))
+        a, b = self.flat.span(fa, fb)
         last = fb >= 1 - 1e-12
         self.futures.append(self.store_of().submit(self._accumulate, a, b, last))
 
@@ -414,7 +411,7 @@ class UnitStatic:
                     # same bits as PyTorch's acc + new (the accumulator scaled first, as a
                     # clip between passes scaled .grad in place)
                     old = torch.empty(c1 - c0, dtype=torch.uint8)
-                    pread_all(self.g_fd, byte_view(old), off + c0, self.g_sums)
+                    self._pread(self.g_fd, byte_view(old), off + c0, self.g_sums)
                     self.g_sums.verify(off + c0, byte_view(old), self.g_fd)
                     self.c.moved_add("nvme_read", c1 - c0)
                     acc = old.view(g.dtype)
@@ -422,7 +419,7 @@ class UnitStatic:
                         acc.mul_(f)
                     part.view(g.dtype).add_(acc)
                     del old, acc
-                pwrite_all(self.g_fd, byte_view(part), off + c0, self.g_sums)
+                self._pwrite(self.g_fd, byte_view(part), off + c0, self.g_sums)
                 self.c.moved_add("nvme_write", c1 - c0)
             # the tensor's accumulated gradient is complete: its norm, as clipping takes it
             self.grad_norms[k] = torch.linalg.vector_norm(g, 2.0)
@@ -448,7 +445,7 @@ class UnitStatic:
                 out[k] = torch.zeros(p.shape, dtype=p.dtype, device=self.device)
                 continue
             g = torch.empty(p.shape, dtype=p.dtype, device=self.device)
-            pread_all(self.g_fd, byte_view(as_bytes(g)), off, self.g_sums)
+            self._pread(self.g_fd, byte_view(as_bytes(g)), off, self.g_sums)
             self.g_sums.verify(off, byte_view(as_bytes(g)), self.g_fd)
             self.c.moved_add("nvme_read", n)
             for f in self.grad_scales.get(k, ()):
@@ -503,7 +500,7 @@ class UnitStatic:
             n = v.numel() * v.element_size()
             off = self.s_off[(k, key)][0]
             v.untyped_storage().resize_(n)
-            pread_all(self.s_fd, byte_view(as_bytes(v)), off, self.s_sums)
+            self._pread(self.s_fd, byte_view(as_bytes(v)), off, self.s_sums)
             self.s_sums.verify(off, byte_view(as_bytes(v)), self.s_fd)
             self.c.moved_add("nvme_read", n)
 
@@ -631,7 +628,7 @@ class UnitStatic:
 
     def _read_slices(self, reads):
         for off, t in reads:
-            pread_all(self.s_fd, byte_view(as_bytes(t)), off, self.s_sums)
+            self._pread(self.s_fd, byte_view(as_bytes(t)), off, self.s_sums)
             self.s_sums.verify(off, byte_view(as_bytes(t)), self.s_fd)
             self.c.moved_add("nvme_read", t.numel() * t.element_size())
 
@@ -643,7 +640,7 @@ class UnitStatic:
             mv = byte_view(as_bytes(t))
             step = STEP_PIECE_ALIGN * t.element_size()
             for a in range(0, len(mv), step):
-                pwrite_all(self.s_fd, mv[a:a + step], off + a, self.s_sums)
+                self._pwrite(self.s_fd, mv[a:a + step], off + a, self.s_sums)
             self.c.moved_add("nvme_write", len(mv))
 
     # -- reading and loading values ------------------------------------------------------------
@@ -665,7 +662,7 @@ class UnitStatic:
 
     def _read_weights_into(self, out: torch.Tensor, off: int) -> None:
         mv = byte_view(as_bytes(out))
-        pread_all(self.w_fd, mv, off, self.w_sums)
+        self._pread(self.w_fd, mv, off, self.w_sums)
         self.w_sums.verify(off, mv, self.w_fd)
         self.c.moved_add("nvme_read", len(mv))
 
@@ -685,7 +682,7 @@ class UnitStatic:
         if not self.weights_out:
             return
         t, off, _ = self.flat.items[k]
-        self.store_of().submit(pwrite_all, self.w_fd, byte_view(as_bytes(t.detach())), off,
+        self.store_of().submit(self._pwrite, self.w_fd, byte_view(as_bytes(t.detach())), off,
                                self.w_sums).result()
         self.c.moved_add("nvme_write", self.flat.items[k][2])
         if opened:
