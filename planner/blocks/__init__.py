@@ -28,10 +28,10 @@ is importable without it.
 """
 from __future__ import annotations
 
-from planner.blocks.calls import (StateSnapshot, hidden_location, hidden_of, output_items,
+from planner.formats.calls import (StateSnapshot, hidden_location, hidden_of, output_items,
                                   same_tensor, state_tensor_bytes)
 from planner.blocks.detect import BlockSet, detect_blocks, find_blocks
-from planner.blocks.identity import (check_param_table, dtype_name, identity_hash, input_table,
+from planner.formats.identity import (check_param_table, dtype_name, identity_hash, input_table,
                                      param_table, structure_hash)
 from planner.blocks.metaops import meta_scalar, run_op
 from planner.blocks.trace import Call, trace_calls

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from planner.errors import UserError
 from planner.formats.decisions import LayerDecision
 from planner.formats.enums import ENGINES, PLAN_SCHEMA, PLAN_SCHEMA_V1
+from planner.formats.executor import Executor
 from planner.formats.events import Event, Op, Passes, Stream, TensorClass
 from planner.formats.fileio import read_json
 from planner.formats.profile import UnitRecord, check_model_section, check_units
@@ -130,6 +131,7 @@ class Plan:
     engine: str = "none"
     optimizer_s: float = 0.0
     optimizer_workspace_bytes: int = 0
+    executor: Executor | None = None    # what the runtime needs from the planner (executor.py)
     schema: str = PLAN_SCHEMA
 
     @property
@@ -155,6 +157,10 @@ class Plan:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for k in ("budgets", "solver", "predicted"):
             d[k] = d[k].to_dict()
+        if self.executor is None:
+            del d["executor"]                # a plan from before the section: written as read
+        else:
+            d["executor"] = self.executor.to_dict()
         d["units"] = [u.to_dict() for u in self.units]
         d["layers"] = [x.to_dict() for x in self.layers]
         d["schedule"] = {s: [e.to_dict() for e in evs] for s, evs in self.schedule.items()}
@@ -166,8 +172,9 @@ class Plan:
         it (``planner.plans.load``, which upgrades it first)."""
         if d.get("schema") == PLAN_SCHEMA_V1:
             raise UserError(f"plan '{source}' has schema {PLAN_SCHEMA_V1!r}, which must be "
-                            "upgraded before it is read; load it with planner.plans.load_plan "
-                            "(plan simulate, inspect and diff and apply_plan do)")
+                            "upgraded before it is read: 'plan upgrade PLAN -o NEW' writes it "
+                            "as today's (planner.plans.load_plan reads it; plan simulate, "
+                            "inspect and diff do)")
         check_schema(d, PLAN_SCHEMA, "plan", source)
         fix = FIX["plan"]
         where = f"plan '{source}'"
@@ -198,14 +205,16 @@ class Plan:
             plan, units=units, layers=layers, schedule=schedule,
             budgets=Budgets.from_dict(d["budgets"], where, fix),
             solver=SolverRecord.from_dict(d["solver"], where, fix),
-            predicted=Prediction.from_dict(d["predicted"], where, fix))
+            predicted=Prediction.from_dict(d["predicted"], where, fix),
+            executor=(None if d.get("executor") is None
+                      else Executor.from_dict(d["executor"], where, fix)))
 
 
 _PLAN_FIELDS = {"profile": "dict", "model": "dict", "hardware": "dict", "budgets": "dict",
                 "policy": "name", "solver": "dict", "predicted": "dict", "units": "list",
                 "layers": "list", "schedule": "dict", "nvme_dir": "path?", "optimizer_s": "seconds",
                 "optimizer_workspace_bytes": "bytes", "micro_batches": "count",
-                "optimizer_depth": "count",
+                "optimizer_depth": "count", "executor": "dict?",
                 "world_size": "count", "ranks_per_node": "count", "engine": "str"}
 
 

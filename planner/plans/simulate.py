@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from planner.blocks import check_param_table
+from planner.formats.identity import check_param_table
 from planner.costmodel import RESOURCES, TIERS, CostModel, View, decision_choice, evaluate
 from planner.errors import NoFitError, UserError
 from planner.formats.events import Op, Stream
