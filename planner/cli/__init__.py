@@ -13,7 +13,7 @@ Modules here: ``inspect`` (``plan inspect``), ``diff`` (``plan diff``), ``plot``
 budget axis), ``__main__`` (``python -m planner.cli``). The other
 verbs run in their stage's package: ``planner.profile`` (profile), ``planner.profile.calibrate``
 (calibrate), ``planner.solve`` (solve),
-``planner.plans.simulate`` (simulate), ``planner.plans.load`` (upgrade) and ``planner.hardware.measure`` (hardware).
+``planner.plans.simulate`` (simulate, upgrade) and ``planner.hardware.measure`` (hardware).
 """
 from __future__ import annotations
 
@@ -214,7 +214,7 @@ def _dispatch(args) -> int:
     elif args.verb == "simulate":
         from planner.plans.simulate import cli_simulate as run
     elif args.verb == "upgrade":
-        from planner.plans.load import cli_upgrade as run
+        from planner.plans.simulate import cli_upgrade as run
     elif args.verb == "inspect":
         from planner.cli.inspect import cli_inspect as run
     elif args.verb == "diff":

@@ -14,8 +14,8 @@ import dataclasses
 from pathlib import Path
 
 from planner.costmodel import CostModel
-from planner.formats import (PLAN_SCHEMA, Budgets, Executor, HardwareSpec, Plan, Prediction,
-                             Profile, SolverRecord, sha256_file, write_json_atomic)
+from planner.formats import (PLAN_SCHEMA, Budgets, HardwareSpec, Plan, Prediction, Profile,
+                             SolverRecord, sha256_file, write_json_atomic)
 from planner.costmodel.schedule import build_schedule
 
 
@@ -59,7 +59,7 @@ def plan_and_sim(profile: Profile, profile_path: str | None, hw: HardwareSpec, b
                  solver: SolverRecord | None = None, nvme_dir: str | None = None,
                  micro_batches: int = 1, cm: CostModel | None = None) -> tuple[Plan, object]:
     """``make_plan`` and the simulation that filled its prediction: ``(plan, SimResult)``."""
-    from planner.plans.simulate import simulate   # the judge; imported here to keep the import graph flat
+    from planner.plans.simulate import executor_of, simulate   # the judge; imported here to keep the import graph flat
 
     policy = getattr(policy, "value", policy)
     budgets = as_budgets(budgets)
@@ -83,25 +83,6 @@ def plan_and_sim(profile: Profile, profile_path: str | None, hw: HardwareSpec, b
                            peak_nvme_bytes=r.peak_nvme_bytes, pass_s=r.pass_s,
                            optimizer_s=r.optimizer_s, flops=r.flops)
     return dataclasses.replace(plan, predicted=predicted, executor=executor_of(cm, plan, r)), r
-
-
-def executor_of(cm: CostModel, plan: Plan, sim) -> Executor:
-    """The plan's ``executor`` section: what the runtime acts on that the cost model computes
-    (``sim``: the plan's simulation, for the staging pool it prices)."""
-    static = sum(cm.resident(i, d.home)["gpu"] - (cm.G[i] if d.home.grads.value == "gpu" else 0)
-                 for i, d in enumerate(plan.layers)) + cm.engine_static
-    return Executor(grads_from_backward=bool(cm.grads_from_backward()),
-                    static_device_bytes=int(static), staging_bytes=int(sim.staging_bytes))
-
-
-def with_executor(plan: Plan) -> Plan:
-    """``plan`` with its ``executor`` section, computed from its own cost model when it has none
-    (a plan written before the section; ``plan upgrade`` writes it)."""
-    if plan.executor is not None:
-        return plan
-    from planner.plans.simulate import cost_model_of, simulate
-    return dataclasses.replace(plan, executor=executor_of(cost_model_of(plan), plan,
-                                                          simulate(plan)))
 
 
 def baseline_plan(profile: Profile, profile_path: str | None, hw: HardwareSpec, budgets,

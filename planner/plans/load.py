@@ -1,10 +1,11 @@
 """Reading plans of any schema this version knows: ``tierplan.plan/2`` through
 ``planner.formats``, ``tierplan.plan/1`` upgraded first (``planner.plans.upgrade``, which
-rebuilds its schedule with the cost model), and ``load_any`` for a plan or a profile; ``plan upgrade`` (``cli_upgrade``) writes an older
-plan as today's, with the ``executor`` section the runtime reads.
+rebuilds its schedule with the cost model), and ``load_any`` for a plan or a profile.
 
-Everything that may be handed an old plan reads it here: the verbs ``simulate``, ``inspect``
-and ``diff``, and ``runtime.apply_plan``. The upgrade lives above the cost model so that the
+Everything in the planner that may be handed an old plan reads it here: the verbs
+``simulate``, ``upgrade`` (which writes it as today's, with the ``executor`` section the
+runtime reads), ``inspect`` and ``diff``. ``runtime.apply_plan`` reads the current schema only
+(``planner.formats``) and refuses an older plan naming ``plan upgrade``. The upgrade lives above the cost model so that the
 formats layer imports nothing of the planner above it.
 """
 from __future__ import annotations
@@ -36,16 +37,3 @@ def load_any(path) -> Profile | Plan:
     raise UserError(f"'{path}' has schema {d.get('schema')!r}; give a plan ('plan solve') or a "
                     "profile ('plan profile')")
 
-
-def cli_upgrade(args) -> int:
-    """``plan upgrade PLAN -o NEW``: a plan of any schema this version reads, checked by the
-    simulator (``check_plan``) and written as today's with its ``executor`` section (what
-    ``apply_plan`` reads instead of the cost model)."""
-    from planner.plans import save_plan, with_executor
-    from planner.plans.simulate import check_plan
-    plan = load_plan(args.plan)
-    check_plan(plan, args.plan)
-    had = plan.executor is not None
-    save_plan(with_executor(plan), args.output)
-    print(f"wrote {args.output} ({PLAN_SCHEMA}; executor section {'kept' if had else 'added'})")
-    return 0
