@@ -29,6 +29,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
 
 from planner.formats.events import Op, Stream, TensorClass
 from planner.formats import Activation, Executor, Plan, Tier, UnitKind, UserError, load_plan
+from planner.formats.plan import check_homes
 from planner.formats.report import LINKS, Report, StepRecord
 
 from . import calls, engines
@@ -999,11 +1000,14 @@ def _executor(plan: Plan, src: str) -> Executor:
     computed (it reads nothing else of the planner). A plan written before the section is
     refused in one line: ``plan upgrade`` writes it (from the plan's own cost model, after the
     simulator's check). The plan's consistency (its events are those its decisions imply) was
-    checked by the simulator when it was written; here the format's own checks ran."""
+    checked by the simulator when it was written; here the format's own checks ran and
+    ``check_homes`` checks what can be checked without the cost model (homes against the
+    schedule's transfers, tied units on the device)."""
     if plan.executor is None:
         raise PlanMismatchError(f"{src} has no executor section (written before this version); "
                                 "write it with 'plan upgrade PLAN -o NEW', or solve again")
     try:
+        check_homes(plan, src)
         plan.executor.check_pieces(src)
     except UserError as e:
         raise PlanMismatchError(str(e)) from None

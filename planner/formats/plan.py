@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from planner.errors import UserError
 from planner.formats.decisions import LayerDecision
-from planner.formats.enums import ENGINES, PLAN_SCHEMA, PLAN_SCHEMA_V1
+from planner.formats.enums import ENGINES, PLAN_SCHEMA, PLAN_SCHEMA_V1, Tier
 from planner.formats.executor import Executor
 from planner.formats.events import Event, Op, Passes, Stream, TensorClass
 from planner.formats.fileio import read_json
@@ -267,3 +267,44 @@ def load_plan(path) -> Plan:
     """The plan at ``path``, of the current schema (``planner.plans.load_plan`` also reads
     ``/1`` plans)."""
     return Plan.from_dict(read_json(path, "plan"), str(path))
+
+
+_HOME_CLASSES = (("weights", TensorClass.WEIGHT), ("grads", TensorClass.GRAD),
+                 ("optimizer", TensorClass.STATE))
+
+
+def check_homes(plan: Plan, where: str = "the plan") -> None:
+    """What the runtime can check of a plan's consistency without the cost model (the
+    simulator's ``check_plan`` checks all of it when a plan is written, simulated or upgraded):
+    a unit's weights, gradients or optimizer state are moved by the schedule only when they
+    live off the device; weights or gradients at home on NVMe (or weights and gradients on the
+    host) have their transfers; a unit whose parameters another unit uses (``tied_to``, or
+    ``outside_params``) keeps its weights and gradients on the device. Transfers of a sharded
+    engine's collectives (the ``net`` stream) are the engine's and not counted. One
+    ``UserError`` line naming the unit, the class and the fix."""
+    fix = FIX["plan"]
+    moved: dict = {}
+    for s, evs in plan.schedule.items():
+        if s == Stream.NET.value:
+            continue
+        for e in evs:
+            if e.is_transfer:
+                for u in e.units:
+                    moved.setdefault((u, e.cls), e.id)
+    for u, d in zip(plan.units, plan.layers):
+        for attr, cls in _HOME_CLASSES:
+            tier = getattr(d.home, attr)
+            ev = moved.get((u.name, cls))
+            if tier is Tier.GPU and ev is not None:
+                raise UserError(f"{where}: unit {u.name} keeps its {attr} on the device but "
+                                f"event {ev!r} moves them: its schedule does not match its "
+                                f"layers; {fix}")
+            needs = tier is Tier.NVME or (tier is Tier.CPU and attr != "optimizer")
+            if needs and ev is None:
+                raise UserError(f"{where}: unit {u.name} keeps its {attr} on {tier.value} but no "
+                                f"event moves them: its schedule does not match its layers; {fix}")
+        if (u.tied_to or u.outside_params) and (d.home.weights is not Tier.GPU
+                                                or d.home.grads is not Tier.GPU):
+            raise UserError(f"{where}: home {d.home.label()} is not possible here for unit "
+                            f"{u.name}, whose parameters another unit uses (tied or used "
+                            f"outside it): it keeps its weights and gradients on the device; {fix}")
