@@ -277,7 +277,7 @@ def check_homes(plan: Plan, where: str = "the plan") -> None:
     """What the runtime can check of a plan's consistency without the cost model (the
     simulator's ``check_plan`` checks all of it when a plan is written, simulated or upgraded):
     a unit's weights, gradients or optimizer state are moved by the schedule only when they
-    live off the device; weights or gradients at home on NVMe (or weights and gradients on the
+    live off the device (or, weights and gradients, when its step runs on the host); weights or gradients at home on NVMe (or weights and gradients on the
     host) have their transfers; a unit whose parameters another unit uses (``tied_to``, or
     ``outside_params``) keeps its weights and gradients on the device. Transfers of a sharded
     engine's collectives (the ``net`` stream) are the engine's and not counted. One
@@ -295,7 +295,9 @@ def check_homes(plan: Plan, where: str = "the plan") -> None:
         for attr, cls in _HOME_CLASSES:
             tier = getattr(d.home, attr)
             ev = moved.get((u.name, cls))
-            if tier is Tier.GPU and ev is not None:
+            # a step on the host reads the gradients and uploads the weights it updated
+            host_step = d.home.step is Tier.CPU and attr != "optimizer"
+            if tier is Tier.GPU and ev is not None and not host_step:
                 raise UserError(f"{where}: unit {u.name} keeps its {attr} on the device but "
                                 f"event {ev!r} moves them: its schedule does not match its "
                                 f"layers; {fix}")

@@ -17,6 +17,7 @@ from planner.costmodel import CostModel
 from planner.formats import (PLAN_SCHEMA, Budgets, HardwareSpec, Plan, Prediction, Profile,
                              SolverRecord, sha256_file, write_json_atomic)
 from planner.costmodel.schedule import build_schedule
+from planner.formats.plan import check_homes
 
 
 def cost_model(profile: Profile, hw: HardwareSpec, budgets, micro_batches: int = 1,
@@ -78,6 +79,8 @@ def plan_and_sim(profile: Profile, profile_path: str | None, hw: HardwareSpec, b
         optimizer_s=float(profile.optimizer_s),
         optimizer_workspace_bytes=int(profile.optimizer_workspace_bytes))
     r = simulate(plan)
+    # the runtime's own check (no cost model there) must accept every plan the planner makes
+    check_homes(plan, "a plan being made")
     predicted = Prediction(step_s=r.step_s, compute_s=r.compute_s,
                            peak_gpu_bytes=r.peak_gpu_bytes, peak_cpu_bytes=r.peak_cpu_bytes,
                            peak_nvme_bytes=r.peak_nvme_bytes, pass_s=r.pass_s,
