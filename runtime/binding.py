@@ -107,8 +107,8 @@ def _bind_named(model, m, src, want, units):
 
 
 def _check_table(m, src, units):
-    """The parameter table's own rules (``planner.formats.identity.check_param_table``: each parameter
-    in one unit, once), as a ``PlanMismatchError``."""
+    """The parameter table's own rules (``planner.formats.identity.check_param_table``: each
+    parameter in one unit, once), as a ``PlanMismatchError``."""
     try:
         check_param_table(m.get("params"), units, src)
     except UserError as e:

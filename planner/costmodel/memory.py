@@ -13,7 +13,8 @@ from planner.formats import Home, Tier
 
 # The piece sizes the plan's shares and transients refer to (the runtime steps and accumulates
 # in them) are part of the plan's meaning: planner/formats/executor.py defines them.
-from planner.formats.executor import ACC_CHUNK_BYTES, STEP_PIECE_ALIGN, STEP_PIECE_BYTES  # noqa: E402,F401
+from planner.formats.executor import (ACC_CHUNK_BYTES, STEP_PIECE_ALIGN,  # noqa: E402,F401
+                                      STEP_PIECE_BYTES)
 
 
 

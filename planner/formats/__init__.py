@@ -27,8 +27,9 @@ Modules, by job:
   (where a block's hidden state is, ``StateSnapshot``); torch imported lazily.
 
 This package is the lowest layer: it imports neither torch (``identity`` and ``calls`` only
-inside functions) nor pulp, and it is all of the planner the runtime imports (it reads plans
-through it; ``UserError`` is re-exported for it) and nothing of the planner above it. A ``tierplan.plan/1`` plan is upgraded by
+inside functions) nor pulp, nor anything of the planner above it, and it is all of the planner
+the runtime imports (it reads plans through it; ``UserError`` is re-exported for it). A
+``tierplan.plan/1`` plan is upgraded by
 ``planner.plans.load``, which sits above the cost model that rebuilds its schedule.
 
 This ``__init__`` re-exports the names other packages import.

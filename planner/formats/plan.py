@@ -277,8 +277,9 @@ def check_homes(plan: Plan, where: str = "the plan") -> None:
     """What the runtime can check of a plan's consistency without the cost model (the
     simulator's ``check_plan`` checks all of it when a plan is written, simulated or upgraded):
     a unit's weights, gradients or optimizer state are moved by the schedule only when they
-    live off the device (or, weights and gradients, when its step runs on the host); weights or gradients at home on NVMe (or weights and gradients on the
-    host) have their transfers; a unit whose parameters another unit uses (``tied_to``, or
+    live off the device (or, weights and gradients, when its step runs on the host); weights,
+    gradients or optimizer state at home on NVMe (weights and gradients on the host) have their
+    transfers; a unit whose parameters another unit uses (``tied_to``, or
     ``outside_params``) keeps its weights and gradients on the device. Transfers of a sharded
     engine's collectives (the ``net`` stream) are the engine's and not counted. One
     ``UserError`` line naming the unit, the class and the fix."""

@@ -60,7 +60,8 @@ def plan_and_sim(profile: Profile, profile_path: str | None, hw: HardwareSpec, b
                  solver: SolverRecord | None = None, nvme_dir: str | None = None,
                  micro_batches: int = 1, cm: CostModel | None = None) -> tuple[Plan, object]:
     """``make_plan`` and the simulation that filled its prediction: ``(plan, SimResult)``."""
-    from planner.plans.simulate import executor_of, simulate   # the judge; imported here to keep the import graph flat
+    # the judge; imported here to keep the import graph flat
+    from planner.plans.simulate import executor_of, simulate
 
     policy = getattr(policy, "value", policy)
     budgets = as_budgets(budgets)

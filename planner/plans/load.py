@@ -5,8 +5,8 @@ rebuilds its schedule with the cost model), and ``load_any`` for a plan or a pro
 Everything in the planner that may be handed an old plan reads it here: the verbs
 ``simulate``, ``upgrade`` (which writes it as today's, with the ``executor`` section the
 runtime reads), ``inspect`` and ``diff``. ``runtime.apply_plan`` reads the current schema only
-(``planner.formats``) and refuses an older plan naming ``plan upgrade``. The upgrade lives above the cost model so that the
-formats layer imports nothing of the planner above it.
+(``planner.formats``) and refuses an older plan naming ``plan upgrade``. The upgrade lives
+above the cost model so that the formats layer imports nothing of the planner above it.
 """
 from __future__ import annotations
 
