@@ -293,6 +293,11 @@ def check_homes(plan: Plan, where: str = "the plan") -> None:
                 for u in e.units:
                     moved.setdefault((u, e.cls), e.id)
     for u, d in zip(plan.units, plan.layers):
+        if (u.tied_to or u.outside_params) and (d.home.weights is not Tier.GPU
+                                                or d.home.grads is not Tier.GPU):
+            raise UserError(f"{where}: unit {u.name}: home {d.home.label()!r} is not possible "
+                            "here (tied weights, and a block's weights used between blocks, "
+                            f"stay on the device); {fix}")
         for attr, cls in _HOME_CLASSES:
             tier = getattr(d.home, attr)
             ev = moved.get((u.name, cls))
@@ -306,8 +311,3 @@ def check_homes(plan: Plan, where: str = "the plan") -> None:
             if needs and ev is None:
                 raise UserError(f"{where}: unit {u.name} keeps its {attr} on {tier.value} but no "
                                 f"event moves them: its schedule does not match its layers; {fix}")
-        if (u.tied_to or u.outside_params) and (d.home.weights is not Tier.GPU
-                                                or d.home.grads is not Tier.GPU):
-            raise UserError(f"{where}: home {d.home.label()} is not possible here for unit "
-                            f"{u.name}, whose parameters another unit uses (tied or used "
-                            f"outside it): it keeps its weights and gradients on the device; {fix}")
