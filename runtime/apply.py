@@ -27,9 +27,9 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
-from planner.errors import UserError
 from planner.formats.events import Op, Stream, TensorClass
-from planner.formats import Activation, Plan, Tier, UnitKind
+from planner.formats import Activation, Executor, Plan, Tier, UnitKind, UserError, load_plan
+from planner.formats.plan import check_homes
 from planner.formats.report import LINKS, Report, StepRecord
 
 from . import calls, engines
@@ -264,7 +264,7 @@ class _SegUnit:
 
 class _Runner:
     def __init__(self, model, plan: Plan, plan_path: str | None, blocks, nvme_dir, trim: bool,
-                 optimizer, cost_model):
+                 optimizer, executor: Executor):
         self.guard = InputGuard(model, plan, plan_path or "the plan")
         self.model = model
         self.plan = plan
@@ -323,14 +323,12 @@ class _Runner:
                                for s, _ in subs}
         self.hwm_ok = True
         self.trim = trim
-        cm = cost_model           # the one apply_plan's consistency check built
-        self.grads_late = cm.grads_from_backward()     # gradients counted from the backward
-        # what is resident on the device before a step: weights and optimizer state at home
-        # there; not the gradients, which zero_grad frees and the backward makes again (they
-        # belong to the step's rise, as the plan counts them)
-        static_pred = sum(cm.resident(i, d.home)["gpu"] - (cm.G[i] if d.home.grads.value == "gpu"
-                                                           else 0)
-                          for i, d in enumerate(plan.layers)) + cm.engine_static
+        # the plan's figures (its executor section): whether it counts gradients from their
+        # unit's backward, and what it holds on the device before a step (weights and
+        # optimizer state at home there; not the gradients, which zero_grad frees and the
+        # backward makes again: they belong to the step's rise, as the plan counts them)
+        self.grads_late = executor.grads_from_backward
+        static_pred = executor.static_device_bytes
         self.report = Report(
             plan_path=plan_path, policy=str(plan.policy), device=self.device.type,
             hardware=str(plan.hardware.get("name")), batch=int(plan.model.get("batch", 0)),
@@ -1010,6 +1008,25 @@ def _install_state_dict_hooks(runner: _Runner) -> list:
     return undo
 
 
+def _executor(plan: Plan, src: str) -> Executor:
+    """The plan's ``executor`` section: what the runtime acts on that the planner's cost model
+    computed (it reads nothing else of the planner). A plan written before the section is
+    refused in one line: ``plan upgrade`` writes it (from the plan's own cost model, after the
+    simulator's check). The plan's consistency (its events are those its decisions imply) was
+    checked by the simulator when it was written; here the format's own checks ran and
+    ``check_homes`` checks what can be checked without the cost model (homes against the
+    schedule's transfers, tied units on the device)."""
+    if plan.executor is None:
+        raise PlanMismatchError(f"{src} has no executor section (written before this version); "
+                                "write it with 'plan upgrade PLAN -o NEW', or solve again")
+    try:
+        check_homes(plan, src)
+        plan.executor.check_pieces(src)
+    except UserError as e:
+        raise PlanMismatchError(str(e)) from None
+    return plan.executor
+
+
 def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
                optimizer: torch.optim.Optimizer | None = None,
                nvme_dir: str | Path | None = None, trim_heap: bool = False,
@@ -1042,19 +1059,15 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
     _refuse_unsupported(model)
     plan_path = None
     if not isinstance(plan, Plan):
-        from planner.plans.load import load_plan   # reads /1 plans too, through the cost model
         plan_path = str(plan)
-        plan = load_plan(plan)
+        plan = load_plan(plan)     # the format's checks; a /1 plan refused, naming 'plan upgrade'
     src = plan_path or "the plan"
     if plan.new_families:
         # priced by the planner, not executed yet (the transfer-engine issue)
         raise UserError(f"{src}: its schedule uses {' and '.join(plan.new_families)}, which "
                         "this runtime does not execute yet; re-solve with --optimizer-overlap "
                         "off (and the default micro-batch order) to train with it")
-    from planner.plans.simulate import check_plan
-    # its events are those its decisions imply, as simulate checks; its cost model serves the
-    # runner's gradient timing and predicted static bytes too
-    cost_model, _ = check_plan(plan, plan_path)
+    executor = _executor(plan, src)
     blocks = bind(model, plan, src)      # runtime/binding.py: exact names, shapes, identity
     engines.check(plan, engine, model, blocks, src)
     table = plan.model.get("params") or {}
@@ -1126,7 +1139,7 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
         except BaseException:
             ck.close()
             raise
-    runner = _Runner(model, plan, plan_path, blocks, nvme, trim_heap, optimizer, cost_model)
+    runner = _Runner(model, plan, plan_path, blocks, nvme, trim_heap, optimizer, executor)
     if nvme_needed:
         # Up front (docs/reliability.md): the directory is made, writable and has room for the
         # plan's NVMe peak, or one line says why; not a raw OSError at the first forward, nor

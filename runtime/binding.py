@@ -10,9 +10,11 @@ vocabulary, width or depth) or when the plan's own fields no longer match its id
 (edited by hand), and warns when only the precision differs. ``InputGuard`` refuses, before any
 block runs, an input larger than the plan's in any dimension of any input.
 
-Plans without ``model.blocks`` (made before exact names were recorded) are bound by the old
-rule (``planner.blocks.find_blocks`` on ``blocks_path``) and guarded on ``batch`` x ``seq``;
-a plan that records no input size at all is refused rather than run unguarded.
+The runtime binds by those names only and never detects blocks: detection traces a forward and
+is the profiler's (``planner.blocks``), and the plan already says which modules its units are.
+A plan without ``model.blocks`` (made before exact names were recorded) is refused, naming the
+fix (profile and solve again); a plan without input shapes is guarded on ``batch`` x ``seq``,
+and one that records no input size at all is refused rather than run unguarded.
 
 Every refusal is a ``PlanMismatchError`` (a ``UserError`` and a ``ValueError``): one line
 naming what differs and what to do.
@@ -24,10 +26,9 @@ import warnings
 
 import torch
 
-from planner.blocks import (check_param_table, dtype_name, find_blocks, identity_hash,
-                            input_table, structure_hash)
-from planner.errors import UserError
-from planner.formats import Plan, Tier, UnitKind
+from planner.formats import Plan, Tier, UnitKind, UserError
+from planner.formats.identity import (check_param_table, dtype_name, identity_hash, input_table,
+                                      structure_hash)
 
 _FIX = "profile and solve for this model"
 
@@ -49,17 +50,17 @@ def bind(model: torch.nn.Module, plan: Plan, src: str) -> list[tuple[str, torch.
     that ``model`` is the model the plan was made for. ``src`` names the plan in messages."""
     m = plan.model
     want = [u.name for u in plan.units if u.kind == UnitKind.BLOCK.value]
-    named = m.get("blocks") is not None
-    blocks = (_bind_named(model, m, src, want, {u.name for u in plan.units}) if named
-              else _bind_legacy(model, plan, src, want))
+    if m.get("blocks") is None:
+        raise PlanMismatchError(f"{src} names no blocks (model.blocks): it predates binding by "
+                                "module name, which this runtime needs; profile and solve again")
+    blocks = _bind_named(model, m, src, want, {u.name for u in plan.units})
     h = structure_hash(blocks)
     if m.get("structure_hash") != h:
         raise PlanMismatchError(f"{src} has structure hash {m.get('structure_hash')} but "
                                 f"the model's blocks hash to {h} (different widths or layers); "
                                 f"{_FIX}")
-    if named:
-        _check_params(model, m, src)
-        _check_ties(model, plan, blocks, src)
+    _check_params(model, m, src)
+    _check_ties(model, plan, blocks, src)
     _warn_precision(blocks, m, src)
     cache = m.get("state_bytes") or 0
     if cache and getattr(getattr(model, "config", None), "use_cache", False):
@@ -67,23 +68,6 @@ def bind(model: torch.nn.Module, plan: Plan, src: str) -> list[tuple[str, torch.
                       "(use_cache is on), held until its output is dropped; the plan counts it "
                       "for the whole step; set model.config.use_cache = False to train without "
                       "it", stacklevel=3)
-    return blocks
-
-
-def _bind_legacy(model, plan, src, want):
-    blocks_path = plan.model.get("blocks_path")
-    try:
-        _, blocks = find_blocks(model, blocks_path)
-    except UserError as e:
-        raise PlanMismatchError(f"{src}: {e}") from None
-    names = [n for n, _ in blocks]
-    if len(names) != len(want):
-        raise PlanMismatchError(f"{src} is for {len(want)} blocks but the model has {len(names)} "
-                                f"({blocks_path or 'found'}); {_FIX}")
-    if names != want:
-        bad = next(i for i, (a, b) in enumerate(zip(names, want)) if a != b)
-        raise PlanMismatchError(f"{src} names block {bad} {want[bad]!r} but the model's is "
-                                f"{names[bad]!r}; {_FIX}")
     return blocks
 
 
@@ -123,8 +107,8 @@ def _bind_named(model, m, src, want, units):
 
 
 def _check_table(m, src, units):
-    """The parameter table's own rules (``planner.blocks.check_param_table``: each parameter
-    in one unit, once), as a ``PlanMismatchError``."""
+    """The parameter table's own rules (``planner.formats.identity.check_param_table``: each
+    parameter in one unit, once), as a ``PlanMismatchError``."""
     try:
         check_param_table(m.get("params"), units, src)
     except UserError as e:

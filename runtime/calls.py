@@ -2,10 +2,10 @@
 arguments and in its output, taking it out and putting another in, and the state a block
 changes as it runs, so that a recomputation runs it exactly as the forward did.
 
-The rules are ``planner.blocks``'s, so that the profile and the runtime agree on them: the
-hidden state is the first positional tensor, else ``hidden_states``, else the first tensor
-keyword; in the output, the output itself or its first tensor (tuples, lists, mappings such as
-Hugging Face ``ModelOutput``, dataclasses). Every other tensor argument is a side input, kept
+The rules are ``planner.formats.calls``'s, the profiler's too, so that the profile and the
+runtime agree on them: the hidden state is the first positional tensor, else
+``hidden_states``, else the first tensor keyword; in the output, the output itself or its
+first tensor (tuples, lists, mappings such as Hugging Face ``ModelOutput``, dataclasses). Every other tensor argument is a side input, kept
 by reference.
 
 ``CallState`` is what a recomputation must put back around the block it re-runs:
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten
 
-from planner.blocks import StateSnapshot, hidden_location, hidden_of as _hidden_of
+from planner.formats.calls import StateSnapshot, hidden_location, hidden_of as _hidden_of
 
 from .binding import PlanMismatchError
 

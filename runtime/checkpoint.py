@@ -25,7 +25,7 @@ import warnings
 
 import torch
 
-from planner.errors import UserError
+from planner.formats import UserError
 
 from .files import byte_view
 

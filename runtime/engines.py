@@ -1,7 +1,7 @@
 """Sharded engines the user already runs: PyTorch FSDP2 (``fully_shard``) and DDP.
 
 tierplan never reimplements a collective. The engine gathers, reduces and reshards on its own
-hooks; the plan only counts what the engine holds and moves (``planner.costmodel``, the ranks
+hooks; the plan only counts what the engine holds and moves (the planner's cost model, its ranks
 section) and the runtime replays the plan's activation decisions inside it, the same on every
 rank. This module finds which engine wraps a model, checks that it is wrapped as the plan
 assumes and in the documented order (docs/distributed.md), and knows which tensors are the
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from planner.errors import UserError
+from planner.formats import UserError
 
 ORDER = ("wrap first, then apply the plan: fully_shard each block, then the root (or wrap the "
          "model in DistributedDataParallel), then apply_plan (docs/distributed.md)")

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import xxhash
 
-from planner.errors import UserError
+from planner.formats import UserError
 from planner.formats.fileio import _is_dir, _shown, lock_dir, path_problem
 
 from .timing import LINKS

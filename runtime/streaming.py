@@ -29,9 +29,7 @@ import warnings
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from planner.costmodel import ACC_CHUNK_BYTES, STEP_PIECE_ALIGN, STEP_PIECE_BYTES
-from planner.errors import UserError
-from planner.formats import Tier
+from planner.formats import ACC_CHUNK_BYTES, STEP_PIECE_ALIGN, STEP_PIECE_BYTES, Tier, UserError
 
 from .files import NvmeStore, Sums, byte_view
 from .offload import Counters, as_bytes

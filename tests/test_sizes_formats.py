@@ -106,7 +106,7 @@ def test_cli_usage_errors_exit_2_one_line(capsys):
 
 
 def test_cli_help_on_every_verb_has_an_example(capsys):
-    for verb in ("profile", "solve", "simulate", "inspect", "diff", "hardware"):
+    for verb in ("profile", "solve", "simulate", "upgrade", "inspect", "diff", "hardware"):
         with pytest.raises(SystemExit) as e:
             cli.main([verb, "--help"])
         assert e.value.code == 0

@@ -434,7 +434,7 @@ def test_a_block_charged_parameters_used_between_blocks_keeps_them_on_the_device
         if layer["name"] == "blocks.2":
             layer.update(weights="nvme", grads="nvme")
     write_json_atomic(tmp_path / "p.json", d)
-    # refused by the plan's own check (apply_plan runs simulate's), which knows the unit's
+    # refused by the plan's own check (apply_plan runs check_homes), which knows the unit's
     # outside_params, before the binding's check of the table
     with pytest.raises(UserError, match="weights used between blocks, stay on the device"):
         apply_plan(model, load_plan(tmp_path / "p.json"),

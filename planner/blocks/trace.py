@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from planner.blocks.calls import _is_tensor, hidden_location, hidden_of
+from planner.formats.calls import _is_tensor, hidden_location, hidden_of
 from planner.blocks.metaops import meta_scalar, run_op
 
 # How many of the latest calls a tensor's lineage remembers (trace_calls): enough for the code

@@ -1,4 +1,5 @@
-"""The ``plan`` command: profile, solve, sweep, search, calibrate, simulate, inspect, diff, hardware.
+"""The ``plan`` command: profile, solve, sweep, search, calibrate, simulate, upgrade, inspect,
+diff, hardware.
 
 Each verb's work lives in its own module (imported only when that verb runs, so ``plan
 inspect`` never pays for importing torch). This file only parses arguments and turns a
@@ -12,7 +13,7 @@ Modules here: ``inspect`` (``plan inspect``), ``diff`` (``plan diff``), ``plot``
 budget axis), ``search`` (``plan search``: micro-batch size and K at fixed tokens per step), ``__main__`` (``python -m planner.cli``). The other
 verbs run in their stage's package: ``planner.profile`` (profile), ``planner.profile.calibrate``
 (calibrate), ``planner.solve`` (solve),
-``planner.plans.simulate`` (simulate) and ``planner.hardware.measure`` (hardware).
+``planner.plans.simulate`` (simulate, upgrade) and ``planner.hardware.measure`` (hardware).
 """
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ EPILOG = {
     "profile": "example: plan profile gpt2-small --batch 8 --seq 1024 --device meta --hardware a100-80g",
     "solve": "example: plan solve profiles/gpt2-xl-b8-s1024.json --gpu-mem 36G --cpu-mem 512G --hardware a100-80g",
     "simulate": "example: plan simulate plans/gpt2-xl-b8-s1024-36G.json --json",
+    "upgrade": "example: plan upgrade plans/old.json -o plans/old-upgraded.json\n(a "
+               "tierplan.plan/1 plan, or one without the executor section apply_plan needs, "
+               "written as today's; simulator-checked first)",
     "inspect": "example: plan inspect plans/gpt2-xl-b8-s1024-36G.json --plot plan.png",
     "diff": "example: plan diff plans/a-80G.json plans/a-36G.json",
     "sweep": "example: plan sweep profiles/gpt2-xl-b8-s1024.json --gpu-mem 30G:80G:5G --plot "
@@ -71,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "bandwidths a run measured."))
     _simulate_options(_verb(sub, "simulate", "Replay a plan event by event: step time, peaks, "
                             "stream busy time."))
+    _upgrade_options(_verb(sub, "upgrade", "Write an older plan as today's schema, with the "
+                           "figures the runtime reads."))
     _inspect_options(_verb(sub, "inspect", "Explain a plan (or a profile): per-unit table, "
                            "totals, binding constraints."))
     _diff_options(_verb(sub, "diff", "Compare two plans: changed decisions, predicted time and "
@@ -227,6 +233,12 @@ def _simulate_options(q) -> None:
     q.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def _upgrade_options(q) -> None:
+    """``plan upgrade``'s arguments."""
+    q.add_argument("plan", help="plan JSON of any schema this version reads")
+    q.add_argument("-o", "--output", required=True, help="the upgraded plan (never the input)")
+
+
 def _inspect_options(q) -> None:
     """``plan inspect``'s arguments."""
     q.add_argument("plan", help="plan or profile JSON")
@@ -263,6 +275,8 @@ def _dispatch(args) -> int:
         from planner.solve import cli_solve as run
     elif args.verb == "simulate":
         from planner.plans.simulate import cli_simulate as run
+    elif args.verb == "upgrade":
+        from planner.plans.simulate import cli_upgrade as run
     elif args.verb == "inspect":
         from planner.cli.inspect import cli_inspect as run
     elif args.verb == "diff":

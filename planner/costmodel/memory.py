@@ -11,19 +11,10 @@ import networkx as nx
 from planner.costmodel.layout import KINDS, REC, TIERS, View
 from planner.formats import Home, Tier
 
-# A unit whose optimizer state lives on NVMe is stepped piece by piece
-# (runtime/streaming.py, ``UnitStatic.step_in_pieces``): a piece is whole tensors whose state
-# comes to at most STEP_PIECE_BYTES, or a slice of STEP_PIECE_ALIGN-element multiples of one
-# larger tensor (at least one such slice). Only a piece's state is read at a time, so a tied
-# embedding whose own moments exceed the budget can still be stepped. Slices start at
-# multiples of 2^20 elements so that the elementwise kernels see the same vector/scalar split
-# as on the whole tensor (bit-identical steps; tests/test_streaming.py).
-STEP_PIECE_BYTES = 16 * 2**20
-STEP_PIECE_ALIGN = 2**20
-# In the passes after the first, a gradient accumulator on NVMe is read back, added into and
-# written again in parts of at most this many bytes, one part at a time (the runtime's single
-# I/O thread): the read-back holds one such part, not the unit's whole gradient.
-ACC_CHUNK_BYTES = 2**20
+# The piece sizes the plan's shares and transients refer to (the runtime steps and accumulates
+# in them) are part of the plan's meaning: planner/formats/executor.py defines them.
+from planner.formats.executor import (ACC_CHUNK_BYTES, STEP_PIECE_ALIGN,  # noqa: E402,F401
+                                      STEP_PIECE_BYTES)
 
 
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from planner.errors import UserError
 from planner.formats.decisions import LayerDecision
 from planner.formats.enums import (CLIPS, ENGINES, MICRO_BATCH_ORDERS, OPTIMIZER_OVERLAPS,
-                                   PLAN_SCHEMA, PLAN_SCHEMA_V1, PLAN_SCHEMA_V2)
+                                   PLAN_SCHEMA, PLAN_SCHEMA_V1, PLAN_SCHEMA_V2, Tier)
+from planner.formats.executor import Executor
 from planner.formats.events import Event, Op, Passes, Stream, TensorClass
 from planner.formats.fileio import read_json
 from planner.formats.profile import UnitRecord, check_model_section, check_units
@@ -140,6 +141,7 @@ class Plan:
     clip: str = "global"
     micro_batch_order: str = "batch-major"
     optimizer_prefetch_bytes: int = 0
+    executor: Executor | None = None    # what the runtime needs from the planner (executor.py)
     schema: str = PLAN_SCHEMA
 
     @property
@@ -175,6 +177,10 @@ class Plan:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for k in ("budgets", "solver", "predicted"):
             d[k] = d[k].to_dict()
+        if self.executor is None:
+            del d["executor"]                # a plan from before the section: written as read
+        else:
+            d["executor"] = self.executor.to_dict()
         d["units"] = [u.to_dict() for u in self.units]
         d["layers"] = [x.to_dict() for x in self.layers]
         d["schedule"] = {s: [e.to_dict() for e in evs] for s, evs in self.schedule.items()}
@@ -186,8 +192,9 @@ class Plan:
         it (``planner.plans.load``, which upgrades it first)."""
         if d.get("schema") == PLAN_SCHEMA_V1:
             raise UserError(f"plan '{source}' has schema {PLAN_SCHEMA_V1!r}, which must be "
-                            "upgraded before it is read; load it with planner.plans.load_plan "
-                            "(plan simulate, inspect and diff and apply_plan do)")
+                            "upgraded before it is read: 'plan upgrade PLAN -o NEW' writes it "
+                            "as today's (planner.plans.load_plan reads it; plan simulate, "
+                            "inspect and diff do)")
         if d.get("schema") == PLAN_SCHEMA_V2:
             d = {**d, "schema": PLAN_SCHEMA}      # /3 only adds fields, each with its /2 meaning
         check_schema(d, PLAN_SCHEMA, "plan", source)
@@ -225,14 +232,16 @@ class Plan:
             plan, units=units, layers=layers, schedule=schedule,
             budgets=Budgets.from_dict(d["budgets"], where, fix),
             solver=SolverRecord.from_dict(d["solver"], where, fix),
-            predicted=Prediction.from_dict(d["predicted"], where, fix))
+            predicted=Prediction.from_dict(d["predicted"], where, fix),
+            executor=(None if d.get("executor") is None
+                      else Executor.from_dict(d["executor"], where, fix)))
 
 
 _PLAN_FIELDS = {"profile": "dict", "model": "dict", "hardware": "dict", "budgets": "dict",
                 "policy": "name", "solver": "dict", "predicted": "dict", "units": "list",
                 "layers": "list", "schedule": "dict", "nvme_dir": "path?", "optimizer_s": "seconds",
                 "optimizer_workspace_bytes": "bytes", "micro_batches": "count",
-                "optimizer_depth": "count", "optimizer_overlap": "str", "clip": "str",
+                "optimizer_depth": "count", "executor": "dict?", "optimizer_overlap": "str", "clip": "str",
                 "micro_batch_order": "str", "optimizer_prefetch_bytes": "bytes",
                 "world_size": "count", "ranks_per_node": "count", "engine": "str"}
 
@@ -286,3 +295,47 @@ def load_plan(path) -> Plan:
     """The plan at ``path``, of the current schema (``planner.plans.load_plan`` also reads
     ``/1`` plans)."""
     return Plan.from_dict(read_json(path, "plan"), str(path))
+
+
+_HOME_CLASSES = (("weights", TensorClass.WEIGHT), ("grads", TensorClass.GRAD),
+                 ("optimizer", TensorClass.STATE))
+
+
+def check_homes(plan: Plan, where: str = "the plan") -> None:
+    """What the runtime can check of a plan's consistency without the cost model (the
+    simulator's ``check_plan`` checks all of it when a plan is written, simulated or upgraded):
+    a unit's weights, gradients or optimizer state are moved by the schedule only when they
+    live off the device (or, weights and gradients, when its step runs on the host); weights,
+    gradients or optimizer state at home on NVMe (weights and gradients on the host) have their
+    transfers; a unit whose parameters another unit uses (``tied_to``, or
+    ``outside_params``) keeps its weights and gradients on the device. Transfers of a sharded
+    engine's collectives (the ``net`` stream) are the engine's and not counted. One
+    ``UserError`` line naming the unit, the class and the fix."""
+    fix = FIX["plan"]
+    moved: dict = {}
+    for s, evs in plan.schedule.items():
+        if s == Stream.NET.value:
+            continue
+        for e in evs:
+            if e.is_transfer:
+                for u in e.units:
+                    moved.setdefault((u, e.cls), e.id)
+    for u, d in zip(plan.units, plan.layers):
+        if (u.tied_to or u.outside_params) and (d.home.weights is not Tier.GPU
+                                                or d.home.grads is not Tier.GPU):
+            raise UserError(f"{where}: unit {u.name}: home {d.home.label()!r} is not possible "
+                            "here (tied weights, and a block's weights used between blocks, "
+                            f"stay on the device); {fix}")
+        for attr, cls in _HOME_CLASSES:
+            tier = getattr(d.home, attr)
+            ev = moved.get((u.name, cls))
+            # a step on the host reads the gradients and uploads the weights it updated
+            host_step = d.home.step is Tier.CPU and attr != "optimizer"
+            if tier is Tier.GPU and ev is not None and not host_step:
+                raise UserError(f"{where}: unit {u.name} keeps its {attr} on the device but "
+                                f"event {ev!r} moves them: its schedule does not match its "
+                                f"layers; {fix}")
+            needs = tier is Tier.NVME or (tier is Tier.CPU and attr != "optimizer")
+            if needs and ev is None:
+                raise UserError(f"{where}: unit {u.name} keeps its {attr} on {tier.value} but no "
+                                f"event moves them: its schedule does not match its layers; {fix}")

@@ -15,8 +15,9 @@ from pathlib import Path
 
 from planner.costmodel import CostModel
 from planner.formats import (PLAN_SCHEMA, Budgets, HardwareSpec, Plan, Prediction, Profile,
-                      SolverRecord, sha256_file, write_json_atomic)
+                             SolverRecord, sha256_file, write_json_atomic)
 from planner.costmodel.schedule import build_schedule
+from planner.formats.plan import check_homes
 
 
 def cost_model(profile: Profile, hw: HardwareSpec, budgets, micro_batches: int = 1,
@@ -59,7 +60,8 @@ def plan_and_sim(profile: Profile, profile_path: str | None, hw: HardwareSpec, b
                  solver: SolverRecord | None = None, nvme_dir: str | None = None,
                  micro_batches: int = 1, cm: CostModel | None = None) -> tuple[Plan, object]:
     """``make_plan`` and the simulation that filled its prediction: ``(plan, SimResult)``."""
-    from planner.plans.simulate import simulate   # the judge; imported here to keep the import graph flat
+    # the judge; imported here to keep the import graph flat
+    from planner.plans.simulate import executor_of, simulate
 
     policy = getattr(policy, "value", policy)
     budgets = as_budgets(budgets)
@@ -88,11 +90,13 @@ def plan_and_sim(profile: Profile, profile_path: str | None, hw: HardwareSpec, b
                             nvme_dir, micro_batches,
                             dataclasses.replace(cm, optimizer_overlap="after-backward",
                                                 prefetch_bytes=0))
+    # the runtime's own check (no cost model there) must accept every plan the planner makes
+    check_homes(plan, "a plan being made")
     predicted = Prediction(step_s=r.step_s, compute_s=r.compute_s,
                            peak_gpu_bytes=r.peak_gpu_bytes, peak_cpu_bytes=r.peak_cpu_bytes,
                            peak_nvme_bytes=r.peak_nvme_bytes, pass_s=r.pass_s,
                            optimizer_s=r.optimizer_s, flops=r.flops)
-    return dataclasses.replace(plan, predicted=predicted), r
+    return dataclasses.replace(plan, predicted=predicted, executor=executor_of(cm, plan, r)), r
 
 
 def baseline_plan(profile: Profile, profile_path: str | None, hw: HardwareSpec, budgets,

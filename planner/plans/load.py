@@ -2,9 +2,11 @@
 (``planner.formats``), ``tierplan.plan/1`` upgraded first (``planner.plans.upgrade``, which
 rebuilds its schedule with the cost model), and ``load_any`` for a plan or a profile.
 
-Everything that may be handed an old plan reads it here: the verbs ``simulate``, ``inspect``
-and ``diff``, and ``runtime.apply_plan``. The upgrade lives above the cost model so that the
-formats layer imports nothing of the planner above it.
+Everything in the planner that may be handed an old plan reads it here: the verbs
+``simulate``, ``upgrade`` (which writes it as today's, with the ``executor`` section the
+runtime reads), ``inspect`` and ``diff``. ``runtime.apply_plan`` reads the current schema only
+(``planner.formats``) and refuses an older plan naming ``plan upgrade``. The upgrade lives
+above the cost model so that the formats layer imports nothing of the planner above it.
 """
 from __future__ import annotations
 
@@ -35,3 +37,4 @@ def load_any(path) -> Profile | Plan:
         return Profile.from_dict(d, str(path))
     raise UserError(f"'{path}' has schema {d.get('schema')!r}; give a plan ('plan solve') or a "
                     "profile ('plan profile')")
+

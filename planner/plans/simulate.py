@@ -12,14 +12,15 @@ and the timeline (``plan inspect``, ``--plot``).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
-from planner.blocks import check_param_table
+from planner.formats.identity import check_param_table
 from planner.costmodel import RESOURCES, TIERS, CostModel, View, decision_choice, evaluate
 from planner.errors import NoFitError, UserError
 from planner.formats.events import Op, Stream
-from planner.formats import Plan, Tier
+from planner.formats import Executor, Plan, Tier, write_json_atomic
 from planner.plans.load import load_plan
 from planner.costmodel.schedule import build_schedule, event_ids, segments, shares_of
 from planner.sizes import fmt_bytes, fmt_rate, fmt_seconds
@@ -434,6 +435,38 @@ def cli_simulate(args) -> int:
         print(json.dumps(r.summary(), sort_keys=True))
     else:
         print(format_summary(plan, r, args.plan))
+    return 0
+
+
+def executor_of(cm: CostModel, plan: Plan, sim: SimResult) -> Executor:
+    """The plan's ``executor`` section: what the runtime acts on that the cost model computes
+    (``sim``: the plan's simulation, for the staging pool it prices). The static bytes are
+    what is on the device before a step: every home's resident bytes there, less gradients on
+    the device (``zero_grad`` frees them; they belong to the step's rise), plus the engine's."""
+    static = sum(cm.resident(i, d.home)["gpu"] - (cm.G[i] if d.home.grads is Tier.GPU else 0)
+                 for i, d in enumerate(plan.layers)) + cm.engine_static
+    return Executor(grads_from_backward=bool(cm.grads_from_backward()),
+                    static_device_bytes=int(static), staging_bytes=int(sim.staging_bytes))
+
+
+def with_executor(plan: Plan) -> Plan:
+    """``plan`` with its ``executor`` section, computed from its own cost model when it has
+    none (a plan written before the section)."""
+    if plan.executor is not None:
+        return plan
+    return dataclasses.replace(plan, executor=executor_of(cost_model_of(plan), plan,
+                                                          simulate(plan)))
+
+
+def cli_upgrade(args) -> int:
+    """``plan upgrade PLAN -o NEW``: a plan of any schema this version reads, checked by the
+    simulator (``check_plan``) and written as today's with its ``executor`` section (what
+    ``apply_plan`` reads instead of the cost model)."""
+    plan = load_plan(args.plan)
+    check_plan(plan, args.plan)
+    had = plan.executor is not None
+    write_json_atomic(args.output, with_executor(plan).to_dict())
+    print(f"wrote {args.output} ({plan.schema}; executor section {'kept' if had else 'added'})")
     return 0
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from planner.blocks.identity import identity_hash, input_table, param_table, structure_hash
+from planner.formats.identity import identity_hash, input_table, param_table, structure_hash
 from planner.formats import PROFILE_SCHEMA, Profile, UnitRecord
 from planner.profile.calling import _call_args
 from planner.profile.optimizer_bytes import master_bytes_per_param, static_bytes_per_param

@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from planner.blocks.calls import state_tensor_bytes
+from planner.formats.calls import state_tensor_bytes
 from planner.blocks.detect import detect_blocks
 from planner.errors import UserError
 from planner.formats import HardwareSpec, Profile

@@ -13,7 +13,7 @@ import time
 import torch
 from torch.utils._pytree import tree_flatten
 
-from planner.blocks.calls import StateSnapshot, hidden_location, hidden_of, same_tensor
+from planner.formats.calls import StateSnapshot, hidden_location, hidden_of, same_tensor
 from planner.formats import HardwareSpec
 from planner.profile.calling import _block_kind, _call, _loss_of, _sig, _tensor_bytes
 from planner.profile.isolated import _profile_isolated

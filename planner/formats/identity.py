@@ -10,7 +10,7 @@ import inspect
 import json
 from collections.abc import Mapping
 
-from planner.blocks.calls import _is_tensor
+from planner.formats.calls import _is_tensor
 from planner.errors import UserError
 
 
