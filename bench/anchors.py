@@ -7,14 +7,15 @@ cell with 1/2/3/6/12 drives. MegaTrain (arXiv:2604.05091) on ``gh200``: a 14B mo
 shape, the only 14B config its repository shipped) at batch 96, seq 1024, 264 TFLOPS (issue
 25's figure; the paper body was not retrievable, docs/anchors-research.md).
 
-Each cell: the model profiled on the meta device at the cell's batch (times estimated from the
-spec), ``plan solve`` with streaming, the optimizer beside the backward and the clip rule the
+Each cell: the step's batch of sequences split into K micro-batches of b (b from batch / 8 to
+the batch), each profiled on the meta device (times estimated from the spec) and solved
+batch-major and layer-major as ``plan search`` does, with streaming, the optimizer beside the backward and the clip rule the
 system runs (LoHan steps each layer during the backward: ``--clip none``; MegaTrain's config
 clips at 1.0: ``global``), then the predicted TFLOPS by the anchors' own formula, 6 x N x
 tokens / step. Predictions on spec-sheet numbers, not measurements; nothing is fitted to the
 anchors' figures (the spec's efficiency has its own source).
 
-    python bench/anchors.py                     # every cell, 60 s per solve
+    python bench/anchors.py                     # every cell, 120 s each
     python bench/anchors.py --cells lohan-13b-bs32 --time-limit 30
 """
 from __future__ import annotations
@@ -30,7 +31,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 
-from planner.errors import NoFitError, UserError  # noqa: E402
 from planner.formats import Budgets, with_nvme_drives  # noqa: E402
 from planner.hardware import load_hardware  # noqa: E402
 from planner.sizes import parse_size  # noqa: E402
@@ -103,48 +103,53 @@ def _cells() -> list[Cell]:
     out += [Cell(f"lohan-13b-bs32-ssd{n}", "lohan-13b", 32, "lohan-4090", "24G", "768G",
                  f"{max(4, 4 * n)}T", "none", t, f"{src}, Fig. 10(b)", drives=n)
             for n, t in ((1, 37.5), (2, 64.3), (3, 81.1), (6, 121.7), (12, 142.0))]
-    out.append(Cell("megatrain-14b", "phi4-14b", 96, "gh200", "96G", "480G", "0", "global",
+    out.append(Cell("megatrain-14b", "phi4-14b", 96, "gh200", "95G", "480GB", "0", "global",
                     264.0, "issue 25 (MegaTrain arXiv:2604.05091; unverified)"))
     return out
 
 
 def run(cell: Cell, args, tmp: Path, profiles: dict) -> dict:
+    """The cell's fastest plan over micro-batch sizes b (powers of two from batch / 8 to the
+    batch, K = batch / b) and both micro-batch orders, the time limit shared among them
+    (``planner.solve.throughput``, what ``plan search`` runs)."""
     from planner.profile import profile_model
+    from planner.solve.throughput import candidates, fastest, search
     hw = load_hardware(cell.hardware)
     if cell.drives is not None:
         hw = with_nvme_drives(hw, cell.drives)
-    key = (cell.model, cell.batch)
-    if key not in profiles:
-        path = tmp / f"{cell.model}.yaml"
-        path.write_text(MODELS[cell.model])
-        profiles[key] = profile_model(str(path), cell.batch, 1024, device="meta", hardware=hw)
-    prof = profiles[key]
+    path = tmp / f"{cell.model}.yaml"
+    path.write_text(MODELS[cell.model])
+
+    def profile_at(b):
+        if (cell.model, b) not in profiles:
+            profiles[cell.model, b] = profile_model(str(path), b, 1024, device="meta",
+                                                    hardware=hw)
+        return profiles[cell.model, b]
     b = Budgets(parse_size(cell.gpu, "--gpu-mem"), parse_size(cell.cpu, "--cpu-mem"),
                 parse_size(cell.nvme, "--nvme-mem"))
-    n = int(prof.model["param_count"])
-    row = dict(cell=cell, params=n)
+    tokens = cell.batch * 1024
+    cands = [c for c in candidates(tokens, 1024) if c[0] * 8 >= cell.batch]
+    kw = dict(policy="optimal", solver=args.solver, gap=0.005, clip=cell.clip,
+              micro_batch_order="auto", nvme_dir=str(tmp / "nvme"))
     t0 = time.perf_counter()
-    try:
-        out = solve_profile(prof, None, hw, b, "optimal", solver=args.solver,
-                            time_limit=args.time_limit, clip=cell.clip,
-                            nvme_dir=str(tmp / "nvme"))
-    except (NoFitError, UserError) as e:
-        row.update(exit=3 if isinstance(e, NoFitError) else 2, msg=str(e),
-                   solve_s=time.perf_counter() - t0)
+    cells = search(profile_at, hw, b, kw, cands, tokens, t0 + args.time_limit)
+    best = fastest(cells)
+    row = dict(cell=cell, solve_s=time.perf_counter() - t0)
+    if best is None:
+        row.update(exit=3, msg=cells[-1].status if cells else "no candidate")
         return row
-    p, sim = out.plan.predicted, out.sim
-    busy = {r: s for r, s in sim.busy_s.items() if r != "duplex"}
-    row.update(exit=0, solve_s=time.perf_counter() - t0, step_s=p.step_s,
-               tflops=6.0 * n * cell.batch * 1024 / p.step_s / 1e12,
-               bound=max(busy, key=busy.get), opt_s=p.optimizer_s,
-               overlap=out.plan.optimizer_overlap, origin=out.plan.solver.origin)
+    p = best.plan
+    row.update(exit=0, step_s=best.step_s, tflops=best.tflops_6nt, bound=best.bound,
+               opt_s=p.predicted.optimizer_s, overlap=p.optimizer_overlap,
+               origin=f"b{best.batch}xK{best.K} {best.order}, {p.solver.origin}")
     return row
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cells", default="", help="comma-separated cell keys (default: all)")
-    ap.add_argument("--time-limit", type=float, default=60.0)
+    ap.add_argument("--time-limit", type=float, default=120.0,
+                    help="seconds per cell, shared by its micro-batch sizes and orders")
     ap.add_argument("--solver", default=None)
     args = ap.parse_args(argv)
     args.solver = args.solver or default_solver()

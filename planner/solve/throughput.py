@@ -119,9 +119,10 @@ def recompute_flops(plan: Plan) -> float:
     return total
 
 
-def bound_of(sim) -> tuple[str, float]:
-    """The resource whose stages take most of the step, and its share of the step."""
-    K = sim.micro_batches
+def bound_of(sim, passes: int | None = None) -> tuple[str, float]:
+    """The resource whose stages take most of the step, and its share of the step (``passes``:
+    the stage sequences a step runs, K batch-major, 1 layer-major)."""
+    K = sim.micro_batches if passes is None else passes
     by: dict[str, float] = {}
     for st in sim.stages:
         t = st.seconds if st.phase == "optimizer" else st.seconds + (K - 1) * st.seconds_rest
@@ -141,7 +142,8 @@ def fill(cell: Cell, out, param_count: int, tokens: int) -> None:
     cell.tflops_counted = counted / step / 1e12
     cell.peaks = {"gpu": p.predicted.peak_gpu_bytes, "cpu": p.predicted.peak_cpu_bytes,
                   "nvme": p.predicted.peak_nvme_bytes}
-    cell.bound, cell.bound_share = bound_of(out.sim)
+    cell.bound, cell.bound_share = bound_of(
+        out.sim, 1 if p.micro_batch_order == "layer-major" else p.micro_batches)
     cell.status = "ok"
 
 
