@@ -167,7 +167,8 @@ def run_case(case: Case, args, tmp: Path) -> dict:
     try:
         out = solve_profile(prof, None, hw, b, "optimal", solver=args.solver,
                             time_limit=args.time_limit, gap=args.gap, micro_batches=case.K,
-                            stream=case.stream, nvme_dir=str(tmp / "nvme"))
+                            stream=case.stream, nvme_dir=str(tmp / "nvme"),
+                            clip=args.clip, micro_batch_order=args.micro_batch_order)
     except NoFitError as e:
         row.update(exit=3, short=getattr(e, "budget", "?"), msg=str(e),
                    solve_s=time.perf_counter() - t1)
@@ -190,7 +191,8 @@ def run_case(case: Case, args, tmp: Path) -> dict:
                tflops_6nt=6.0 * n * tokens / p.step_s / 1e12,
                tflops_counted=p.flops / p.step_s / 1e12,
                peak_gpu=p.peak_gpu_bytes, peak_cpu=p.peak_cpu_bytes,
-               peak_nvme=p.peak_nvme_bytes, homes=homes, origin=plan.solver.origin,
+               peak_nvme=p.peak_nvme_bytes, homes=homes,
+               origin=f"{plan.solver.origin}; {plan.micro_batch_order}, {plan.optimizer_overlap}",
                status=plan.solver.status, gap=plan.solver.gap,
                acts=Counter(d.activation.value for d in plan.layers),
                host_cap=min(b.cpu_bytes, hw.pinned_limit))
@@ -263,6 +265,10 @@ def main(argv=None) -> int:
     ap.add_argument("--time-limit", type=float, default=120.0,
                     help="seconds per plan solve (default 120)")
     ap.add_argument("--gap", type=float, default=0.005)
+    ap.add_argument("--clip", choices=["global", "none"], default="global",
+                    help="as plan solve --clip (none: updates may run beside the backward)")
+    ap.add_argument("--micro-batch-order", choices=["batch-major", "layer-major", "auto"],
+                    default="batch-major", help="as plan solve --micro-batch-order")
     ap.add_argument("--solver", default=None, help="cbc or highs (default: as plan solve)")
     ap.add_argument("--cases", default=None,
                     help="comma-separated case keys or prefixes (default: all)")
