@@ -322,12 +322,14 @@ def _opt_memory(cm: CostModel, base_opt: dict, held: dict) -> dict:
 
 def _overlap_memory(cm: CostModel, mem: dict, held: dict) -> None:
     """What the optimizer work beside a backward stage holds (``OverlapRules``): with clip
-    none, ``opt_depth`` units' steps in flight (as in the optimizer phase); with clip global,
+    none, ``opt_depth`` units' steps in flight and the device step's workspace (as in the
+    optimizer phase); with clip global,
     the state read ahead, held until the phase. Counted in every pass's backward (the last
     pass's figure, the largest)."""
     if cm.clip == "none":
         for t in TIERS:
             mem[t] += cm.opt_depth * held[t]
+        mem["gpu"] += cm.opt_ws            # a device step's own workspace
     else:
         mem[cm.prefetch_tier()] += cm.prefetch_bytes
 

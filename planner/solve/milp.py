@@ -398,7 +398,8 @@ class Model:
         units' steps in flight (clip none), or the state read ahead (clip global)."""
         if self.Vpre is not None:
             return self.Vpre if t == self.cm.prefetch_tier() else 0
-        return self.cm.opt_depth * tmax.get(t, 0)
+        ws = self.cm.opt_ws / GB if t == "gpu" else 0.0    # a device step's own workspace
+        return self.cm.opt_depth * tmax.get(t, 0) + ws
 
     def c_time(self):
         """A stage lasts as long as its longest resource (transfers overlap compute):
