@@ -1064,9 +1064,12 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
     src = plan_path or "the plan"
     if plan.new_families:
         # priced by the planner, not executed yet (the transfer-engine issue)
+        fix = " and ".join(x for x, on in (
+            ("--optimizer-overlap off", plan.optimizer_overlap != "after-backward"),
+            ("--micro-batch-order batch-major", plan.micro_batch_order != "batch-major")) if on)
         raise UserError(f"{src}: its schedule uses {' and '.join(plan.new_families)}, which "
-                        "this runtime does not execute yet; re-solve with --optimizer-overlap "
-                        "off (and the default micro-batch order) to train with it")
+                        f"this runtime does not execute yet; re-solve with {fix} to train "
+                        "with it")
     executor = _executor(plan, src)
     blocks = bind(model, plan, src)      # runtime/binding.py: exact names, shapes, identity
     engines.check(plan, engine, model, blocks, src)

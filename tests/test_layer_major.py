@@ -85,3 +85,20 @@ def test_bad_orders_are_refused_in_one_line():
     # one micro-batch: the orders are one, written as batch-major
     assert SolveConfig.build(hw, Budgets(GiB), micro_batch_order="layer-major"
                              ).micro_batch_order == "batch-major"
+
+
+def test_each_micro_batch_holds_its_part_of_a_tied_gradient():
+    """A tied head/embedding gradient is summed per micro-batch in micro-batch order, so in
+    layer-major each of the K micro-batches' head parts is held until the embedding's backward."""
+    hw = load_hardware("a100-80g")
+    prof = uniform_profile(4, hw)
+    n = 50_000_000
+    units = list(prof.layers)
+    units[-1] = dataclasses.replace(units[-1], tied_to=("embedding",), tied_grad_bytes=n)
+    prof = dataclasses.replace(prof, layers=units)
+    b = Budgets(80 * GiB)
+    bm = cost_model(prof, hw, b, K)
+    lm = cost_model(prof, hw, b, K, micro_batch_order="layer-major")
+    s = bm.L.bwd(bm.U - 1)               # the head's backward: the tied part exists from here
+    assert bm.shared[s] - bm._shared_memory()[s] == n
+    assert lm.shared[s] - K * lm._shared_memory()[s] == K * n

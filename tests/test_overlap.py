@@ -27,8 +27,24 @@ def _greedy_remainder(cm, movable, loads, dur, r):
     U, pending = cm.U, 0.0
     for s in range(U + 1, 2 * U + 1):
         pending -= min(pending, max(0.0, dur[s] - loads[s].get(r, 0.0)))
-        pending += movable[2 * U - s].get(r, 0.0)     # unit 2U-s is complete at the end of s
+        # the units whose gradient is complete (and off the device) at the end of stage s
+        pending += sum(movable[j].get(r, 0.0) for j in range(U) if cm.release_stage(j) == s)
     return pending
+
+
+def test_work_is_released_when_its_gradient_has_arrived():
+    """A unit whose gradient may leave the device is released at the end of its gd window,
+    not at its backward; one whose gradient stays is released at its backward."""
+    hw = load_hardware("a100-80g")
+    prof = uniform_profile(6, hw)
+    big = cost_model(prof, hw, Budgets(80 * GiB, 512 * GiB, 4096 * GiB),
+                     optimizer_overlap="overlapped", clip="none")
+    on_device = cost_model(prof, hw, Budgets(80 * GiB, 512 * GiB, 4096 * GiB),
+                           optimizer_overlap="overlapped", clip="none", allow_streaming=False)
+    for j in range(1, big.U - 1):
+        w = big.window("gdc", j)
+        assert big.release_stage(j) == max(w[-1], big.L.bwd(j)) > big.L.bwd(j)
+        assert on_device.release_stage(j) == on_device.L.bwd(j)
 
 
 def test_the_remainder_is_the_greedy_fluid_schedule_of_each_resource():
@@ -165,3 +181,27 @@ def test_the_runtime_refuses_a_family_it_does_not_run_and_clipping_under_clip_no
         assert float(handle.clip_grad_norm_(1.0)) == 0.0     # no gradients yet: norm 0
     finally:
         handle.remove()
+
+
+def test_clip_global_reads_ahead_state_never_a_gradient():
+    """Under clip global only optimizer state may be read ahead: a gradient on NVMe is read in
+    the phase, after the global norm exists."""
+    from planner.formats import Home, Tier as T
+    from planner.costmodel.layout import evaluate
+
+    hw = load_hardware("a100-80g")
+    cm = cost_model(uniform_profile(4, hw), hw, Budgets(80 * GiB, 512 * GiB, 4096 * GiB),
+                    optimizer_overlap="overlapped", clip="global")
+    j = 2
+    k = next(k for k, h in enumerate(cm.homes[j])
+             if h == Home(T.NVME, T.NVME, T.NVME, T.CPU))
+
+    class OneHome:                        # the View of unit j in home k, every other unit off
+        def h(self, i, kk):
+            return 1.0 if (i, kk) == (j, k) else 0.0
+    mov, fixed = cm.opt_work(OneHome())
+    state = cm.step_reads(j, cm.homes[j][k])["nvme"] - cm.G[j]
+    assert evaluate(mov[j]["nvme"]) == pytest.approx(state / hw.nvme_read_bandwidth)
+    assert evaluate(fixed["nvme"]) == pytest.approx(
+        cm.G[j] / hw.nvme_read_bandwidth + cm.step_writes(j, cm.homes[j][k])["nvme"] /
+        hw.nvme_write_bandwidth)

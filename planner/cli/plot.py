@@ -71,7 +71,7 @@ def plan_figure(plan: Plan, sim=None, title_path: str | None = None):
              f"{plan.hardware.get('name')}, GPU budget {fmt_bytes(budgets['gpu'])}, "
              f"policy {plan.policy}: step {fmt_seconds(sim.step_s)} "
              f"= {ratio:.3f}× compute-only {fmt_seconds(sim.compute_s)}"
-             + (f", {sim.micro_batches} passes" if sim.micro_batches > 1 else ""))
+             + (f", {sim.micro_batches} micro-batches" if sim.micro_batches > 1 else ""))
     fig.suptitle(title, fontsize=11)
     ax_mem.set_title(f"memory per tier ({len(plan.units)} units)" +
                      (f" — {title_path}" if title_path else ""), fontsize=9, loc="left")

@@ -134,7 +134,8 @@ def cli_search(args) -> int:
     first = profile_at(cands[0][0])              # plan solve's checks need a profile
     profile_s = time.perf_counter() - t0
     cache = {cands[0][0]: first}
-    _, kw = solve_options(_cell_args(args), first)
+    hw, kw = solve_options(_cell_args(args), first)   # --nvme-drives applied to the spec
+    budgets = parse_budgets(args, hw)
     kw["progress"] = False                        # one line per cell instead
     kw.pop("micro_batches"), kw.pop("time_limit")
     cells = search(lambda b: cache.pop(b, None) or profile_at(b), hw, budgets, kw, cands,

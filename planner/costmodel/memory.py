@@ -305,8 +305,11 @@ class MemoryRules:
         i = 2 * U - s
         acc = []
         if self.K > 1 and self.G[i]:
+            # layer-major: a gradient homed off the device is also summed on it over the K
+            # micro-batches of its stage before it leaves
+            every = self.passes == 1
             acc = [(v.h(i, k), float(self.G[i])) for k, h in enumerate(self.homes[i])
-                   if h.grads is Tier.GPU]
+                   if every or h.grads is Tier.GPU]
         out = [[(1, float(self.W[i])), *acc]]
         for k in v.recomputed_at(i):
             if self.W[k] > self.W[i]:

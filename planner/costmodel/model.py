@@ -157,7 +157,7 @@ class CostModel(OptionRules, MemoryRules, TimeRules, OverlapRules, RankRules, Ob
         put("choices", [self._choices(i) for i in range(self.U)])
         put("shared", [per * n for n in self._shared_memory()])
         for s, n in enumerate(self._tied_grad_buffers()):
-            self.shared[s] += n
+            self.shared[s] += per * n        # layer-major: each micro-batch's part, held
         if self.distributed:
             # what the engine holds per stage whatever the decisions (gathered weights, unsharded
             # gradients) joins the shared tensors: both are constants of the stage

@@ -1,7 +1,8 @@
 """The optimizer overlapped with the backward (``OverlapRules``, a part of ``CostModel``).
 
 Under ``optimizer_overlap: overlapped`` a unit's optimizer work may start once its gradient of
-the last micro-batch is complete (the end of its backward stage, ``bwd(j)``) and runs in the
+the last micro-batch is complete (the end of its backward stage ``bwd(j)``, or later where the
+gradient still has to leave the device: ``release_stage``) and runs in the
 time the later backward stages of the last pass leave idle on each resource; what does not fit
 there runs in the optimizer phase. With ``clip: none`` all of a unit's work may move (its state
 reads, its step on the host or the device, its writes and its weights' way home); with ``clip:
@@ -14,12 +15,13 @@ Per resource r this is a fluid schedule with release times and one deadline, who
 feasibility condition (Hall's) is one row per release point c: the work of the units released
 at or after c fits in the idle time after c plus what the optimizer phase takes,
 
-    R_r >= Σ_{j : bwd(j) >= c} w_r(j) - Σ_{s = c+1}^{2U} (T_s - load_r(s)),    R_r >= 0,
+    R_r >= Σ_{j : rel(j) >= c} w_r(j) - Σ_{s = c+1}^{2U} (T_s - load_r(s)),    R_r >= 0,
 
 and the optimizer phase lasts at least R_r + F_r on each resource (F_r: work that may not move).
 The resources are taken one at a time (a unit's read, step and write are one fluid stream on
-each), as the pipelined optimizer phase already takes them; the next step's forward waits for
-every unit's writes, as it does after the optimizer phase.
+each), as the pipelined optimizer phase already takes them, and each unit's own read, step and
+write back to back must fit between its release and the phase's end (its chain); the next
+step's forward waits for every unit's writes, as it does after the optimizer phase.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ class OverlapRules:
 
     def opt_work(self, v: View) -> tuple[list, dict]:
         """``(movable, fixed)``: per unit j a dict resource -> Lin (seconds) of its optimizer
-        work that may run after ``bwd(j)``, and per resource the Lin of the work that stays in
+        work that may run after ``release_stage(j)``, and per resource the Lin of the work that stays in
         the optimizer phase."""
         movable, fixed = [], {r: [] for r in OVERLAP_RESOURCES}
         for j in range(self.U):
@@ -53,8 +55,11 @@ class OverlapRules:
                 hv = v.h(j, k)
                 r, w = self.step_reads(j, h), self.step_writes(j, h)
                 dev, cpu = self.step_seconds(j, h)
-                parts = {"rd": r["nvme"], "d2h": r["d2h"], "wr": w["nvme"], "h2d": w["h2d"],
-                         "comp": dev, "host": cpu}
+                grad_rd = self.G[j] if h.grads is Tier.NVME else 0
+                parts = {"rd": r["nvme"] - grad_rd, "rd_grad": grad_rd, "d2h": r["d2h"],
+                         "wr": w["nvme"], "h2d": w["h2d"], "comp": dev, "host": cpu}
+                # clip global: only the state (master, moments, weights without a master)
+                # may be read ahead; a gradient read waits for the phase like the update
                 move = set(parts) if self.clip == "none" else \
                     ({"rd"} if h.step is Tier.CPU else set())
                 for name, n in parts.items():
@@ -72,7 +77,7 @@ class OverlapRules:
             return [("compute", n)]
         if part == "host":
             return [("host", n)]
-        if part == "rd":
+        if part in ("rd", "rd_grad"):
             return [("nvme", n / hw.nvme_read_bandwidth)]
         if part == "wr":
             return [("nvme", n / hw.nvme_write_bandwidth)]
@@ -86,8 +91,32 @@ class OverlapRules:
         return self.passes > 1 and self.needs_rest_pass()
 
     def release_cuts(self) -> range:
-        """The release points c of the Hall rows: every backward stage (unit 2U - c released)."""
+        """The release points c of the Hall rows: every backward stage."""
         return range(self.U + 1, 2 * self.U + 1)
+
+    def release_stage(self, j: int) -> int:
+        """The stage after whose end unit j's optimizer work may start: its backward, or later
+        where its gradient is not complete there: a gradient that leaves the device (the end
+        of its gd window, under any of its homes), one tied to a later-backward unit (that
+        unit's backward), a unit whose weights are used between blocks (the last stage)."""
+        L, top = self.L, 2 * self.U
+        u = self.units[j]
+        if u.outside_params > 0:
+            return top
+        rel = L.bwd(j)
+        idx = self._unit_index
+        for t in u.tied_to or ():
+            if t in idx:
+                rel = max(rel, L.bwd(idx[t]))
+        if any(h.grads is not Tier.GPU for h in self.homes[j]):
+            for kind in ("gdc", "gdn"):
+                w = self.window(kind, j)
+                rel = max(rel, w[-1] if len(w) else top)
+        return min(rel, top)
+
+    @property
+    def _unit_index(self) -> dict:
+        return {x.name: i for i, x in enumerate(self.units)}
 
     def prefetch_s_per_byte(self) -> float:
         """NVMe seconds of one byte read ahead (``clip: global`` moves reads only)."""
@@ -98,6 +127,7 @@ class OverlapRules:
         maximum over release points, given the last pass's stage durations and loads and the
         movable work per unit (dicts resource -> seconds)."""
         U = self.U
+        rel = [self.release_stage(j) for j in range(U)]
         out = {}
         for r in OVERLAP_RESOURCES:
             w = [m.get(r, 0.0) for m in movable]
@@ -106,7 +136,7 @@ class OverlapRules:
                 continue
             need, idle, worst = 0.0, 0.0, 0.0
             for c in range(2 * U, U, -1):          # from the last release point backwards
-                need += w[2 * U - c]
+                need += sum(x for x, rj in zip(w, rel) if rj == c)
                 worst = max(worst, need - idle)
                 idle += max(0.0, last_dur[c] - last_loads[c].get(r, 0.0))
             out[r] = max(0.0, worst)

@@ -83,13 +83,15 @@ def plan_and_sim(profile: Profile, profile_path: str | None, hw: HardwareSpec, b
         optimizer_prefetch_bytes=int(cm.prefetch_bytes) if cm.overlapped else 0,
         micro_batch_order=cm.micro_batch_order)
     r = simulate(plan)
-    if cm.overlapped and r.overlapped_s <= 0.0:
-        # nothing ran beside the backward: the plan is the after-backward one (what today's
-        # runtime executes), judged again as such
-        return plan_and_sim(profile, profile_path, hw, budgets, policy, layers, shares, solver,
-                            nvme_dir, micro_batches,
-                            dataclasses.replace(cm, optimizer_overlap="after-backward",
-                                                prefetch_bytes=0))
+    if cm.overlapped:
+        # the plan is overlapped only where that is faster than the same decisions after the
+        # backward (what today's runtime executes, and never more memory)
+        after = plan_and_sim(profile, profile_path, hw, budgets, policy, layers, shares, solver,
+                             nvme_dir, micro_batches,
+                             dataclasses.replace(cm, optimizer_overlap="after-backward",
+                                                 prefetch_bytes=0))
+        if r.overlapped_s <= 0.0 or after[1].step_s <= r.step_s * (1 + 1e-9):
+            return after
     # the runtime's own check (no cost model there) must accept every plan the planner makes
     check_homes(plan, "a plan being made")
     predicted = Prediction(step_s=r.step_s, compute_s=r.compute_s,

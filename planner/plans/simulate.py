@@ -192,9 +192,13 @@ def _overlapped_phase(cm: CostModel, v: View, last: dict) -> tuple[float, dict, 
     rem = cm.overlap_remainder(mov, {s: ld for s, (_, ld) in last.items()},
                                {s: d for s, (d, _) in last.items()})
     loads = {r: rem[r] + fixed[r] for r in rem}
-    # with clip none unit 0 (released last) steps whole in the phase; with clip global every
-    # unit's step and write do, so each unit's whole chain is a floor (read ahead or not)
-    chain = [evaluate(t) for t in cm.opt_chains(v, [0] if cm.clip == "none" else None)]
+    # each unit's read, step and write back to back fit between its release and the phase's
+    # end (with clip global its step and write are in the phase: the whole chain is a floor)
+    chain = []
+    for j in range(cm.U):
+        after = sum(last[s][0] for s in range(cm.release_stage(j) + 1, 2 * cm.U + 1)) \
+            if cm.clip == "none" else 0.0
+        chain += [evaluate(t) - after for t in cm.opt_chains(v, [j])]
     moved = max((sum(m.get(r, 0.0) for m in mov) - rem[r] for r in rem), default=0.0)
     return max([*chain, *loads.values(), 0.0]), loads, max(0.0, moved)
 
@@ -390,7 +394,8 @@ def _event_times(plan: Plan, cm: CostModel, stages) -> dict:
 
 def format_summary(plan: Plan, r: SimResult, source: str = "plan") -> str:
     lines = [f"{source}: policy {plan.policy}, {len(plan.units)} units, hardware "
-             f"{plan.hardware.get('name')}, {r.micro_batches} pass(es) per optimizer step"]
+             f"{plan.hardware.get('name')}, {r.micro_batches} micro-batch(es) per optimizer step"
+             + (" (layer-major: one pass)" if plan.micro_batch_order == "layer-major" else "")]
     lines.append(f"step {fmt_seconds(r.step_s)}   compute-only {fmt_seconds(r.compute_s)}   "
                  f"({r.overhead or 0:.3f}x; recompute {fmt_seconds(r.recompute_s)} per pass, "
                  f"waiting on transfers {fmt_seconds(r.stall_s)})")

@@ -100,12 +100,12 @@ class SolveConfig:
         if micro_batch_order not in ORDER_MODES:
             raise UserError(f"--micro-batch-order {micro_batch_order!r}: use "
                             f"{', '.join(ORDER_MODES)}")
+        if int(micro_batches) == 1:
+            micro_batch_order = "batch-major"      # one micro-batch: the orders are one
         ranks = rank_options(world_size, ranks_per_node, engine)
         if ranks["engine"] != "none" and micro_batch_order != "batch-major":
             raise UserError(f"--micro-batch-order {micro_batch_order}: only batch-major is "
                             f"planned with --engine {ranks['engine']} yet; leave it out")
-        if int(micro_batches) == 1:
-            micro_batch_order = "batch-major"      # one micro-batch: the orders are one
         if ranks["engine"] != "none" and stream == "on":
             raise UserError(f"--stream on: homes off the device are not supported with "
                             f"--engine {ranks['engine']} yet; use --stream auto or off")

@@ -521,7 +521,10 @@ class Model:
             return self.Gvar + 1e-4 * step
         if self.opt.minimise == "cpu":
             return self.Hvar + 1e-4 * step
-        return step + lin(self.cm.moved_bytes(self.v), EPS_S_PER_BYTE * self.cm.passes / self.ts)
+        out = step + lin(self.cm.moved_bytes(self.v), EPS_S_PER_BYTE * self.cm.passes / self.ts)
+        if self.Vpre is not None:        # reading ahead what gains nothing loses the tie
+            out += self.Vpre * (EPS_S_PER_BYTE * GB / self.ts)
+        return out
 
     def objective_value(self, x: float) -> float:
         """A value of the objective in its own unit: seconds when the step is minimised (the

@@ -11,16 +11,21 @@ def overlap_rows(self) -> None:
     (``planner.costmodel.overlap``), per resource r with movable work w_r(j):
 
     idle_r_c:  I_{r,c} = I_{r,c+1} + T'_{c+1} - load_r(c+1),  I_{r,2U} = 0  (idle after c)
-    need_r_c:  N_{r,c} = N_{r,c+1} + w_r(2U-c),   N_{r,2U+1} = 0  (released at or after c)
+    need_r_c:  N_{r,c} = N_{r,c+1} + Σ_{j: rel(j)=c} w_r(j)   (released at or after c)
     hall_r_c:  R_r >= N_{r,c} - I_{r,c}        for every backward stage c
     prefetch:  R_nvme >= N_{nvme,U+1} - Vpre / read rate    (clip global: reads held)
     timeo_r:   To >= R_r + F_r                 (F_r: work that may not move)
-    timeo_chain_j: To >= read_j + step_j + write_j   (unit 0 with clip none; all with global)
+    prefetch_most: Vpre / read rate <= N_{nvme,U+1}
+    after_c:   A_c = A_{c+1} + T'_{c+1},  A_{2U} = 0             (time after c)
+    timeo_chain_j: To + A_{rel(j)} >= read_j + step_j + write_j   (clip none; global: A = 0)
     (T' is the last pass's stage: the later passes' where they differ.)"""
     cm, v = self.cm, self.v
     mov, fixed = cm.opt_work(v)
     last = self.T2 if (self.T2 and cm.last_pass_rest()) else self.T
     top = 2 * cm.U
+    released: dict = {}
+    for j in range(cm.U):
+        released.setdefault(cm.release_stage(j), []).append(j)
     for r, fixed_terms in fixed.items():
         if not any(m[r] for m in mov):
             if fixed_terms:
@@ -30,7 +35,8 @@ def overlap_rows(self) -> None:
         idle, need = 0, 0
         for c in range(top, cm.U, -1):
             n_c = self._var(f"Nov_{r}_{c}")
-            self._c(n_c - need - lin(mov[top - c][r], 1 / self.ts) == 0, f"need_{r}_{c}")
+            work = [t for j in released.get(c, ()) for t in mov[j][r]]
+            self._c(n_c - need - lin(work, 1 / self.ts) == 0, f"need_{r}_{c}")
             if c < top:
                 i_c = self._var(f"Iov_{r}_{c}")
                 load = cm.loads(c + 1, v, cm.last_pass_rest())[r]
@@ -40,8 +46,19 @@ def overlap_rows(self) -> None:
             self._c(R - n_c + idle >= 0, f"hall_{r}_{c}")
             need = n_c
         if r == "nvme" and self.Vpre is not None:
-            self._c(R - need + self.Vpre * (GB * cm.prefetch_s_per_byte() / self.ts) >= 0,
-                    "prefetch")
+            rate = GB * cm.prefetch_s_per_byte() / self.ts
+            self._c(R - need + self.Vpre * rate >= 0, "prefetch")
+            # no more read ahead than there is to read
+            self._c(self.Vpre * rate - need <= 0, "prefetch_most")
         self._c(self.To - R - lin(fixed_terms, 1 / self.ts) >= 0, f"timeo_{r}")
-    for n, terms in enumerate(cm.opt_chains(v, [0] if cm.clip == "none" else None)):
-        self._c(self.To - lin(terms, 1 / self.ts) >= 0, f"timeo_chain_{n}")
+    # each unit's own chain fits between its release and the phase's end (clip global: in the
+    # phase, where its step and write are)
+    after, later = {c: 0 for c in range(cm.U + 1, top + 1)}, 0
+    for c in range(top - 1, cm.U, -1) if cm.clip == "none" else ():
+        a_c = self._var(f"Aov_{c}")
+        self._c(a_c - later - last[c + 1] == 0, f"after_{c}")
+        after[c] = later = a_c
+    for j in range(cm.U):
+        for terms in cm.opt_chains(v, [j]):
+            slack = after[cm.release_stage(j)]
+            self._c(self.To + slack - lin(terms, 1 / self.ts) >= 0, f"timeo_chain_{j}")

@@ -107,7 +107,9 @@ class Backend:
         if self.slab.buf is not None:
             self._reap(block=True)
         if self.slab.buf is None or (nbytes > self.slab.nbytes and self.slab.in_use == 0):
-            self.slab = Slab(nbytes, self._alloc_pinned)
+            # never smaller than a size another runtime on this device asked for
+            self.slab = Slab(max(nbytes, self.slab.nbytes if self.slab.buf is None else 0),
+                             self._alloc_pinned)
 
     # -- streams and events
     def stream(self, name: str):
