@@ -134,6 +134,7 @@ class Mover:
     def close(self):
         if self.staged:
             self.be.synchronize()
+            self.be.release_pinned()
         if self.store is not None:
             self.store.close()
             self.store = None

@@ -49,6 +49,13 @@ class Slab:
         self.lock = threading.Lock()
         self.peak = self.in_use = 0
 
+    def drop(self) -> None:
+        """Free the buffer (none of it in use); the next ``take`` allocates it again. The peak
+        stays, for the runtime's report."""
+        with self.lock:
+            assert self.in_use == 0
+            self.buf, self.free, self.used = None, [(0, self.nbytes)], {}
+
     def take(self, n: int) -> torch.Tensor:
         n = int(n)
         need = -(-n // SLAB_ALIGN) * SLAB_ALIGN or SLAB_ALIGN
@@ -107,9 +114,15 @@ class Backend:
         if self.slab.buf is not None:
             self._reap(block=True)
         if self.slab.buf is None or (nbytes > self.slab.nbytes and self.slab.in_use == 0):
-            # never smaller than a size another runtime on this device asked for
-            self.slab = Slab(max(nbytes, self.slab.nbytes if self.slab.buf is None else 0),
-                             self._alloc_pinned)
+            self.slab = Slab(nbytes, self._alloc_pinned)
+
+    def release_pinned(self) -> None:
+        """Give the slab's memory back once none of it is in use (its runtime closed): the
+        backend lives as long as the process, a plan's slab only as long as its runtime."""
+        if self.slab.buf is not None:
+            self._reap(block=True)
+            if self.slab.in_use == 0:
+                self.slab.drop()
 
     # -- streams and events
     def stream(self, name: str):
