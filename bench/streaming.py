@@ -1,6 +1,6 @@
 """Layer streaming on this CPU host, end to end: models whose static state (weights, gradients,
 AdamW state) is at least RATIO times the device budget are profiled, solved and trained for a
-few optimizer steps under the plan, beside plain PyTorch.
+few optimizer steps under the plan, beside plain PyTorch, for each schedule family.
 
     python bench/streaming.py                       # built-in GPT and LLaMA; GPT-2 as
                                                     # GPT2Config() gives it (124M, tied
@@ -8,6 +8,25 @@ few optimizer steps under the plan, beside plain PyTorch.
                                                     # NanoChatConfig() does (257M), the
                                                     # latter also with attention dropout
     python bench/streaming.py --models gpt          # one of them
+    python bench/streaming.py --families batch-major,overlap-none
+    python bench/streaming.py --device cuda --hardware this-gpu.yaml   # on a GPU (bench/gpu.sh)
+
+Families (``--families``, default all four; each solved with the flags shown, the loop as
+said):
+
+  batch-major     --optimizer-overlap off: K whole passes, the optimizer after the backward;
+                  the loop clips at 0.5 through handle.clip_grad_norm_
+  layer-major     --micro-batch-order layer-major --optimizer-overlap off: every micro-batch
+                  through a unit before the next; the loop runs them through
+                  handle.run_micro_batches and clips
+  overlap-none    --optimizer-overlap auto --clip none: a unit's step may run beside the
+                  backward of the units before it; the loop does not clip (neither does plain)
+  overlap-global  --optimizer-overlap auto --clip global: only state reads move into the
+                  backward; the loop clips
+
+The solver labels a plan overlapped only where that is faster (docs/streaming.md); the
+"sched" column shows what the plan file says, so a row whose plan came out after-backward says
+so rather than passing for the family.
 
 Per model: ``plan profile`` (device cpu, spec cpu-host), ``plan solve --gpu-mem static/RATIO
 --micro-batches K``, then two fresh processes train STEPS optimizer steps of K micro-batches
@@ -22,9 +41,14 @@ one plainly and one under the plan. The table shows:
              and under the budget
   files      files left in the plan's NVMe directory after ``handle.remove()``
 
-Both processes run with MALLOC_MMAP_THRESHOLD_=65536 so that glibc maps every tensor of 64 KiB
-or more on its own and returns it when freed: the RSS then follows the bytes that are alive,
-not what the heap kept from earlier steps (runtime.md, "Measuring memory on a CPU host").
+On a CPU device the memory runs (plain and plan) use MALLOC_MMAP_THRESHOLD_=65536, so that
+glibc maps every tensor of 64 KiB or more on its own and returns it when freed: the RSS then
+follows the bytes that are alive, not what the heap kept from earlier steps (runtime.md,
+"Measuring memory on a CPU host"). That setting makes every such allocation a fresh mapping
+whose pages fault in on first touch: on this host it doubles a plain step (156 ms -> 333 ms for
+the built-in GPT), so the step time is measured in a third run of the plan without it
+("step meas/pred", with the time the runtime waited on transfers). On CUDA one run gives both
+(the allocator's peak is the device figure).
 """
 from __future__ import annotations
 
@@ -50,6 +74,14 @@ MODELS = {
     "hf-nanochat-drop": ("examples.hf_models:nanochat_default_dropout", 1, 128),
 }
 MiB = 2 ** 20
+FAMILIES = {
+    # name: (plan solve flags, the loop clips, the loop runs micro-batches through the handle)
+    "batch-major": (["--optimizer-overlap", "off"], True, False),
+    "layer-major": (["--micro-batch-order", "layer-major", "--optimizer-overlap", "off"],
+                    True, True),
+    "overlap-none": (["--optimizer-overlap", "auto", "--clip", "none"], False, False),
+    "overlap-global": (["--optimizer-overlap", "auto", "--clip", "global"], True, False),
+}
 
 
 def _run(cmd, env=None):
@@ -87,28 +119,42 @@ def worker(args) -> None:
 
     torch.manual_seed(0)
     model, inputs, _, cfg, _ = resolve_model(args.spec, args.batch, args.seq, "fp32", "cpu")
+    model.to(args.device)
     model.train()
     cfg = cfg.get("model_config", cfg) if isinstance(cfg, dict) else cfg
-    data = _batches(args.spec, cfg, inputs, args.batch, args.seq, args.steps * args.k)
+    data = [{k: v.to(args.device) if isinstance(v, torch.Tensor) else v for k, v in d.items()}
+            for d in _batches(args.spec, cfg, inputs, args.batch, args.seq,
+                              args.steps * args.k)]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    handle = apply_plan(model, args.plan, optimizer=opt) if args.mode == "plan" else None
+    handle = apply_plan(model, args.plan, optimizer=opt) if args.mode != "plain" else None
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
     torch.manual_seed(123)                 # the same dropout masks in both runs
     for step in range(args.steps):
-        for k in range(args.k):
-            (model(**data[step * args.k + k]).loss / args.k).backward()
-        if handle is not None:
-            handle.clip_grad_norm_(0.5)
+        mbs = data[step * args.k:(step + 1) * args.k]
+        if handle is not None and args.through_handle:
+            handle.run_micro_batches(mbs, lambda m, mb: m(**mb).loss / args.k)
         else:
+            for mb in mbs:
+                (model(**mb).loss / args.k).backward()
+        if args.clip and handle is not None:
+            handle.clip_grad_norm_(0.5)
+        elif args.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
         sched.step()
         opt.zero_grad()
     result = {}
     if handle is None:
-        torch.save(model.state_dict(), args.ref)
+        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, args.ref)
+    elif args.mode == "time":
+        rep = handle.report()
+        steps = rep.steps[1:] or rep.steps
+        result.update(step_s=statistics.median(s.step_s for s in steps),
+                      stall_s=statistics.median(s.stall_s for s in steps),
+                      predicted_step_s=rep.predicted["step_s"])
+        handle.remove()
     else:
-        sd = model.state_dict()
+        sd = {k: v.cpu() for k, v in model.state_dict().items()}
         ref = torch.load(args.ref)
         result["max_diff"] = max((sd[k].float() - v.float()).abs().max().item()
                                  for k, v in ref.items())
@@ -120,6 +166,7 @@ def worker(args) -> None:
             static=rep.predicted_static_bytes,
             predicted_peak=rep.predicted["peak_gpu_bytes"],
             step_s=statistics.median(s.step_s for s in steps),
+            stall_s=statistics.median(s.stall_s for s in steps),
             predicted_step_s=rep.predicted["step_s"],
             peak_nvme=statistics.median(s.peak_nvme_bytes for s in steps),
             predicted_nvme=rep.predicted["peak_nvme_bytes"],
@@ -131,35 +178,59 @@ def worker(args) -> None:
     Path(args.out).write_text(json.dumps(result))
 
 
-def bench_model(name, spec, B, S, args, tmp: Path) -> dict:
-    py = sys.executable
-    prof, plan = tmp / f"{name}-profile.json", tmp / f"{name}-plan.json"
-    _run([py, "-m", "planner.cli", "profile", spec, "--batch", str(B), "--seq", str(S),
-          "--dtype", "fp32", "--device", "cpu", "--hardware", "cpu-host", "-o", str(prof)])
+def profile_model(name, spec, B, S, args, tmp: Path) -> tuple[Path, int]:
+    """``plan profile`` on this device; (profile path, static state bytes)."""
+    prof = tmp / f"{name}-profile.json"
+    _run([sys.executable, "-m", "planner.cli", "profile", spec, "--batch", str(B), "--seq",
+          str(S), "--dtype", "fp32", "--device", args.device, "--hardware", args.hardware,
+          "-o", str(prof)])
     layers = json.loads(prof.read_text())["layers"]
-    static = sum(u["param_bytes"] + u["grad_bytes"] + u["optimizer_bytes"] for u in layers)
+    return prof, sum(u["param_bytes"] + u["grad_bytes"] + u["optimizer_bytes"] for u in layers)
+
+
+def bench_family(name, spec, B, S, family, prof: Path, static: int, args, tmp: Path) -> dict:
+    py = sys.executable
+    flags, clip, through = FAMILIES[family]
+    tag = f"{name}-{family}"
+    plan = tmp / f"{tag}-plan.json"
     budget = int(static / args.ratio)
-    nvme_dir = tmp / f"{name}-nvme"
+    nvme_dir = tmp / f"{tag}-nvme"
     cmd = [py, "-m", "planner.cli", "solve", str(prof), "--gpu-mem", str(budget),
            "--nvme-mem", "50G", "--micro-batches", str(args.micro_batches),
-           "--nvme-dir", str(nvme_dir), "-o", str(plan)]
+           "--nvme-dir", str(nvme_dir), *flags, "-o", str(plan)]
+    if args.cpu_mem:
+        cmd += ["--cpu-mem", args.cpu_mem]
+    row = dict(name=name, family=family, static=static, budget=budget)
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if r.returncode == 3:           # no plan fits: a row that says what plan solve said
-        return dict(name=name, static=static, budget=budget, no_fit=r.stderr.strip())
+        return dict(row, no_fit=r.stderr.strip())
     if r.returncode != 0:
         raise SystemExit(f"{' '.join(map(str, cmd))} exited {r.returncode}:\n{r.stderr[-2000:]}")
     p = json.loads(plan.read_text())
     off = sum(1 for d in p["layers"]
               if any(d[k] != "gpu" for k in ("weights", "grads", "optimizer")))
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    ref, out = tmp / f"{name}-ref.pt", tmp / f"{name}-out.json"
-    for mode in ("plain", "plan"):
-        _run([py, __file__, "--worker", mode, "--spec", spec, "--batch", str(B), "--seq", str(S),
-              "--steps", str(args.steps), "--k", str(args.micro_batches), "--plan", str(plan),
-              "--ref", str(ref), "--out", str(out)], env=env)
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    timing_env = dict(os.environ, PYTHONPATH=path)
+    timing_env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    memory_env = dict(timing_env, MALLOC_MMAP_THRESHOLD_="65536") if args.device == "cpu" \
+        else timing_env
+    ref, out, tout = tmp / f"{tag}-ref.pt", tmp / f"{tag}-out.json", tmp / f"{tag}-time.json"
+    common = ["--spec", spec, "--batch", str(B), "--seq", str(S), "--steps", str(args.steps),
+              "--k", str(args.micro_batches), "--plan", str(plan), "--ref", str(ref),
+              "--device", args.device] + (["--clip"] if clip else []) + \
+        (["--through-handle"] if through else [])
+    runs = [("plain", memory_env, out), ("plan", memory_env, out)]
+    if args.device == "cpu":
+        runs.append(("time", timing_env, tout))
+    for mode, env, dest in runs:
+        _run([py, __file__, "--worker", mode, *common, "--out", str(dest)], env=env)
     res = json.loads(out.read_text())
-    res.update(name=name, static=static, budget=budget, units_off=off, units=len(p["layers"]),
+    if args.device == "cpu":          # the step time from the run without the mmap threshold
+        res.update(json.loads(tout.read_text()))
+    sched = f"{p.get('micro_batch_order', 'batch-major')[:5]}/" \
+            f"{'ovl' if p.get('optimizer_overlap') == 'overlapped' else 'aft'}/" \
+            f"{p.get('clip', 'global')[:4]}"
+    res.update(row, units_off=off, units=len(p["layers"]), sched=sched,
                origin=p["solver"].get("origin"), solve=r.stdout.strip().splitlines()[-1])
     return res
 
@@ -167,47 +238,63 @@ def bench_model(name, spec, B, S, args, tmp: Path) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--ratio", type=float, default=4.2, help="static state / device budget")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--micro-batches", type=int, default=2)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--hardware", default="cpu-host",
+                    help="hardware spec for profile and solve (cpu-host on a CPU; on a GPU the "
+                         "file 'plan hardware' wrote)")
+    ap.add_argument("--cpu-mem", help="host memory budget for plan solve (a GPU's host)")
     ap.add_argument("--keep", help="keep the profiles, plans and results in this directory")
+    ap.add_argument("--json", help="also write the rows as JSON to this file")
     # the worker's own arguments
-    ap.add_argument("--worker", choices=["plain", "plan"])
+    ap.add_argument("--worker", choices=["plain", "plan", "time"])
     for a in ("--spec", "--plan", "--ref", "--out"):
         ap.add_argument(a)
     ap.add_argument("--batch", type=int)
     ap.add_argument("--seq", type=int)
     ap.add_argument("--k", type=int)
+    ap.add_argument("--clip", action="store_true")
+    ap.add_argument("--through-handle", action="store_true")
     args = ap.parse_args(argv)
     if args.worker:
         args.mode = args.worker
         worker(args)
         return 0
+    unknown = [f for f in args.families.split(",") if f not in FAMILIES]
+    if unknown:
+        raise SystemExit(f"--families {unknown[0]!r}: use some of {', '.join(FAMILIES)}")
     tmp = Path(args.keep or tempfile.mkdtemp(prefix="tierplan-streaming-"))
     tmp.mkdir(parents=True, exist_ok=True)
     rows = []
     try:
         for name in args.models.split(","):
             spec, B, S = MODELS[name]
-            print(f"{name}: profiling, solving, training plain and under the plan ...",
-                  file=sys.stderr, flush=True)
-            rows.append(bench_model(name, spec, B, S, args, tmp))
+            prof, static = profile_model(name, spec, B, S, args, tmp)
+            for fam in args.families.split(","):
+                print(f"{name} {fam}: solving, training plain and under the plan ...",
+                      file=sys.stderr, flush=True)
+                rows.append(bench_family(name, spec, B, S, fam, prof, static, args, tmp))
     finally:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
-    print(f"Layer streaming on cpu-host: {args.steps} optimizer steps x {args.micro_batches} "
-          f"micro-batches, budget = static state / {args.ratio:g}")
-    hdr = (f"{'model':8} {'static':>9} {'budget':>9} {'units off':>9} {'diff':>8} "
-           f"{'peak rise meas/pred':>21} {'ratio':>6} {'total/budget':>13} {'NVMe meas/pred':>17}"
-           f" {'step meas/pred':>15} {'files':>5}")
+    print(f"Layer streaming on {args.hardware} ({args.device}): {args.steps} optimizer steps x "
+          f"{args.micro_batches} micro-batches, budget = static state / {args.ratio:g}")
+    hdr = (f"{'model':11} {'family':14} {'sched':14} {'static':>9} {'budget':>9} {'off':>5} "
+           f"{'diff':>8} {'peak rise meas/pred':>21} {'ratio':>6} {'total/budget':>13} "
+           f"{'NVMe meas/pred':>17} {'step meas/pred':>15} {'ratio':>6} {'waited':>7} "
+           f"{'files':>5}")
     print(hdr)
     print("-" * len(hdr))
     ok = True
     for r in rows:
         if "no_fit" in r:
             ok = False
-            print(f"{r['name']:8} {r['static'] / MiB:7.1f}Mi {r['budget'] / MiB:7.1f}Mi   "
-                  f"no plan (plan solve exit 3): {r['no_fit'].splitlines()[-1]}")
+            print(f"{r['name']:11} {r['family']:14} {'-':14} {r['static'] / MiB:7.1f}Mi "
+                  f"{r['budget'] / MiB:7.1f}Mi no plan (plan solve exit 3): "
+                  f"{r['no_fit'].splitlines()[-1]}")
             continue
         # the device total: the static state the plan keeps resident plus the measured rise
         resident = r["predicted_peak"] - r["predicted_rise"]
@@ -216,14 +303,19 @@ def main(argv=None) -> int:
         good = (r["max_diff"] <= 1e-6 and meas_total <= r["budget"] and not r["files_left"]
                 and abs(meas_total / r["predicted_peak"] - 1) <= 0.10)   # within 10%, both ways
         ok &= good
-        print(f"{r['name']:8} {r['static'] / MiB:7.1f}Mi {r['budget'] / MiB:7.1f}Mi "
-              f"{r['units_off']:>4}/{r['units']:<4} {r['max_diff']:8.1e} "
+        print(f"{r['name']:11} {r['family']:14} {r['sched']:14} {r['static'] / MiB:7.1f}Mi "
+              f"{r['budget'] / MiB:7.1f}Mi {r['units_off']:>2}/{r['units']:<2} "
+              f"{r['max_diff']:8.1e} "
               f"{r['peak_rise'] / MiB:9.2f}/{r['predicted_rise'] / MiB:6.2f} MiB "
               f"{ratio:6.3f} {meas_total / r['budget']:13.3f} "
               f"{r['peak_nvme'] / MiB:8.1f}/{r['predicted_nvme'] / MiB:6.1f}Mi "
-              f"{r['step_s']:6.2f}/{r['predicted_step_s']:6.2f}s {len(r['files_left']):>5}")
-    print("\nplans:", *(f"  {r['name']}: {r['origin']}: {r['solve']}" for r in rows
+              f"{r['step_s']:6.2f}/{r['predicted_step_s']:6.2f}s "
+              f"{r['step_s'] / r['predicted_step_s']:6.2f} {r['stall_s'] * 1e3:5.0f}ms "
+              f"{len(r['files_left']):>5}")
+    print("\nplans:", *(f"  {r['name']} {r['family']}: {r['origin']}: {r['solve']}" for r in rows
                         if "no_fit" not in r), sep="\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
     print("\nall checks hold" if ok else "\nSOME CHECK FAILED (see the table)")
     return 0 if ok else 1
 
