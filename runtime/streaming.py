@@ -184,10 +184,6 @@ class UnitStatic:
         self.state_layout = None             # [(param index, key)] of state tensors on NVMe
         self.s_off: dict = {}                # (param index, key) -> (offset, bytes) in the state file
         self.s_end = 0
-        if device.type == "cuda" and (self.weights_out or self.grads_out or self.state_out):
-            raise UserError(f"{name}: streaming weights, gradients or optimizer state on CUDA "
-                            "is not supported by this runtime yet (the plan gives it home "
-                            f"{home.label()}); re-solve with --stream off, or run on a CPU host")
         for _, p in params:
             _own_storage(p)
         self.flat = _Flat([p for _, p in params])
@@ -562,13 +558,15 @@ class UnitStatic:
             out.append(cur)
         return out
 
-    def step_in_pieces(self, make_optimizer, ps: list, opt_state) -> None:
+    def step_in_pieces(self, make_optimizer, ps: list, opt_state, host=None) -> None:
         """Step the parameters ``ps`` piece by piece (``pieces``): each piece's state is read
         from the state file, stepped by ``make_optimizer(views)`` over flat views of the
         parameters' elements, and written back in place before the next is read. For
         elementwise optimizers only (Adam, SGD, ...): there a slice steps exactly as the
         whole tensor would (slices start at multiples of 2^20 elements: the same
-        vectorised kernels, the same bits). Weights and gradients are on the device."""
+        vectorised kernels, the same bits). Weights and gradients are those of the
+        parameters, or, with ``host`` (param index -> (weights, gradient or None): host
+        tensors, the staged path's step on the CPU), those."""
         self._state_file()
         store = self.store_of()
         # the state as the step found it: a tensor's later slices must read what its first
@@ -578,10 +576,10 @@ class UnitStatic:
             views, slots = [], []
             for k, lo, hi in piece:
                 p = self.params[k][1]
-                g = p.grad
+                w, g = host.get(k, (None, None)) if host is not None else (p.detach(), p.grad)
                 if g is None or isinstance(g, OffloadedGrad):
                     continue                     # no gradient: the optimizer skips it
-                c = p.detach().view(-1)[lo:hi]
+                c = w.view(-1)[lo:hi]
                 c.grad = g.detach().view(-1)[lo:hi]
                 st, reads = {}, []
                 for key, v in before[id(p)].items():
@@ -733,6 +731,17 @@ class UnitStatic:
                     store.unlink(path)
 
 
+def unit_for(name: str, params: list, home, device: torch.device, store_of,
+             counters: Counters) -> UnitStatic:
+    """The unit's streaming object: ``UnitStatic`` where the transfer engine's backend for
+    ``device`` is unified (device memory is host memory), else its staged path
+    (``runtime.staged.StagedUnit``: a CUDA device, the tests' recording backend)."""
+    if backend_for(device).unified:
+        return UnitStatic(name, params, home, device, store_of, counters)
+    from .staged import StagedUnit
+    return StagedUnit(name, params, home, device, store_of, counters)
+
+
 # Optimizers whose step is elementwise (each element's update reads only that element's
 # parameter, gradient and state, and per-tensor scalars such as the step count): a unit's state
 # on NVMe is stepped piece by piece with them. Exact classes: a subclass may change the step.
@@ -801,6 +810,9 @@ class OptimizerPhase:
                 p.grad = g
         pieces = type(self.opt) in ELEMENTWISE
         for u, subs in self.subs:
+            if getattr(u, "steps_on_host", False):    # the staged path (runtime/staged.py)
+                u.step_host(self.opt, subs, pieces)
+                continue
             by_pieces = pieces and u.state_out
             u.materialize(self.opt.state, state=not by_pieces)
             for sub, gi in subs:
