@@ -42,7 +42,8 @@ from .recompute import Placeholder, RecomputeMismatch, Segment
 from .report import malloc_trim, read_status, reset_hwm
 from .timing import StageClock
 from .stages import StageDriver, plan_actions
-from .streaming import OffloadedGrad, OptimizerPhase, UnitStatic, unit_for
+from .staged import unit_for
+from .streaming import OffloadedGrad, OptimizerPhase, UnitStatic
 
 
 __all__ = ["apply_plan", "Handle", "PlanMismatchError", "InputTooLargeError",

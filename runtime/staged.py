@@ -44,9 +44,19 @@ from planner.formats import ACC_CHUNK_BYTES, Tier, UserError
 from .files import Sums, byte_view
 from .offload import as_bytes
 from .streaming import HOME, ZERO, UnitStatic
-from .transfer import TransferError
+from .transfer import TransferError, backend_for
 
 _POOL: list = []
+
+
+def unit_for(name: str, params: list, home, device: torch.device, store_of,
+             counters) -> UnitStatic:
+    """The unit's streaming object: ``UnitStatic`` where the transfer engine's backend for
+    ``device`` is unified (device memory is host memory), else its staged path here (a CUDA
+    device, the tests' recording backend)."""
+    if backend_for(device).unified:
+        return UnitStatic(name, params, home, device, store_of, counters)
+    return StagedUnit(name, params, home, device, store_of, counters)
 
 
 class _HostWorker:

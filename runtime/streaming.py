@@ -731,17 +731,6 @@ class UnitStatic:
                     store.unlink(path)
 
 
-def unit_for(name: str, params: list, home, device: torch.device, store_of,
-             counters: Counters) -> UnitStatic:
-    """The unit's streaming object: ``UnitStatic`` where the transfer engine's backend for
-    ``device`` is unified (device memory is host memory), else its staged path
-    (``runtime.staged.StagedUnit``: a CUDA device, the tests' recording backend)."""
-    if backend_for(device).unified:
-        return UnitStatic(name, params, home, device, store_of, counters)
-    from .staged import StagedUnit
-    return StagedUnit(name, params, home, device, store_of, counters)
-
-
 # Optimizers whose step is elementwise (each element's update reads only that element's
 # parameter, gradient and state, and per-tensor scalars such as the step count): a unit's state
 # on NVMe is stepped piece by piece with them. Exact classes: a subclass may change the step.
