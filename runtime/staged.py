@@ -211,7 +211,7 @@ class StagedUnit(UnitStatic):
             self.c.moved_add("h2d", hi - lo)
         ev = be.event()
         be.record(ev, self.h2d)
-        self.reads_ev.append(ev)
+        self.reads_ev = [e for e in self.reads_ev if not be.done(e)] + [ev]
         with self.lock:
             for k, t, lo, hi, off in parts:
                 self.w_ev[k] = ev
@@ -476,6 +476,9 @@ class StagedUnit(UnitStatic):
             G = self._down({k: p.grad for k, (_, p) in enumerate(self.params)
                             if p.grad is not None})
         nvme_state = self.home.optimizer is Tier.NVME
+        if nvme_state and not elementwise and self.state_layout is not None:
+            # not stepped by pieces: the unit's whole state comes to the host, and goes back
+            self.worker().submit(self._read_state, self.state_tensors(opt.state)).result()
         for sub, gi in subs:
             hyper = {k: v for k, v in opt.param_groups[gi].items() if k != "params"}
             ps = sub.param_groups[0]["params"]
@@ -489,9 +492,6 @@ class StagedUnit(UnitStatic):
             live = [(p, index[id(p)]) for p in ps if G.get(index[id(p)]) is not None]
             if not live:
                 continue
-            if nvme_state and self.state_layout is not None:
-                tens = [x for x in self.state_tensors(opt.state) if x[0] in {k for _, k in live}]
-                self.worker().submit(self._read_state, tens).result()
             self._state_to_host(opt.state)
             views = []
             for p, k in live:
