@@ -415,13 +415,16 @@ class StagedUnit(UnitStatic):
         produced = be.event()
         be.record(produced, None)
         be.wait(self.d2h, produced)
-        out = {}
+        out, srcs = {}, []
         for k, t in tensors.items():
             out[k] = torch.empty(t.shape, dtype=t.dtype)
-            be.copy(as_bytes(out[k]), as_bytes(t.detach().contiguous()), self.d2h)
+            srcs.append(t.detach().contiguous())
+            be.copy(as_bytes(out[k]), as_bytes(srcs[-1]), self.d2h)
             self.c.moved_add("d2h", t.numel() * t.element_size())
         ev = be.event()
         be.record(ev, self.d2h)
+        for t in srcs:
+            be.keep(t, ev)                   # a contiguous copy made here lives until read
         be.host_wait(ev)
         return out
 
