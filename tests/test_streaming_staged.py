@@ -170,6 +170,96 @@ def test_staged_streaming_with_recompute_and_offloaded_activations(tmp_path):
     assert _files(tmp_path / "nvme") == []
 
 
+def _staged_plan(model, home, nvme, inputs):
+    hw, h = HOMES[home]
+    plan = plan_for(model, "keep-all", B, S, inputs=inputs, nvme_dir=nvme, hardware=hw,
+                    homes={"blocks": h}, micro_batches=K)
+    plan.hardware["device"] = "cpu"
+    return plan
+
+
+@pytest.mark.parametrize("home", ["host", "nvme"])
+def test_state_dicts_and_gradients_through_the_staged_path(home, tmp_path):
+    """Save under the plan and load into a plain model; load a plain model's values into a
+    streamed one (weights into their homes, the optimizer's state onto the host or NVMe) and
+    both take the same next step; ``handle.gradients()`` and a placeholder's read give the
+    accumulated gradient."""
+    model0, data = MODELS["gpt"]()
+    ref = copy.deepcopy(model0)
+    ropt, rsched = _optimizer(ref)
+    _train(ref, data, ropt, rsched)
+    model = copy.deepcopy(model0)
+    be = RecordingBackend()
+    with using(be):
+        _, handle, opt = _staged_run(model, data, home, tmp_path / "a", be=be)
+        path = tmp_path / "ckpt.pt"
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+        plain = copy.deepcopy(model0)
+        ck = torch.load(path)
+        plain.load_state_dict(ck["model"])
+        assert _max_diff(plain.state_dict(), ref.state_dict()) == 0.0
+        popt, _ = _optimizer(plain)
+        popt.load_state_dict(ck["opt"])
+
+        fresh = copy.deepcopy(model0)
+        fopt, _ = _optimizer(fresh)
+        h2 = apply_plan(fresh, _staged_plan(fresh, home, tmp_path / "b", data[0]),
+                        optimizer=fopt)
+        ck = torch.load(path)
+        fresh.load_state_dict(ck["model"])
+        fopt.load_state_dict(ck["opt"])
+        assert _max_diff(fresh.state_dict(), ref.state_dict()) == 0.0
+        # one more step each, the gradients compared before it
+        more = [make_inputs(load_config("gpt-tiny"), B, S, seed=100 + k) for k in range(K)]
+        for m in (plain, fresh):
+            torch.manual_seed(9)
+            for d in more:
+                (m(**d).loss / K).backward()
+        grads = h2.gradients()
+        for n, p in plain.named_parameters():
+            assert torch.equal(grads[n], p.grad), n
+        from runtime.streaming import OffloadedGrad
+        held = [(n, q) for n, q in fresh.named_parameters() if isinstance(q.grad, OffloadedGrad)]
+        assert held, "no gradient was left at its home"
+        n, q = held[0]
+        assert torch.equal(q.grad.sum(), dict(plain.named_parameters())[n].grad.sum())
+        for o in (popt, fopt):
+            o.step()
+            o.zero_grad()
+        assert _max_diff(fresh.state_dict(), plain.state_dict()) == 0.0
+        assert be.missing == 0, be.problems[:3]
+        for h in (handle, h2):
+            h.remove()
+    assert _files(tmp_path / "a") == [] and _files(tmp_path / "b") == []
+    assert be.slab.in_use == 0
+
+
+def test_a_model_built_on_meta_fills_its_staged_homes_from_a_checkpoint(tmp_path):
+    from safetensors.torch import save_model
+
+    from runtime import meta_parameters
+    model0, data = MODELS["llama"]()
+    ref = copy.deepcopy(model0)
+    ropt, rsched = _optimizer(ref)
+    _train(ref, data, ropt, rsched)
+    ck = tmp_path / "m.safetensors"
+    save_model(model0, str(ck))
+    with meta_parameters():
+        torch.manual_seed(0)
+        model = build_model(dict(load_config("llama-tiny"), dtype="fp32"), dtype="fp32")
+    model.train()
+    be = RecordingBackend()
+    opt, sched = _optimizer(model)
+    with using(be):
+        handle = apply_plan(model, _staged_plan(model0, "nvme", tmp_path / "nv", data[0]),
+                            optimizer=opt, checkpoint=ck)
+        _train(model, data, opt, sched, handle)
+        assert _max_diff(model.state_dict(), ref.state_dict()) == 0.0
+        assert be.missing == 0, be.problems[:3]
+        handle.remove()
+    assert _files(tmp_path / "nv") == []
+
+
 class _MyAdamW(torch.optim.AdamW):
     """Not one of the elementwise classes by name: its state on NVMe is stepped whole."""
 
