@@ -84,8 +84,9 @@ class OffloadedGrad(torch.Tensor):
                 return n
         for t in tree_flatten(args)[0] + tree_flatten(kwargs)[0]:
             if isinstance(t, OffloadedGrad) and _writes(func, args, kwargs, t):
-                raise UserError(f"the gradients of {t.unit} live on the NVMe tier under this "
-                                f"plan, so {name} cannot write into them (zeroing, scaling "
+                raise UserError(f"the gradients of {t.unit} live off the device (on "
+                                f"{t.owner.home.grads.value}) under this plan, so {name} "
+                                "cannot write into them (zeroing, scaling "
                                 "by a scalar and reading them work); change gradients "
                                 "before the plan takes them, or read them with "
                                 "handle.gradients()")

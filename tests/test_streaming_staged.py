@@ -154,20 +154,25 @@ def test_staged_streaming_equals_plain_pytorch(name, home, tmp_path):
     assert _max_diff(model.state_dict(), ref.state_dict()) == 0.0
 
 
-def test_staged_streaming_with_recompute_and_offloaded_activations(tmp_path):
-    """Streamed weights beside activations recomputed and offloaded to the host, all on the
-    same copy streams."""
+@pytest.mark.parametrize("acts,home", [("recompute-all", "nvme"), ("cpu", "host"),
+                                       ("nvme", "mixed")])
+def test_staged_streaming_with_recompute_and_offloaded_activations(acts, home, tmp_path):
+    """Streamed weights beside activations recomputed, or offloaded to the host or NVMe, all
+    on the same copy streams and the same slab."""
     model0, data = MODELS["gpt"]()
     ref = copy.deepcopy(model0)
     ropt, rsched = _optimizer(ref)
     _train(ref, data, ropt, rsched)
     model = copy.deepcopy(model0)
-    be, handle, _ = _staged_run(model, data, "nvme", tmp_path / "nvme", acts="recompute-all")
+    if acts in ("cpu", "nvme"):
+        acts = [(acts, None)] * len(model0.blocks)
+    be, handle, _ = _staged_run(model, data, home, tmp_path / "nvme", acts=acts)
     with using(be):
         assert _max_diff(model.state_dict(), ref.state_dict()) == 0.0
         assert be.missing == 0, be.problems[:3]
         handle.remove()
     assert _files(tmp_path / "nvme") == []
+    assert be.slab.in_use == 0
 
 
 def _staged_plan(model, home, nvme, inputs):
@@ -309,6 +314,20 @@ def test_a_host_home_on_a_cpu_device_is_refused_in_one_line():
     plan.hardware["device"] = "cpu"
     with pytest.raises(PlanMismatchError, match="host memory, which needs a device"):
         apply_plan(model, plan, optimizer=torch.optim.AdamW(model.parameters()))
+
+
+def test_state_on_the_device_with_weights_off_it_is_refused_on_a_staged_device(tmp_path):
+    """A unified spec's home that keeps the state on the device and the weights on NVMe has no
+    staged step (a discrete spec's solver never offers it): one line naming the fix."""
+    from planner.errors import UserError
+    model, data = MODELS["gpt"]()
+    plan = plan_for(model, "keep-all", B, S, inputs=data[0], nvme_dir=tmp_path / "nv",
+                    homes={"blocks": Home(T.NVME, T.NVME, T.GPU, T.GPU)}, micro_batches=K)
+    plan.hardware["device"] = "cpu"
+    with using(RecordingBackend()):
+        with pytest.raises(UserError, match="re-solve the plan for this hardware"):
+            apply_plan(model, plan, optimizer=torch.optim.AdamW(model.parameters()))
+    assert _files(tmp_path / "nv") == []
 
 
 @pytest.mark.cuda
