@@ -727,6 +727,8 @@ class _Runner:
         for s in self.statics.values():
             with contextlib.suppress(Exception):
                 s.wait()
+            if hasattr(s, "free_host"):      # host homes and their slab views (staged path)
+                s.free_host()
         self.mover.close()
 
 

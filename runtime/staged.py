@@ -561,9 +561,16 @@ class StagedUnit(UnitStatic):
                     st[key] = v.to(self.device)
 
     def close(self) -> None:
+        self.free_host()
+        super().close()
+
+    def free_host(self) -> None:
+        """Give the host homes back (their slab views too): the unit is done, or the runtime
+        closed before it ran (a failed ``apply_plan``). Twice is once."""
         with contextlib.suppress(Exception):
             self.wait()
-        self.be.synchronize()
+        if self.pinned_views:
+            self.be.synchronize()
         for v in self.pinned_views:
             self.be.unpin(v)
         self.pinned_views = []
@@ -571,4 +578,3 @@ class StagedUnit(UnitStatic):
         if self.host_bytes:
             self.c.add("host", -self.host_bytes)
             self.host_bytes = 0
-        super().close()

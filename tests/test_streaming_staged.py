@@ -265,6 +265,37 @@ def test_a_model_built_on_meta_fills_its_staged_homes_from_a_checkpoint(tmp_path
     assert _files(tmp_path / "nv") == []
 
 
+def test_a_failed_apply_gives_the_host_homes_back(tmp_path, monkeypatch):
+    """A checkpoint whose last block cannot be read fails ``apply_plan`` after the first
+    block's host homes were taken: one line, and the slab has nothing left in use (its
+    memory can go)."""
+    from safetensors.torch import save_model
+
+    import runtime.checkpoint as ckpt
+    from planner.errors import UserError
+    from runtime import meta_parameters
+    model0, data = MODELS["gpt"]()
+    ck = tmp_path / "m.safetensors"
+    save_model(model0, str(ck))
+    last = f"blocks.{len(model0.blocks) - 1}."
+    fill = ckpt.fill
+
+    def failing(c, name, p):
+        if any(n.startswith(last) for n in name):
+            raise UserError(f"{ck}: {name} cannot be read (the test's failure)")
+        return fill(c, name, p)
+    monkeypatch.setattr(ckpt, "fill", failing)
+    with meta_parameters():
+        torch.manual_seed(0)
+        model = build_model(dict(load_config("gpt-tiny"), dtype="fp32"), dtype="fp32")
+    be = RecordingBackend()
+    with using(be):
+        with pytest.raises(UserError, match="the test's failure"):
+            apply_plan(model, _staged_plan(model0, "host", tmp_path / "nv", data[0]),
+                       optimizer=torch.optim.AdamW(model.parameters()), checkpoint=ck)
+    assert be.slab.peak > 0 and be.slab.in_use == 0
+
+
 class _MyAdamW(torch.optim.AdamW):
     """Not one of the elementwise classes by name: its state on NVMe is stepped whole."""
 
