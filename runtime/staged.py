@@ -35,6 +35,7 @@ on NVMe it is stepped piece by piece as on a CPU device (``UnitStatic.step_in_pi
 from __future__ import annotations
 
 import contextlib
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -64,9 +65,9 @@ class _HostWorker:
     gradients' accumulation on the host. It stands for the NVMe store (``submit``)."""
 
     def submit(self, fn, *args):
-        if not _POOL:
-            _POOL.append(ThreadPoolExecutor(1, thread_name_prefix="tierplan-host"))
-        return _POOL[0].submit(fn, *args)
+        if not _POOL or _POOL[0][0] != os.getpid():   # none yet, or a forked child's copy
+            _POOL[:] = [(os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="tierplan-host"))]
+        return _POOL[0][1].submit(fn, *args)
 
 
 def _on_host(f):
@@ -164,9 +165,7 @@ class StagedUnit(UnitStatic):
                 self.w_home[k].copy_(p.detach())
             self.c.moved_add("d2h", n)
             return
-        host = p.detach().to("cpu").contiguous()
-        if host is p.data:
-            host = host.clone()
+        host = p.detach().to("cpu").contiguous()   # written before this returns
         self.worker().submit(self._pwrite, self.w_fd, byte_view(as_bytes(host)), off,
                              self.w_sums).result()
         self.c.moved_add("d2h", n)

@@ -380,6 +380,6 @@ def test_staged_streaming_on_cuda(tmp_path):
         opt, sched = _optimizer(model)
         handle = apply_plan(model, plan, optimizer=opt)
         _train(model, data, opt, sched, handle)
-        assert _max_diff(model.state_dict(), ref.state_dict()) <= 1e-5
+        assert _max_diff(model.state_dict(), ref.state_dict()) <= 1e-4
         handle.remove()
         assert _files(tmp_path / home) == []
