@@ -107,6 +107,7 @@ class StagedUnit(UnitStatic):
         self.w_ev: dict = {}                     # k -> event of the h2d copy into it, unwaited
         self.reads_ev: list = []                 # h2d events that read a host home
         self.host_bytes = 0
+        self.state_bytes = 0                     # of it, the optimizer state on the host
 
     # -- host buffers ------------------------------------------------------------------------
     def _home_tensor(self, p) -> torch.Tensor:
@@ -120,13 +121,16 @@ class StagedUnit(UnitStatic):
         return v.view(p.dtype).view(p.shape) if n else torch.empty(p.shape, dtype=p.dtype)
 
     def _stage(self, n: int):
-        """(uint8 host buffer of ``n`` bytes, whether it is a slab view)."""
+        """(uint8 host buffer of ``n`` bytes, whether it is a slab view); counted as host
+        bytes the runtime holds until ``_unstage``."""
+        self.c.add("host", n)
         try:
             return self.be.pinned(n), True
         except TransferError:
             return torch.empty(n, dtype=torch.uint8), False
 
     def _unstage(self, buf, pinned: bool, ev) -> None:
+        self.c.add("host", -buf.numel())
         if pinned:
             self.be.unpin(buf, ev)
         elif ev is not None:
@@ -510,12 +514,23 @@ class StagedUnit(UnitStatic):
                 h.grad = None
         if nvme_state and not elementwise:
             UnitStatic.write_back(self, opt.state, weights=False)
+        if self.home.optimizer is Tier.CPU:
+            self._count_state(opt.state)
         if self.home.weights is Tier.NVME:
             self.worker().submit(self._write_host_weights, W).result()
         elif self.home.weights is Tier.GPU:
             self._up(W)
         if self.grads_out:
             self._install_placeholders()
+
+    def _count_state(self, opt_state) -> None:
+        """The optimizer state at home on the host, as host bytes the runtime holds."""
+        n = sum(v.numel() * v.element_size() for _, p in self.params
+                for v in (opt_state.get(p) or {}).values()
+                if isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.numel() > 1)
+        self.c.add("host", n - self.state_bytes)
+        self.host_bytes += n - self.state_bytes
+        self.state_bytes = n
 
     def _write_host_weights(self, W: dict) -> None:
         for k, h in W.items():
@@ -576,4 +591,4 @@ class StagedUnit(UnitStatic):
         self.w_home, self.g_home = {}, {}
         if self.host_bytes:
             self.c.add("host", -self.host_bytes)
-            self.host_bytes = 0
+            self.host_bytes = self.state_bytes = 0
