@@ -84,9 +84,10 @@ class OffloadedGrad(torch.Tensor):
                 return n
         for t in tree_flatten(args)[0] + tree_flatten(kwargs)[0]:
             if isinstance(t, OffloadedGrad) and _writes(func, args, kwargs, t):
-                raise UserError(f"the gradients of {t.unit} live off the device (on "
-                                f"{t.owner.home.grads.value}) under this plan, so {name} "
-                                "cannot write into them (zeroing, scaling "
+                where = "on the NVMe tier" if t.owner.home.grads is Tier.NVME \
+                    else "in host memory"
+                raise UserError(f"the gradients of {t.unit} live {where} under this plan, "
+                                f"so {name} cannot write into them (zeroing, scaling "
                                 "by a scalar and reading them work); change gradients "
                                 "before the plan takes them, or read them with "
                                 "handle.gradients()")

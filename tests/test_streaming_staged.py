@@ -228,6 +228,9 @@ def test_state_dicts_and_gradients_through_the_staged_path(home, tmp_path):
         assert held, "no gradient was left at its home"
         n, q = held[0]
         assert torch.equal(q.grad.sum(), dict(plain.named_parameters())[n].grad.sum())
+        from planner.errors import UserError
+        with pytest.raises(UserError, match="live in host memory under this plan"):
+            q.grad.add_(1.0)
         for o in (popt, fopt):
             o.step()
             o.zero_grad()
