@@ -42,6 +42,7 @@ from .recompute import Placeholder, RecomputeMismatch, Segment
 from .report import malloc_trim, read_status, reset_hwm
 from .timing import StageClock
 from .stages import StageDriver, plan_actions
+from .staged import unit_for
 from .streaming import OffloadedGrad, OptimizerPhase, UnitStatic
 
 
@@ -299,7 +300,7 @@ class _Runner:
         self.unit_params = _unit_params(model, plan, dict(blocks))
         for i, (u, d) in enumerate(zip(plan.units, plan.layers)):
             if not d.home.resident:
-                self.statics[u.name] = UnitStatic(u.name, self.unit_params[u.name], d.home,
+                self.statics[u.name] = unit_for(u.name, self.unit_params[u.name], d.home,
                                                   self.device, self.mover.nvme_store,
                                                   self.counters)
         self.by_stage_unit = {}              # pass stage -> unit index computing in it
@@ -726,6 +727,8 @@ class _Runner:
         for s in self.statics.values():
             with contextlib.suppress(Exception):
                 s.wait()
+            if hasattr(s, "free_host"):      # host homes and their slab views (staged path)
+                s.free_host()
         self.mover.close()
 
 
@@ -1117,6 +1120,11 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
                 backend_for(torch.device(dev)).unified:
             raise PlanMismatchError(f"{src}: {u.name} offloads to host memory, which needs a CUDA "
                                     "device; use a cpu-host plan (nvme) on a CPU")
+        if Tier.CPU in (d.home.weights, d.home.grads, d.home.optimizer) and \
+                backend_for(torch.device(dev)).unified:
+            raise PlanMismatchError(f"{src}: {u.name} has home {d.home.label()}, host memory, "
+                                    "which needs a device that is not host memory (CUDA); use a "
+                                    "cpu-host plan (homes on nvme) on a CPU")
         streams = streams or not d.home.resident
     nvme = str(nvme_dir) if nvme_dir is not None else plan.nvme_dir
     if nvme_needed and not nvme:

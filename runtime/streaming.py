@@ -84,8 +84,10 @@ class OffloadedGrad(torch.Tensor):
                 return n
         for t in tree_flatten(args)[0] + tree_flatten(kwargs)[0]:
             if isinstance(t, OffloadedGrad) and _writes(func, args, kwargs, t):
-                raise UserError(f"the gradients of {t.unit} live on the NVMe tier under this "
-                                f"plan, so {name} cannot write into them (zeroing, scaling "
+                where = "on the NVMe tier" if t.owner.home.grads is Tier.NVME \
+                    else "in host memory"
+                raise UserError(f"the gradients of {t.unit} live {where} under this plan, "
+                                f"so {name} cannot write into them (zeroing, scaling "
                                 "by a scalar and reading them work); change gradients "
                                 "before the plan takes them, or read them with "
                                 "handle.gradients()")
@@ -184,10 +186,6 @@ class UnitStatic:
         self.state_layout = None             # [(param index, key)] of state tensors on NVMe
         self.s_off: dict = {}                # (param index, key) -> (offset, bytes) in the state file
         self.s_end = 0
-        if device.type == "cuda" and (self.weights_out or self.grads_out or self.state_out):
-            raise UserError(f"{name}: streaming weights, gradients or optimizer state on CUDA "
-                            "is not supported by this runtime yet (the plan gives it home "
-                            f"{home.label()}); re-solve with --stream off, or run on a CPU host")
         for _, p in params:
             _own_storage(p)
         self.flat = _Flat([p for _, p in params])
@@ -562,13 +560,15 @@ class UnitStatic:
             out.append(cur)
         return out
 
-    def step_in_pieces(self, make_optimizer, ps: list, opt_state) -> None:
+    def step_in_pieces(self, make_optimizer, ps: list, opt_state, host=None) -> None:
         """Step the parameters ``ps`` piece by piece (``pieces``): each piece's state is read
         from the state file, stepped by ``make_optimizer(views)`` over flat views of the
         parameters' elements, and written back in place before the next is read. For
         elementwise optimizers only (Adam, SGD, ...): there a slice steps exactly as the
         whole tensor would (slices start at multiples of 2^20 elements: the same
-        vectorised kernels, the same bits). Weights and gradients are on the device."""
+        vectorised kernels, the same bits). Weights and gradients are those of the
+        parameters, or, with ``host`` (param index -> (weights, gradient or None): host
+        tensors, the staged path's step on the CPU), those."""
         self._state_file()
         store = self.store_of()
         # the state as the step found it: a tensor's later slices must read what its first
@@ -578,10 +578,10 @@ class UnitStatic:
             views, slots = [], []
             for k, lo, hi in piece:
                 p = self.params[k][1]
-                g = p.grad
+                w, g = host.get(k, (None, None)) if host is not None else (p.detach(), p.grad)
                 if g is None or isinstance(g, OffloadedGrad):
                     continue                     # no gradient: the optimizer skips it
-                c = p.detach().view(-1)[lo:hi]
+                c = w.view(-1)[lo:hi]
                 c.grad = g.detach().view(-1)[lo:hi]
                 st, reads = {}, []
                 for key, v in before[id(p)].items():
@@ -801,6 +801,9 @@ class OptimizerPhase:
                 p.grad = g
         pieces = type(self.opt) in ELEMENTWISE
         for u, subs in self.subs:
+            if getattr(u, "steps_on_host", False):    # the staged path (runtime/staged.py)
+                u.step_host(self.opt, subs, pieces)
+                continue
             by_pieces = pieces and u.state_out
             u.materialize(self.opt.state, state=not by_pieces)
             for sub, gi in subs:

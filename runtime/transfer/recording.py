@@ -11,7 +11,8 @@ waits allow, and two streams no wait orders run in the reverse of the order they
 Buffers are watched by their bytes: a copy marks its destination range as written by it until
 it runs, and its source range as read by it until it runs. A read (a copy's source when the
 copy runs, the compute stream's ``use``, a file ``write``) of bytes whose writer has not run,
-and a write over bytes a queued reader has not read yet, are each a *missing wait*
+a write over bytes a queued reader has not read yet, and a copy whose buffer was freed
+before it ran (not run then) are each a *missing wait*
 (``missing``, with what and where in ``problems``): the consumer did not wait for its
 producer's event. In this order such a consumer also reads the wrong bytes, so the gradients
 differ too."""
@@ -165,8 +166,15 @@ class RecordingBackend(Backend):
                 dst, src = payload
                 self.writes.pop(id(payload), None)
                 self.reads.pop(id(payload), None)
-                self._check_read(src, f"copy on {s.name}")
-                dst.copy_(src)
+                gone = [t for t in (dst, src) if _freed(t)]
+                if gone:
+                    # its buffer was freed (a storage resized away) before the copy ran: the
+                    # free did not wait for the copy's event; the copy is not run
+                    self.missing += 1
+                    self.problems.append(f"copy on {s.name}: a buffer was freed before it ran")
+                else:
+                    self._check_read(src, f"copy on {s.name}")
+                    dst.copy_(src)
                 self.ran_ops += 1
             s.ran = seq
 
@@ -187,6 +195,11 @@ class RecordingBackend(Backend):
                 self.missing += 1
                 self.problems.append(f"{who}: bytes [{x}, {y}) not yet produced or consumed")
                 return
+
+
+def _freed(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage no longer holds its elements (resized away)."""
+    return t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size()
 
 
 def _mv_ptr(mv) -> int:
