@@ -46,7 +46,7 @@ def _hf_llama():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=512, num_hidden_layers=10,
                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
-                                   max_position_embeddings=64)
+                                   max_position_embeddings=64, use_cache=False)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
     g = torch.Generator().manual_seed(1)
@@ -76,7 +76,7 @@ def _solve(prof, hw, nvme, clip):
         return at(e.needed_bytes)
 
 
-_PROFILES: dict = {}
+_PLANS: dict = {}
 
 
 def _setup(name, clip, nvme):
@@ -86,13 +86,13 @@ def _setup(name, clip, nvme):
     ``overlapped`` (a schedule every such plan admits), with the state of every streamed unit
     allowed ahead under clip global."""
     model, data = MODELS[name]()
+    if (name, clip) in _PLANS:
+        return model, data, dataclasses.replace(_PLANS[name, clip], nvme_dir=str(nvme))
     hw = load_hardware("cpu-host")
-    if name not in _PROFILES:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _PROFILES[name] = profile_module(copy.deepcopy(model), data[0], name=name,
-                                             hardware=hw, timing="estimate", batch=B, seq=S)
-    prof = _PROFILES[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prof = profile_module(copy.deepcopy(model), data[0], name=name, hardware=hw,
+                              timing="estimate", batch=B, seq=S)
     plan = _solve(prof, hw, nvme, clip)
     static = sum(u.param_bytes + u.grad_bytes + u.optimizer_bytes for u in prof.layers)
     assert static >= 4 * plan.budgets.gpu_bytes, (static, plan.budgets.gpu_bytes)
@@ -104,6 +104,7 @@ def _setup(name, clip, nvme):
                     if h.optimizer is Tier.NVME)
         plan = dataclasses.replace(plan, optimizer_overlap="overlapped",
                                    optimizer_prefetch_bytes=ahead if clip == "global" else 0)
+    _PLANS[name, clip] = plan
     return model, data, plan
 
 
@@ -154,7 +155,8 @@ def test_overlapped_training_equals_plain_pytorch(name, clip, tmp_path):
     handle = apply_plan(model, plan, optimizer=opt)
     try:
         _train(model, data, opt, sched, clip, handle)
-        assert _diff(model.state_dict(), ref.state_dict()) <= 1e-6
+        diff = _diff(model.state_dict(), ref.state_dict())
+        assert diff <= 1e-6
         got, want = opt.state_dict()["state"], ref_opt.state_dict()["state"]
         assert got.keys() == want.keys()
         for i in want:
@@ -180,7 +182,7 @@ def test_overlapped_training_equals_plain_pytorch(name, clip, tmp_path):
             assert all(1 <= n <= streamed for n in early[1:]), (early, streamed)
         print(f"{name} clip {clip}: units started before the backward ended {early} of "
               f"{streamed}; step {rep.measured.step_s:.4f} s measured, "
-              f"{rep.predicted['step_s']:.4f} s predicted")
+              f"{rep.predicted['step_s']:.4f} s predicted; weights differ by {diff:.1e}")
         # the schedule's bytes, all moved and counted (what is read ahead is not read again)
         for link in ("nvme_write", "nvme_read"):
             assert rep.measured.moved[link] == rep.predicted_moved[link] > 0, link
