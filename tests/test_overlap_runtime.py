@@ -80,11 +80,12 @@ _PLANS: dict = {}
 
 
 def _setup(name, clip, nvme):
-    """The model, its data and the solver's plan. On this cpu-host spec the step runs on the
-    device, which is also what computes the backward, so the solver finds nothing faster to
-    move and labels its plan ``after-backward``; the same decisions are then executed as
-    ``overlapped`` (a schedule every such plan admits), with the state of every streamed unit
-    allowed ahead under clip global."""
+    """The model, its data and the solver's plan. At the smallest budget that fits, the plan
+    that wins steps one unit at a time (``optimizer_depth`` 1: three units in flight need more
+    memory), and the planner prices the overlap for depth 3 only, so it labels the plan
+    ``after-backward``; the same decisions are then executed as ``overlapped`` (a schedule
+    every such plan admits), with the state of every streamed unit allowed ahead under clip
+    global."""
     model, data = MODELS[name]()
     if (name, clip) in _PLANS:
         return model, data, dataclasses.replace(_PLANS[name, clip], nvme_dir=str(nvme))
