@@ -7,7 +7,8 @@ Models: the built-in GPT and LLaMA and a Hugging Face Llama from its default con
 aside), each profiled and solved on the cpu-host spec at the smallest GPU budget that fits, so
 that its static state is at least four times ``--gpu-mem`` and most units stream. The loop is
 the ordinary one: 3 optimizer steps of 2 micro-batches, AdamW with weight decay, a StepLR
-scheduler stepped after each ``opt.step()``, ``opt.zero_grad()``.
+scheduler stepped after each ``opt.step()``, ``opt.zero_grad()`` and ``model.zero_grad()`` in
+turn.
 """
 from __future__ import annotations
 
@@ -127,7 +128,9 @@ def _train(model, data, opt, sched, clip, handle=None, steps=STEPS):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
         sched.step()
-        opt.zero_grad()
+        # both idioms: the optimizer's (through the plan) and the model's (a plain nn.Module
+        # call that the placeholders of gradients at home follow)
+        (opt.zero_grad if step % 2 == 0 else model.zero_grad)()
 
 
 def _files(path) -> list:
