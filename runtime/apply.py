@@ -376,9 +376,9 @@ class _Runner:
         p = pref()
         if self.closed or p is None or self.driver.ctx is None or self.driver.ctx() is not p:
             return
-        self.driver.finish()
         if self.overlap is not None:
-            self.overlap.backward_ended()
+            self.overlap.backward_ended()     # its compute is over (what waits is transfers)
+        self.driver.finish()
 
     def quiesce(self) -> None:
         """Nothing of the overlapped executor runs (before a unit is read outside a pass)."""
