@@ -312,3 +312,55 @@ def test_a_forward_beyond_the_plans_micro_batches_is_refused(tmp_path):
             model(**data[K])
         _one_line(e)
     assert _files(tmp_path / "nvme") == [] and _workers() == []
+
+
+@pytest.mark.parametrize("clip", ["none", "global", "none-but-clipping"])
+def test_the_trainer_under_an_overlapped_plan(clip, tmp_path):
+    """The Hugging Face Trainer, used the documented way (``optimizers=(opt, None)``): its
+    linear schedule steps the lr after every ``opt.step()``, it zeroes with
+    ``model.zero_grad()``, accumulates K micro-batches and clips with torch's own
+    ``clip_grad_norm_`` where ``max_grad_norm`` > 0. Under clip none (no clipping) and clip
+    global (clipping at 1.0) it logs the same losses and ends with the same weights as without a
+    plan; clipping under a clip-none plan is refused in one line."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    plan_clip = "global" if clip == "global" else "none"
+    model, data, plan = _setup("hf-llama", plan_clip, tmp_path / "nvme")
+    rows = [{"input_ids": d["input_ids"][i], "labels": d["labels"][i]}
+            for d in data for i in range(B)]
+    norm = 0.0 if clip == "none" else 1.0
+
+    def run(p, out):
+        m = copy.deepcopy(model)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01)
+        handle = apply_plan(m, p, optimizer=opt) if p is not None else None
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / out), per_device_train_batch_size=B,
+            gradient_accumulation_steps=K, max_steps=STEPS, max_grad_norm=norm,
+            learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[],
+            use_cpu=True, seed=7, disable_tqdm=True)
+        trainer = transformers.Trainer(model=m, args=args, train_dataset=rows,
+                                       optimizers=(opt, None))
+        try:
+            trainer.train()
+            logs = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+            return logs, {k: v.clone() for k, v in m.state_dict().items()}, \
+                (handle.report() if handle is not None else None)
+        finally:
+            if handle is not None:
+                handle.remove()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if clip == "none-but-clipping":
+            with pytest.raises(UserError, match="--clip global") as e:
+                run(plan, "planned")
+            _one_line(e)
+            assert _files(tmp_path / "nvme") == [] and _workers() == []
+            return
+        ref_logs, ref_w, _ = run(None, "plain")
+        logs, w, rep = run(plan, "planned")
+    assert len(logs) == STEPS and logs == ref_logs, (logs, ref_logs)
+    assert _diff(w, ref_w) == 0.0
+    assert len(rep.steps) == STEPS and all(s.overlapped_units >= 1 for s in rep.steps[1:])
+    assert _files(tmp_path / "nvme") == [] and _workers() == []
