@@ -151,7 +151,8 @@ class OverlapScheduler:
     # -- the training thread's events ---------------------------------------------------------
     def pass_starts(self, n: int) -> None:
         """Forward pass ``n`` of the step (with gradients) begins."""
-        if n > self.K and self.jobs:
+        if n > self.K and any(j.kind == "step" for j in self.jobs):
+            # (state read ahead under clip global stays valid: nothing was updated)
             raise UserError(f"this plan (optimizer_overlap 'overlapped') steps each unit "
                             f"during the backward of micro-batch {self.K} of a step, but a "
                             f"forward pass {n} began before opt.step(); call opt.step() every "

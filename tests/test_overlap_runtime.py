@@ -303,6 +303,8 @@ def test_an_exception_in_the_loop_leaves_no_thread_and_no_file(tmp_path):
 
 
 def test_a_forward_beyond_the_plans_micro_batches_is_refused(tmp_path):
+    """Under clip none the units were stepped in the K-th backward: a pass K+1 before
+    ``opt.step()`` is refused in one line."""
     model, data, plan = _setup("gpt", "none", tmp_path / "nvme")
     opt, _ = _optimizer(model)
     with apply_plan(model, plan, optimizer=opt):
@@ -311,6 +313,38 @@ def test_a_forward_beyond_the_plans_micro_batches_is_refused(tmp_path):
         with pytest.raises(UserError, match="opt.step\\(\\) every 2 micro-batches") as e:
             model(**data[K])
         _one_line(e)
+    assert _files(tmp_path / "nvme") == [] and _workers() == []
+
+
+def test_a_pass_beyond_the_plans_micro_batches_trains_exactly_under_clip_global(tmp_path):
+    """Under clip global only state was read ahead, which a later pass does not change: K+1
+    passes then a clipped step give plain PyTorch's weights (and the usual warning that the
+    prediction is for K passes)."""
+    model, data, plan = _setup("gpt", "global", tmp_path / "nvme")
+    ref = copy.deepcopy(model)
+    out = []
+    for m, p in ((ref, None), (model, plan)):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        handle = apply_plan(m, p, optimizer=opt) if p is not None else None
+        torch.manual_seed(5)
+        for step in range(2):
+            for k in range(K + (step == 1)):
+                (m(**data[step * K + k]).loss / K).backward()
+            if handle is not None:
+                handle.clip_grad_norm_(0.5)
+            else:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                opt.step()
+            if handle is not None and step == 1:
+                assert any("--micro-batches 3" in str(x.message) for x in w)
+            opt.zero_grad()
+        out.append({k: v.clone() for k, v in m.state_dict().items()})
+        if handle is not None:
+            assert handle.report().steps[1].overlapped_units >= 1
+            handle.remove()
+    assert _diff(out[0], out[1]) == 0.0
     assert _files(tmp_path / "nvme") == [] and _workers() == []
 
 
