@@ -44,6 +44,7 @@ from .timing import StageClock
 from .stages import StageDriver, plan_actions
 from .staged import unit_for
 from .streaming import OffloadedGrad, OptimizerPhase, UnitStatic
+from .overlap import OverlapScheduler
 
 
 __all__ = ["apply_plan", "Handle", "PlanMismatchError", "InputTooLargeError",
@@ -312,6 +313,9 @@ class _Runner:
         self.phase = None
         if optimizer is not None and self.statics:
             self.phase = OptimizerPhase(optimizer, list(self.statics.values()), self.param_ids)
+        # optimizer_overlap 'overlapped': units' optimizer work beside the backward
+        self.overlap = (OverlapScheduler(self.phase, plan) if self.phase is not None
+                        and plan.optimizer_overlap == "overlapped" else None)
         self.predicted_moved = _predicted_moved(plan)
         # step measurement
         self.step_open = False
@@ -373,7 +377,14 @@ class _Runner:
         p = pref()
         if self.closed or p is None or self.driver.ctx is None or self.driver.ctx() is not p:
             return
+        if self.overlap is not None:
+            self.overlap.backward_ended()     # its compute is over (what waits is transfers)
         self.driver.finish()
+
+    def quiesce(self) -> None:
+        """Nothing of the overlapped executor runs (before a unit is read outside a pass)."""
+        if self.overlap is not None:
+            self.overlap.quiesce()
 
     def _ctx_pass(self, ctx):
         return ctx() if ctx is not None else None
@@ -457,6 +468,7 @@ class _Runner:
         if self._recomputing:
             return orig(*args, **kwargs)
         if not torch.is_grad_enabled():
+            self.quiesce()
             with contextlib.ExitStack() as st:
                 for s in self._nongrad_units():
                     st.enter_context(s.weights_present())
@@ -468,6 +480,8 @@ class _Runner:
         self._check_input(args, kwargs)
         if not self.step_open:
             self._begin_step()
+        if self.overlap is not None:
+            self.overlap.pass_starts(self.step_passes + 1)
         self.step_passes += 1
         p = _Pass(self.n_passes)
         self.n_passes += 1
@@ -705,7 +719,9 @@ class _Runner:
                              peak_nvme_bytes=c.peak_nvme, peak_activation_bytes=c.peak_act,
                              static_bytes=self.step_static, base_bytes=self.step_base,
                              moved=dict(c.moved), stall_s=stall, units=units,
-                             after_backward_s=after_backward, links=links)
+                             after_backward_s=after_backward, links=links,
+                             overlapped_units=(self.overlap.overlapped() if self.overlap
+                                               is not None else 0))
         self.report.steps.append(rec)
         self.report.hwm_reset = self.hwm_ok
         self.step_open = False
@@ -721,6 +737,7 @@ class _Runner:
 
     def close(self):
         self.closed = True
+        self.quiesce()
         if self.pass_ is not None:
             self.pass_.discard()
             self.pass_ = None
@@ -830,6 +847,7 @@ class Handle:
         """Parameter name -> its accumulated gradient, wherever it lives (read from NVMe where
         it is there), or None."""
         out = {}
+        self._r.quiesce()
         for n, p in self._r.model.named_parameters():
             g = p.grad
             out[n] = None if g is None else (None if isinstance(g, OffloadedGrad) else g.detach())
@@ -849,12 +867,13 @@ class Handle:
         self._removed = True
         self._hook.remove()
         r = self._r
+        # the overlapped executor's worker done first; its error, where no opt.step() raised it
+        first = r.overlap.close() if r.overlap is not None else None
         r.unwrap()
         for undo in reversed(self._undo):
             undo()
         # Every unit is brought home and every file deleted even when one unit fails (a
         # corrupted weight, a read-only directory); then the first error is raised.
-        first = None
         for s in r.statics.values():
             try:
                 with contextlib.suppress(Exception):
@@ -910,9 +929,11 @@ def _install_optimizer(runner: _Runner, opt) -> list:
     orig_load = opt.load_state_dict
 
     def step(_opt, closure=None):
+        # overlapped: the units stepped beside the backward (their errors raised here)
+        done = runner.overlap.collect() if runner.overlap is not None else ()
         for s in runner.statics.values():
             s.wait()
-        out = phase.step(orig_step, closure)
+        out = phase.step(orig_step, closure, done)
         if sched_wrapped:
             _opt._opt_called = True          # what the scheduler's own wrapper records
         runner.end_step()
@@ -927,11 +948,13 @@ def _install_optimizer(runner: _Runner, opt) -> list:
     def zero_grad(_opt, set_to_none: bool = True):
         # the placeholders of gradients on NVMe are in place before the user's zero_grad
         # clears or zeroes them (what it does to them reaches their homes)
+        runner.quiesce()
         for s in runner.statics.values():
             s.wait()
         return orig_zero(set_to_none)
 
     def state_dict(_opt):
+        runner.quiesce()
         with contextlib.ExitStack() as st:
             for s in runner.statics.values():
                 st.enter_context(s.state_present(opt.state))
@@ -942,6 +965,7 @@ def _install_optimizer(runner: _Runner, opt) -> list:
             return sd
 
     def load_state_dict(_opt, sd):
+        runner.quiesce()
         orig_load(sd)
         for s in runner.statics.values():
             if s.state_out:
@@ -986,6 +1010,7 @@ def _install_state_dict_hooks(runner: _Runner) -> list:
         opened = []
 
         def post(module, sd, prefix, local_metadata, local=local):
+            runner.quiesce()
             for n, (s, k) in local:
                 if prefix + n in sd:
                     sd[prefix + n] = s.weight_value(k)
@@ -996,6 +1021,7 @@ def _install_state_dict_hooks(runner: _Runner) -> list:
                 raise PlanMismatchError("load_state_dict(assign=True) would replace parameters "
                                         "that the plan keeps off the device; load without "
                                         "assign (the values go to their homes)")
+            runner.quiesce()
             for n, (s, k) in local:
                 if prefix + n in sd:
                     opened.append((s, k, s.open_for_load(k)))
@@ -1065,14 +1091,12 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
         plan_path = str(plan)
         plan = load_plan(plan)     # the format's checks; a /1 plan refused, naming 'plan upgrade'
     src = plan_path or "the plan"
-    if plan.new_families:
-        # priced by the planner, not executed yet (the transfer-engine issue)
-        fix = " and ".join(x for x, on in (
-            ("--optimizer-overlap off", plan.optimizer_overlap != "after-backward"),
-            ("--micro-batch-order batch-major", plan.micro_batch_order != "batch-major")) if on)
-        raise UserError(f"{src}: its schedule uses {' and '.join(plan.new_families)}, which "
-                        f"this runtime does not execute yet; re-solve with {fix} to train "
-                        "with it")
+    if plan.micro_batch_order != "batch-major":
+        # priced by the planner, not executed yet (optimizer_overlap 'overlapped' is:
+        # runtime/overlap.py)
+        raise UserError(f"{src}: its schedule uses micro_batch_order "
+                        f"{plan.micro_batch_order!r}, which this runtime does not execute yet; "
+                        "re-solve with --micro-batch-order batch-major to train with it")
     executor = _executor(plan, src)
     blocks = bind(model, plan, src)      # runtime/binding.py: exact names, shapes, identity
     engines.check(plan, engine, model, blocks, src)
@@ -1126,6 +1150,14 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
                                     "which needs a device that is not host memory (CUDA); use a "
                                     "cpu-host plan (homes on nvme) on a CPU")
         streams = streams or not d.home.resident
+    if streams and plan.optimizer_overlap == "overlapped" and \
+            not backend_for(torch.device(dev)).unified:
+        # runtime/overlap.py steps units on a worker thread during the backward; the staged
+        # path (runtime/staged.py) has not been run from two threads at once
+        raise PlanMismatchError(f"{src}: its optimizer steps beside the backward "
+                                "(optimizer_overlap 'overlapped'), which this runtime executes "
+                                f"on a CPU device only so far; re-solve with --optimizer-overlap "
+                                f"off to train on {dev}")
     nvme = str(nvme_dir) if nvme_dir is not None else plan.nvme_dir
     if nvme_needed and not nvme:
         raise PlanMismatchError(f"{src} uses nvme but names no directory; pass "

@@ -456,13 +456,14 @@ class StagedUnit(UnitStatic):
                 if isinstance(v, torch.Tensor) and v.device.type != "cpu":
                     st[key] = v.to("cpu")
 
-    def step_host(self, opt, subs, elementwise: bool) -> None:
+    def step_host(self, opt, subs, elementwise: bool, hypers: dict | None = None) -> None:
         """The unit's optimizer step on the CPU: over host tensors of its weights (the home
         itself on the host), its gradients read from their home (or copied from the device)
         and its state on the host (read by pieces from NVMe), with an optimizer of the user's
         class per param group sharing ``opt.state`` and the group's hyper-parameters as they
-        are now. Weights go back to their home (file, device); on the host they were stepped
-        in place, and the next fetch brings them up."""
+        are now (or ``hypers``, group index -> hyper-parameters). Weights go back to their
+        home (file, device); on the host they were stepped in place, and the next fetch
+        brings them up."""
         self.sync_grads()
         self.wait()
         if self.weights_out:
@@ -486,7 +487,8 @@ class StagedUnit(UnitStatic):
             # not stepped by pieces: the unit's whole state comes to the host, and goes back
             self.worker().submit(self._read_state, self.state_tensors(opt.state)).result()
         for sub, gi in subs:
-            hyper = {k: v for k, v in opt.param_groups[gi].items() if k != "params"}
+            hyper = hypers[gi] if hypers is not None else \
+                {k: v for k, v in opt.param_groups[gi].items() if k != "params"}
             ps = sub.param_groups[0]["params"]
 
             def make(views, h=hyper):

@@ -186,6 +186,13 @@ class UnitStatic:
         self.state_layout = None             # [(param index, key)] of state tensors on NVMe
         self.s_off: dict = {}                # (param index, key) -> (offset, bytes) in the state file
         self.s_end = 0
+        # the overlapped executor (runtime/overlap.py): told on the training thread when the
+        # unit's gradients have all arrived home; the state it read ahead (file offset ->
+        # bytes, kept equal to the file by every state write until the step drops it); the
+        # one line that refuses a scale of the gradients (a clip under a clip-none plan)
+        self.on_grads_home = None
+        self.ahead: dict = {}
+        self.scale_refusal: str | None = None
         for _, p in params:
             _own_storage(p)
         self.flat = _Flat([p for _, p in params])
@@ -261,6 +268,8 @@ class UnitStatic:
         if self.placeholders_due:
             self.placeholders_due = False
             self._install_placeholders()
+            if self.on_grads_home is not None:
+                self.on_grads_home(self)
 
     def _install_placeholders(self) -> None:
         self.lent.clear()
@@ -329,6 +338,8 @@ class UnitStatic:
 
     def grad_scaled(self, k: int, f) -> None:
         """``p.grad.mul_(f)`` on the placeholder: applied, in order, as the values are read."""
+        if self.scale_refusal:
+            raise UserError(self.scale_refusal)
         if self.grad_state.get(k) is HOME:
             self.grad_scales.setdefault(k, []).append(f.clone() if isinstance(f, torch.Tensor)
                                                       else f)
@@ -496,9 +507,7 @@ class UnitStatic:
             n = v.numel() * v.element_size()
             off = self.s_off[(k, key)][0]
             v.untyped_storage().resize_(n)
-            self._pread(self.s_fd, byte_view(as_bytes(v)), off, self.s_sums)
-            self.s_sums.verify(off, byte_view(as_bytes(v)), self.s_fd)
-            self.c.moved_add("nvme_read", n)
+            self._read_state_range(off, byte_view(as_bytes(v)))
 
     def write_back(self, opt_state, weights: bool = True, state: bool = True) -> None:
         """After the step: weights (unless ``weights`` is False: a loaded optimizer state
@@ -626,9 +635,48 @@ class UnitStatic:
 
     def _read_slices(self, reads):
         for off, t in reads:
-            self._pread(self.s_fd, byte_view(as_bytes(t)), off, self.s_sums)
-            self.s_sums.verify(off, byte_view(as_bytes(t)), self.s_fd)
-            self.c.moved_add("nvme_read", t.numel() * t.element_size())
+            self._read_state_range(off, byte_view(as_bytes(t)))
+
+    def _read_state_range(self, off: int, mv) -> None:
+        """State bytes at ``off`` of the state file into ``mv``: from what was read ahead
+        where that holds them (read, verified and counted then), else from the file."""
+        for a, buf in self.ahead.items():
+            if a <= off and off + len(mv) <= a + buf.numel():
+                mv[:] = byte_view(buf[off - a:off - a + len(mv)])
+                return
+        self._pread(self.s_fd, mv, off, self.s_sums)
+        self.s_sums.verify(off, mv, self.s_fd)
+        self.c.moved_add("nvme_read", len(mv))
+
+    def _ahead_written(self, off: int, mv) -> None:
+        """A state write at ``off``: what was read ahead of that range becomes the new bytes."""
+        for a, buf in self.ahead.items():
+            lo, hi = max(a, off), min(a + buf.numel(), off + len(mv))
+            if lo < hi:
+                byte_view(buf[lo - a:hi - a])[:] = mv[lo - off:hi - off]
+
+    def state_regions(self) -> list:
+        """(offset, bytes) of each state tensor of the unit in its state file (empty before
+        its first step)."""
+        if self.s_fd is None or self.state_layout is None:
+            return []
+        return [self.s_off[x] for x in self.state_layout if x in self.s_off]
+
+    def read_ahead(self, regions) -> None:
+        """Read the state regions [(offset, bytes)] now, verified, for the step to use (the
+        overlapped executor under clip global: the reads move into the backward)."""
+        got = {}
+        for off, n in regions:
+            buf = torch.empty(n, dtype=torch.uint8)
+            mv = byte_view(buf)
+            self._pread(self.s_fd, mv, off, self.s_sums)
+            self.s_sums.verify(off, mv, self.s_fd)
+            self.c.moved_add("nvme_read", n)
+            got[off] = buf
+        self.ahead.update(got)
+
+    def drop_ahead(self) -> None:
+        self.ahead = {}
 
     def _write_slices(self, writes):
         """Each tensor in STEP_PIECE_ALIGN-element parts, each checksummed on its own: a piece
@@ -640,6 +688,8 @@ class UnitStatic:
             for a in range(0, len(mv), step):
                 self._pwrite(self.s_fd, mv[a:a + step], off + a, self.s_sums)
             self.c.moved_add("nvme_write", len(mv))
+            if self.ahead:
+                self._ahead_written(off, mv)
 
     # -- reading and loading values ------------------------------------------------------------
     def _present(self, k: int) -> bool:
@@ -784,7 +834,15 @@ class OptimizerPhase:
                 subs.append((sub, gi))
             self.subs.append((u, subs))
 
-    def step(self, original_step, closure=None):
+    def hyper(self, gi: int) -> dict:
+        """The user's hyper-parameters of param group ``gi`` as they are now (a scheduler
+        changes the groups between steps)."""
+        return {k: v for k, v in self.opt.param_groups[gi].items() if k != "params"}
+
+    def step(self, original_step, closure=None, done=()):
+        """The step: the user's optimizer over the units at home on the device, then every
+        other unit but those in ``done`` (stepped already, beside the backward:
+        runtime/overlap.py)."""
         if closure is not None:
             raise UserError("opt.step(closure) re-runs the forward, which a streaming plan does "
                             "not support; call loss.backward() and then opt.step()")
@@ -799,17 +857,24 @@ class OptimizerPhase:
         finally:
             for p, g in hidden:
                 p.grad = g
-        pieces = type(self.opt) in ELEMENTWISE
         for u, subs in self.subs:
-            if getattr(u, "steps_on_host", False):    # the staged path (runtime/staged.py)
-                u.step_host(self.opt, subs, pieces)
-                continue
-            by_pieces = pieces and u.state_out
+            if u not in done:
+                self.step_unit(u, subs)
+        return loss
+
+    def step_unit(self, u: UnitStatic, subs: list, hypers: dict | None = None) -> None:
+        """One unit's step: brought to where it runs, stepped, written back. ``hypers``
+        (group index -> hyper-parameters): those to step with, else the user's now."""
+        if getattr(u, "steps_on_host", False):    # the staged path (runtime/staged.py)
+            u.step_host(self.opt, subs, type(self.opt) in ELEMENTWISE, hypers)
+            return
+        by_pieces = type(self.opt) in ELEMENTWISE and u.state_out
+        try:
             u.materialize(self.opt.state, state=not by_pieces)
             for sub, gi in subs:
                 # the user's state and hyper-parameters as they are now: a scheduler changes
                 # the groups, and ``opt.load_state_dict`` replaces ``opt.state`` altogether
-                hyper = {k: v for k, v in self.opt.param_groups[gi].items() if k != "params"}
+                hyper = hypers[gi] if hypers is not None else self.hyper(gi)
                 if by_pieces:
                     u.step_in_pieces(lambda views, h=hyper: type(self.opt)([dict(h, params=views)]),
                                      sub.param_groups[0]["params"], self.opt.state)
@@ -818,5 +883,5 @@ class OptimizerPhase:
                 sub.param_groups[0].update(hyper)
                 sub.step()
             u.write_back(self.opt.state, state=not by_pieces)
-        return loss
-
+        finally:
+            u.drop_ahead()

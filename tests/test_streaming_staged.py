@@ -386,3 +386,22 @@ def test_staged_streaming_on_cuda(tmp_path):
         assert _max_diff(model.state_dict(), ref.state_dict()) <= 1e-4
         handle.remove()
         assert _files(tmp_path / home) == []
+
+
+def test_an_overlapped_plan_is_refused_on_a_staged_device_in_one_line(tmp_path):
+    """The overlapped executor steps units on a worker thread during the backward; on a device
+    that is not host memory that has not been run, so apply_plan says so in one line."""
+    import dataclasses
+
+    from planner.formats import PlanMismatchError
+    model, data = MODELS["gpt"]()
+    plan = plan_for(model, "keep-all", B, S, inputs=data[0], nvme_dir=tmp_path / "nvme",
+                    hardware="h200", homes={"blocks": HOMES["host"][1]}, micro_batches=K)
+    plan.hardware["device"] = "cpu"
+    plan = dataclasses.replace(plan, optimizer_overlap="overlapped", clip="none")
+    opt, _ = _optimizer(model)
+    with using(RecordingBackend()), pytest.raises(PlanMismatchError) as e:
+        apply_plan(model, plan, optimizer=opt)
+    msg = str(e.value)
+    assert "\n" not in msg and "--optimizer-overlap off" in msg and "overlapped" in msg
+    assert not _files(tmp_path / "nvme")

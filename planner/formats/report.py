@@ -40,6 +40,9 @@ class StepRecord:
     units: dict = field(default_factory=dict)
     after_backward_s: float | None = None   # last backward's end to the optimizer step's end
     links: dict = field(default_factory=dict)   # disk link -> {"bytes", "busy_s"}
+    # optimizer_overlap 'overlapped': units whose optimizer work (clip none: the step; clip
+    # global: the state read ahead) started before the step's last backward ended
+    overlapped_units: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -87,7 +90,8 @@ def _check_unit_times(units, where: str) -> None:
 _STEP_FIELDS = {"step_s": "seconds", "passes": "count", "peak_gpu_bytes": "bytes?",
                 "peak_cpu_bytes": "bytes", "peak_nvme_bytes": "bytes",
                 "peak_activation_bytes": "bytes", "static_bytes": "bytes", "base_bytes": "bytes?",
-                "moved": "dict", "stall_s": "seconds", "units": "dict", "links": "dict"}
+                "moved": "dict", "stall_s": "seconds", "units": "dict", "links": "dict",
+                "overlapped_units": "count"}
 
 
 @dataclass(frozen=True)

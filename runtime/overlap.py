@@ -1,0 +1,274 @@
+"""The optimizer beside the backward: executing plans with ``optimizer_overlap: overlapped``.
+
+A plan solved with ``--optimizer-overlap auto`` is labelled ``overlapped`` where the planner
+found it faster for a unit's optimizer work to start once that unit's gradient of the step's
+last micro-batch is complete, beside the backward of the units before it (docs/formulation.md,
+"The optimizer beside the backward"). This module is the runtime's scheduler for it; the step
+of one unit is ``streaming.OptimizerPhase.step_unit``, the same code the step after the
+backward runs, so the bits are the same.
+
+- The runtime counts the step's micro-batches (``plan.micro_batches``, K). In the K-th pass,
+  a unit whose gradients live off the device (``UnitStatic.grads_out``) is complete when the
+  last share its stage actions sent has been added into its home and the training thread has
+  waited for it (``UnitStatic.wait`` calls ``on_grads_home`` then). Its work is then handed to
+  one worker thread while the backward goes on.
+- ``clip none``: the work is the unit's whole step, with the user's hyper-parameters as they
+  are at that moment (a scheduler's change after the previous ``opt.step()`` is seen).
+  ``opt.step()`` waits for those steps, steps what remains (units whose gradients stay on the
+  device, by the plan's own path, and device-homed parameters by the user's optimizer) and
+  returns. A hyper-parameter changed between that backward and ``opt.step()`` cannot reach
+  steps that ran already: ``opt.step()`` refuses in one line (the step is then incomplete).
+  A scale of a gradient off the device (``torch.nn.utils.clip_grad_norm_``,
+  ``handle.clip_grad_norm_``) is refused in one line naming ``--clip global``.
+- ``clip global``: no update may run before the user's clip, so the work is the state reads
+  only (``UnitStatic.read_ahead``), up to ``plan.optimizer_prefetch_bytes`` a step in all;
+  the step itself runs at ``opt.step()``, after the clip, reading its state from what was
+  read ahead.
+- The order of the units' steps does not change the bits: each unit's step reads and writes
+  only that unit's parameters, gradients and state. The units stepped beside the backward are
+  past their last stage action of the pass (their weights were released at the stage after
+  their backward, and their gradients have left), so the training thread does not touch them
+  until ``opt.step()``; anything else that reads a unit (a no-grad forward, a state dict,
+  ``zero_grad``, ``handle.gradients()``, ``remove``) waits for the worker first.
+- Faults: an exception in a job is kept and raised, as the original exception, by the next
+  ``opt.step()`` (or by ``remove``, where no step came). The worker thread exists only while
+  it has work: it ends when its queue is empty, so no thread outlives a step, an exception in
+  the loop, or ``remove``.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+
+import torch
+
+from planner.formats import UserError
+
+WORKER_THREAD = "tierplan-optimizer"
+
+CLIP_REFUSAL = ("this plan was solved with --clip none, so each unit's optimizer step runs "
+                "during the backward, before a clip could scale its gradient; re-solve with "
+                "--clip global to clip (torch.nn.utils.clip_grad_norm_ or "
+                "handle.clip_grad_norm_)")
+
+
+class _Worker:
+    """Jobs run one after the other on a thread that exists only while there are jobs."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.queue: deque = deque()
+        self.thread: threading.Thread | None = None
+        self.last: threading.Thread | None = None
+
+    def submit(self, fn) -> Future:
+        fut: Future = Future()
+        with self.lock:
+            self.queue.append((fn, fut))
+            if self.thread is None:
+                self.thread = self.last = threading.Thread(target=self._run, name=WORKER_THREAD,
+                                                           daemon=True)
+                self.thread.start()
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                if not self.queue:
+                    self.thread = None
+                    return
+                fn, fut = self.queue.popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 -- kept for opt.step() to raise
+                fut.set_exception(e)
+
+    def join(self) -> None:
+        """Until every job submitted so far has run and the thread has ended."""
+        while True:
+            with self.lock:
+                t = self.last
+            if t is None:
+                return
+            t.join()
+            with self.lock:
+                if self.last is t and self.thread is None:
+                    self.last = None
+                    return
+
+
+def _snapshot(hyper: dict) -> dict:
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in hyper.items()}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.shape == b.shape and bool(torch.equal(a, b)))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 -- a value that does not compare: taken as changed
+        return a is b
+
+
+class _Job:
+    __slots__ = ("unit", "kind", "future", "hypers", "t_submit", "t_start", "t_end")
+
+    def __init__(self, unit, kind, hypers):
+        self.unit, self.kind, self.hypers = unit, kind, hypers
+        self.future = None
+        self.t_submit = time.perf_counter()
+        self.t_start = self.t_end = None
+
+
+class OverlapScheduler:
+    """Hands units' optimizer work to the worker during the last micro-batch's backward and
+    gathers it at ``opt.step()``. ``phase``: the handle's ``OptimizerPhase``."""
+
+    def __init__(self, phase, plan):
+        self.phase = phase
+        self.clip = plan.clip
+        self.K = int(plan.micro_batches)
+        self.budget = int(plan.optimizer_prefetch_bytes)
+        self.subs = {id(u): subs for u, subs in phase.subs}
+        self.worker = _Worker()
+        self.jobs: list[_Job] = []
+        self.pending_error: BaseException | None = None
+        self.armed = False
+        self.ahead_left = 0
+        self.backward_end: float | None = None
+        # per step gathered: (unit, kind, started before the last backward ended, seconds)
+        self.last_log: list = []
+        for u, _ in phase.subs:
+            u.on_grads_home = self._grads_home
+            if self.clip == "none":
+                u.scale_refusal = CLIP_REFUSAL
+
+    # -- the training thread's events ---------------------------------------------------------
+    def pass_starts(self, n: int) -> None:
+        """Forward pass ``n`` of the step (with gradients) begins."""
+        if n > self.K and any(j.kind == "step" for j in self.jobs):
+            # (state read ahead under clip global stays valid: nothing was updated)
+            raise UserError(f"this plan (optimizer_overlap 'overlapped') steps each unit "
+                            f"during the backward of micro-batch {self.K} of a step, but a "
+                            f"forward pass {n} began before opt.step(); call opt.step() every "
+                            f"{self.K} micro-batches, or re-solve with --micro-batches {n} or "
+                            "with --optimizer-overlap off")
+        self.armed = n == self.K
+        if self.armed:
+            self.ahead_left = self.budget
+            self.backward_end = None
+
+    def backward_ended(self) -> None:
+        if self.armed and self.backward_end is None:
+            self.backward_end = time.perf_counter()
+
+    def busy(self) -> bool:
+        return bool(self.jobs)
+
+    def _grads_home(self, u) -> None:
+        """Unit ``u``'s gradients have all arrived home (training thread)."""
+        if not self.armed or any(j.unit is u for j in self.jobs) or id(u) not in self.subs:
+            return
+        subs = self.subs[id(u)]
+        if self.clip == "none":
+            job = _Job(u, "step", {gi: _snapshot(self.phase.hyper(gi)) for _, gi in subs})
+            job.future = self.worker.submit(lambda j=job: self._run(j, self._step))
+        else:
+            if not u.state_out:
+                return
+            regions, n = [], 0
+            for off, size in u.state_regions():
+                if n + size <= self.ahead_left:
+                    regions.append((off, size))
+                    n += size
+            if not regions:
+                return
+            self.ahead_left -= n
+            job = _Job(u, "read", regions)
+            job.future = self.worker.submit(lambda j=job: self._run(j, self._read))
+        self.jobs.append(job)
+
+    # -- the worker's jobs -------------------------------------------------------------------
+    def _run(self, job: _Job, fn) -> None:
+        job.t_start = time.perf_counter()
+        try:
+            fn(job)
+        finally:
+            job.t_end = time.perf_counter()
+
+    def _step(self, job: _Job) -> None:
+        self.phase.step_unit(job.unit, self.subs[id(job.unit)], job.hypers)
+
+    def _read(self, job: _Job) -> None:
+        u = job.unit
+        u.store_of().submit(u.read_ahead, job.hypers).result()
+
+    # -- opt.step() --------------------------------------------------------------------------
+    def quiesce(self) -> None:
+        """Wait until the worker is idle (its errors are kept for ``opt.step()``)."""
+        if self.jobs:
+            self.worker.join()
+
+    def collect(self) -> set:
+        """At ``opt.step()``: wait for the jobs, raise the first one's error as it was, check
+        the hyper-parameters the steps used; the units already stepped."""
+        self.armed = False
+        jobs, self.jobs = self.jobs, []
+        self.worker.join()
+        err, self.pending_error = self.pending_error, None
+        for j in jobs:
+            e = j.future.exception()
+            if e is not None and err is None:
+                err = e
+        end = self.backward_end if self.backward_end is not None else float("inf")
+        self.last_log = [(j.unit.name, j.kind, j.t_start is not None and j.t_start < end,
+                          (j.t_end or 0.0) - (j.t_start or 0.0)) for j in jobs]
+        if err is not None:
+            for j in jobs:
+                j.unit.drop_ahead()
+            raise err
+        done = set()
+        for j in jobs:
+            if j.kind != "step":
+                continue
+            done.add(j.unit)
+            for gi, h in j.hypers.items():
+                now = self.phase.hyper(gi)
+                for key in sorted(set(h) | set(now), key=str):
+                    if not _same(h.get(key), now.get(key)):
+                        stepped = sum(x.kind == "step" for x in jobs)
+                        raise UserError(
+                            f"the optimizer's {key!r} of param group {gi} changed between the "
+                            f"last backward and opt.step() ({h.get(key)!r} -> "
+                            f"{now.get(key)!r}), but under this plan (optimizer_overlap "
+                            f"'overlapped', clip 'none') {stepped} unit(s) were stepped during "
+                            "that backward with the old value, so this step is left "
+                            "incomplete; change hyper-parameters after opt.step() "
+                            "(scheduler.step() after it), or re-solve with "
+                            "--optimizer-overlap off")
+        return done
+
+    def overlapped(self) -> int:
+        """Units whose work of the last gathered step started before its backward ended."""
+        return sum(1 for _, _, early, _ in self.last_log if early)
+
+    def close(self) -> BaseException | None:
+        """Wait for the worker, unhook the units; the error no ``opt.step()`` raised."""
+        self.armed = False
+        jobs, self.jobs = self.jobs, []
+        self.worker.join()
+        err, self.pending_error = self.pending_error, None
+        for j in jobs:
+            e = j.future.exception()
+            if e is not None and err is None:
+                err = e
+            j.unit.drop_ahead()
+        for u, _ in self.phase.subs:
+            u.on_grads_home = None
+            u.scale_refusal = None
+        return err
