@@ -393,7 +393,7 @@ def test_an_overlapped_plan_is_refused_on_a_staged_device_in_one_line(tmp_path):
     that is not host memory that has not been run, so apply_plan says so in one line."""
     import dataclasses
 
-    from planner.formats import PlanMismatchError
+    from runtime.binding import PlanMismatchError
     model, data = MODELS["gpt"]()
     plan = plan_for(model, "keep-all", B, S, inputs=data[0], nvme_dir=tmp_path / "nvme",
                     hardware="h200", homes={"blocks": HOMES["host"][1]}, micro_batches=K)
