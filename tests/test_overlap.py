@@ -166,9 +166,6 @@ def test_the_runtime_refuses_a_family_it_does_not_run_and_clipping_under_clip_no
     with pytest.raises(UserError, match="optimizer_overlap 'overlapped'.*--optimizer-overlap off"):
         apply_plan(model, dataclasses.replace(plan, optimizer_overlap="overlapped"),
                    optimizer=torch.optim.AdamW(model.parameters()))
-    with pytest.raises(UserError, match="micro_batch_order 'layer-major'"):
-        apply_plan(model, dataclasses.replace(plan, micro_batch_order="layer-major"),
-                   optimizer=torch.optim.AdamW(model.parameters()))
     handle = apply_plan(model, dataclasses.replace(plan, clip="none"),
                         optimizer=torch.optim.AdamW(model.parameters()))
     try:
