@@ -426,6 +426,9 @@ class _Runner:
         if prev is not None and not (prev == self.U - 1 and stage == self.U + 1):
             s = self.statics.get(self.plan.units[prev].name)
             if s is not None and s.in_use:
+                # its storages are freed now: an activation allocated at the same address
+                # later must not pass for a parameter (kept by reference, never offloaded)
+                self.static_ptrs.difference_update(_storage_ptr(q) for _, q in s.params)
                 s.release()
         if cur is not None and stage <= 2 * self.U:
             s = self.statics.get(self.plan.units[cur].name)
