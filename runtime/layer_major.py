@@ -187,7 +187,7 @@ class Run:
         r = self.r
         if not r.step_open:
             r._begin_step()
-        r.clock.begin_pass()
+        r.clock.begin_pass(self.K)
         r.static_ptrs = set()            # each micro-batch's forward adds its own
         r.driver.begin(weakref.ref(self))
         state = _tls_state()
