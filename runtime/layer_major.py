@@ -187,6 +187,7 @@ class Run:
         r = self.r
         if not r.step_open:
             r._begin_step()
+        passes0 = r.step_passes
         r.clock.begin_pass(self.K)
         r.static_ptrs = set()            # each micro-batch's forward adds its own
         r.driver.begin(weakref.ref(self))
@@ -214,6 +215,7 @@ class Run:
             self._backward(pieces, plan)
         except BaseException:
             self._discard()
+            r.step_passes = passes0      # a failed run is none of the step's passes
             raise
         finally:
             if r.driver.ctx is not None and r.driver.ctx() is self:

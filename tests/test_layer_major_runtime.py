@@ -288,3 +288,36 @@ def test_with_dropout_a_run_is_deterministic_but_draws_in_turn_order(tmp_path):
     assert _diff(got[0], got[1]) == 0.0
     assert _diff(got[0], ref.state_dict()) > 0.0
     assert _files(nvme) == []
+
+
+def test_an_exception_in_one_micro_batch_stops_the_run_and_deletes_its_files(tmp_path):
+    """The solver's plan offloads activations to NVMe: micro-batch 2's loss_fn fails after its
+    forward; the run raises that error, every micro-batch's activation files are gone, and the
+    next run trains exactly."""
+    model0, data = MODELS["gpt-tiny"]()
+    nvme = str(tmp_path / "nvme")
+    _, lm_plan = _plans(model0, data, "solve", nvme)
+    assert any(d.activation.value == "nvme" for d in lm_plan.layers)
+    model = copy.deepcopy(model0)
+    opt = _opt(model)
+    handle = apply_plan(model, lm_plan, optimizer=opt)
+    def acts():                                  # not the units' homes (w-, g-, s-)
+        return [f for f in _files(nvme) if not f.startswith(("w-", "g-", "s-", "."))]
+    seen = []
+
+    def bad(m, mb):
+        loss = _loss(m, mb)
+        seen.append(len(acts()))
+        if len(seen) == 2:
+            raise ValueError("boom")
+        return loss
+    with pytest.raises(ValueError, match="boom"):
+        handle.run_micro_batches(data[:K], bad)
+    assert max(seen) > 0                         # activation files were written meanwhile
+    assert acts() == []
+    ref = copy.deepcopy(model0)
+    _train(ref, data, _opt(ref))
+    _train(model, data, opt, handle)
+    assert _diff(model.state_dict(), ref.state_dict()) == 0.0
+    handle.remove()
+    assert _files(nvme) == []
