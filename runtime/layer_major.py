@@ -211,6 +211,10 @@ class Run:
             r.clock.forward_done()
             pieces = self._pieces()
             plan = self._analyse(pieces)
+            # from here the pieces alone hold the cuts: each goes once its backward has run
+            self.cut_in = [[] for _ in range(self.K)]
+            self.cut_out = [None] * self.K
+            self.losses = [x.detach() for x in self.losses]
             r.clock.backward_seen()
             self._backward(pieces, plan)
         except BaseException:
@@ -220,7 +224,7 @@ class Run:
         finally:
             if r.driver.ctx is not None and r.driver.ctx() is self:
                 r.driver.finish()
-        out = [x.detach() for x in self.losses]
+        out = list(self.losses)
         self._discard(keep_counts=True)
         return out
 
@@ -311,11 +315,14 @@ class Run:
         for k, ps in enumerate(pieces):
             for j, piece in enumerate(ps):
                 by_slot.setdefault(piece[0], []).append((k, j, piece))
+            ps.clear()
         for slot in sorted(by_slot, reverse=True):
             r.driver.enter(2 * self.U - max(slot, 0))
             # top piece first within a slot, micro-batches in order
-            for k, j, (s, root, above, below) in sorted(by_slot[slot], key=lambda x: (x[1], x[0])):
-                pieces[k][j] = None
+            items = sorted(by_slot.pop(slot), key=lambda x: (x[1], x[0]))
+            for n in range(len(items)):
+                k, j, (s, root, above, below) = items[n]
+                items[n] = None
                 mine = [v for v, js in shared[k].items() if j in js]
                 grad = None
                 if above is not None:
