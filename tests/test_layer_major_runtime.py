@@ -321,3 +321,38 @@ def test_an_exception_in_one_micro_batch_stops_the_run_and_deletes_its_files(tmp
     assert _diff(model.state_dict(), ref.state_dict()) == 0.0
     handle.remove()
     assert _files(nvme) == []
+
+
+def test_autocast_reaches_the_micro_batches_threads(tmp_path):
+    """The caller's autocast is carried into each micro-batch's thread: bfloat16 autocast on the
+    CPU around each step's micro-batches trains as the plain loop under the same autocast does,
+    bit for bit (autocast's cache of cast weights lives as long as the outermost autocast
+    region, so the region is one step, as the weights change at each optimizer step)."""
+    model0, data = MODELS["llama-tiny"]()
+    nvme = str(tmp_path / "nvme")
+    _, lm_plan = _plans(model0, data, "keep-all", nvme)
+
+    def train(model, opt, handle=None, autocast=True):
+        for step in range(STEPS):
+            mbs = data[step * K:(step + 1) * K]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                if handle is None:
+                    for mb in mbs:
+                        _loss(model, mb).backward()
+                else:
+                    handle.run_micro_batches(mbs, _loss)
+            opt.step()
+            opt.zero_grad()
+    model = copy.deepcopy(model0)
+    opt = _opt(model)
+    handle = apply_plan(model, lm_plan, optimizer=opt)
+    ref = copy.deepcopy(model0)
+    train(ref, _opt(ref))
+    train(model, opt, handle)
+    d = _diff(model.state_dict(), ref.state_dict())
+    handle.remove()
+    assert d == 0.0
+    # and without it the weights differ: the autocast did reach the threads
+    plain = copy.deepcopy(model0)
+    train(plain, _opt(plain), autocast=False)
+    assert _diff(plain.state_dict(), ref.state_dict()) > 0.0
