@@ -168,9 +168,21 @@ def main(argv=None) -> int:
         # figures printed are the report's own; without one, this loop measures the same span.
         times = []
         tag = f"rank {rank}/{world}  " if engine else ""
+        layer_major = handle is not None and handle.plan.micro_batch_order == "layer-major"
         for step in range(args.steps):
             total = 0.0
-            for k in range(K):
+            if layer_major:
+                # every micro-batch through a unit before the next: the handle runs the step's
+                # forwards and backwards (docs/runtime.md, "Layer-major plans")
+                mbs = [next(data) for _ in range(K)]
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                losses = handle.run_micro_batches(
+                    mbs, lambda m, mb: m(input_ids=mb[0],
+                                         labels=mb[1] if shifted else mb[0]).loss / K)
+                total = sum(x.item() for x in losses)
+            for k in range(0 if layer_major else K):
                 ids, labels = next(data)
                 if k == 0:
                     if cuda:

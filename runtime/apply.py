@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import threading
 import time
 import types
 import warnings
@@ -32,7 +33,7 @@ from planner.formats import Activation, Executor, Plan, Tier, UnitKind, UserErro
 from planner.formats.plan import check_homes
 from planner.formats.report import LINKS, Report, StepRecord
 
-from . import calls, engines
+from . import calls, engines, layer_major
 from .binding import InputGuard, InputTooLargeError, PlanMismatchError, bind
 from .calls import find_hidden as _find_hidden, hidden_of as _hidden_of
 from .files import OffloadError, planned_files
@@ -286,6 +287,9 @@ class _Runner:
         self.param_ids = {id(p) for p in model.parameters()}
         self.static_ptrs: set = set()
         self.pass_: _Pass | None = None
+        # layer-major: each micro-batch's thread has its own run, micro-batch and pass
+        self.layer_major = plan.micro_batch_order == "layer-major"
+        self._tls = threading.local()
         self.n_passes = 0
         self.passes_warned = False
         self.grads_warned = False
@@ -386,8 +390,18 @@ class _Runner:
         if self.overlap is not None:
             self.overlap.quiesce()
 
-    def _ctx_pass(self, ctx):
-        return ctx() if ctx is not None else None
+    def _ctx_passes(self, ctx) -> list:
+        """The passes a stage acts on: the pass, or under a layer-major plan every micro-batch's
+        (each has its own offload groups, one action moving the same share of each)."""
+        c = ctx() if ctx is not None else None
+        if c is None:
+            return []
+        if isinstance(c, layer_major.Run):
+            return [p for p in c.passes if p is not None]
+        return [c]
+
+    def _lm_run(self):
+        return getattr(self._tls, "run", None) if self.layer_major else None
 
     def _run_action(self, ctx, a) -> None:
         if a.cls is TensorClass.WEIGHT:
@@ -396,22 +410,19 @@ class _Runner:
         if a.cls is TensorClass.GRAD:
             self.statics[a.unit].send_grads(a.fa, a.fb)
             return
-        p = self._ctx_pass(ctx)
-        if p is None:
-            return
         kind = "act" if a.cls is TensorClass.ACT else "ck"
-        g = p.groups.get((kind, a.unit))
-        if g is None:
-            return
-        lo, hi = g.span(a.fa, a.fb)
-        if a.out:
-            g.send(lo, hi)
-        else:
-            g.fetch(lo, hi)
+        for p in self._ctx_passes(ctx):
+            g = p.groups.get((kind, a.unit))
+            if g is None:
+                continue
+            lo, hi = g.span(a.fa, a.fb)
+            if a.out:
+                g.send(lo, hi)
+            else:
+                g.fetch(lo, hi)
 
     def _barrier(self, ctx) -> None:
-        p = self._ctx_pass(ctx)
-        if p is not None:
+        for p in self._ctx_passes(ctx):
             for g in list(p.groups.values()):
                 g.wait()
         for s in self.statics.values():
@@ -427,6 +438,9 @@ class _Runner:
         if prev is not None and not (prev == self.U - 1 and stage == self.U + 1):
             s = self.statics.get(self.plan.units[prev].name)
             if s is not None and s.in_use:
+                # its storages are freed now: an activation allocated at the same address
+                # later must not pass for a parameter (kept by reference, never offloaded)
+                self.static_ptrs.difference_update(_storage_ptr(q) for _, q in s.params)
                 s.release()
         if cur is not None and stage <= 2 * self.U:
             s = self.statics.get(self.plan.units[cur].name)
@@ -477,6 +491,8 @@ class _Runner:
             why = engines.wrapped_after(self.model, self.model_cls)
             if why:
                 raise UnsupportedModelError(f"{why}; {engines.ORDER}")
+        if self.layer_major:
+            return self._lm_model_forward(orig, args, kwargs)
         self._check_input(args, kwargs)
         if not self.step_open:
             self._begin_step()
@@ -515,11 +531,44 @@ class _Runner:
             self.driver.finish()
         return out
 
+    def _lm_model_forward(self, orig, args, kwargs):
+        """One micro-batch's forward inside ``run_micro_batches`` (its own thread and pass; the
+        run drives the stages and the backward)."""
+        run = self._lm_run()
+        if run is None:
+            raise UserError("this plan is layer-major (every micro-batch through a unit before "
+                            "the next), which an ordinary loop cannot run: train with "
+                            f"{layer_major.API} (docs/runtime.md), or solve with "
+                            "--micro-batch-order batch-major")
+        k = self._tls.k
+        if run.passes[k] is not None:
+            raise UserError(f"loss_fn called the model twice for micro-batch {k + 1}; under a "
+                            "layer-major plan it runs one forward per micro-batch")
+        self._check_input(args, kwargs)
+        self.step_passes += 1
+        p = _Pass(self.n_passes)
+        self.n_passes += 1
+        ptrs = {_storage_ptr(engines.local(t)) for t in self.model.parameters()}
+        ptrs.update(_storage_ptr(t) for t in self.model.buffers())
+        ptrs.discard(0)
+        self.static_ptrs |= ptrs
+        run.passes[k] = p
+        self._tls.pass_ = p
+        try:
+            return orig(*args, **kwargs)
+        except BaseException:
+            p.discard()
+            raise
+        finally:
+            self._tls.pass_ = None
+            p.end_forward()
+
     def _check_input(self, args, kwargs):
         self.guard(args, kwargs)      # runtime/binding.py: every dimension of every input
 
     def _block_forward(self, i, orig, *args, **kwargs):
-        p = self.pass_
+        lm = self._lm_run()
+        p = self._tls.pass_ if lm is not None else self.pass_
         name = self.block_names[i]
         if p is None or self._recomputing or not torch.is_grad_enabled():
             s = self.statics.get(name)
@@ -538,8 +587,14 @@ class _Runner:
         if hidden is None:
             raise PlanMismatchError(f"block {name} was called without a tensor argument; tierplan "
                                     "needs the hidden state as its first tensor argument")
-        self.driver.enter(1 + ui)
-        if i == 0 and hidden.requires_grad:
+        if lm is not None:
+            # this micro-batch's turn at this unit; its input becomes the piece's leaf
+            lm.turn(self._tls.k, ui, name)
+            leaf, hidden = lm.cut_input(self._tls.k, ui, name, hidden)
+            args, kwargs = calls.put_hidden(args, kwargs, loc, hidden)
+        else:
+            self.driver.enter(1 + ui)
+        if i == 0 and hidden.requires_grad and lm is None:
             hidden.register_hook(_Trigger(self, p, 2 * self.U))
 
         act = d.activation
@@ -606,6 +661,10 @@ class _Runner:
     def _block_done(self, p, i, ui, out, hid):
         p.prev_out = hid
         last = i == len(self.blocks) - 1
+        lm = self._lm_run()
+        if lm is not None:
+            # the run drives the stages: no gradient hooks; the head's turn comes next
+            return lm.after_last(self._tls.k, out, hid) if last else out
         if hid.requires_grad:
             hid.register_hook(_Trigger(self, p, 2 * self.U - ui))
             if last:
@@ -789,11 +848,14 @@ def _predicted_moved(plan: Plan) -> dict:
     """Bytes per optimizer step the schedule moves per link (as the report keys them)."""
     U = len(plan.units)
     out = {k: 0 for k in LINKS}
+    # layer-major: one stage sequence a step, each gradient complete within its stage (summed
+    # on the device over the micro-batches), so nothing is read back to accumulate
+    passes = 1 if plan.micro_batch_order == "layer-major" else plan.micro_batches
     for e in plan.all_events():
         if not e.is_transfer:
             continue
         times = 1 if e.stage > 2 * U else (
-            plan.micro_batches - 1 if e.passes.value == "rest" else plan.micro_batches)
+            passes - 1 if e.passes.value == "rest" else passes)
         key = {Stream.D2H: "d2h", Stream.H2D: "h2d"}.get(e.stream)
         if e.stream is Stream.NVME:
             key = "nvme_write" if e.op is Op.WRITE else "nvme_read"
@@ -825,6 +887,31 @@ class Handle:
         """Every rank's report, on rank 0 (a list in rank order; None on the other ranks); a
         collective: every rank must call it. Without a process group, ``[report()]``."""
         return engines.gather_objects(self._r.report)
+
+    def run_micro_batches(self, batches, loss_fn) -> list:
+        """Forward and backward of the micro-batches ``batches`` of one optimizer step in the
+        plan's order; ``loss_fn(model, mb)`` runs one forward and returns its scalar loss (divide
+        by K there to average). Returns the losses (detached). Under a batch-major plan this is
+        the plain loop (``loss_fn(model, mb).backward()`` for each); under a layer-major one
+        every micro-batch goes through a unit before the next unit (``runtime.layer_major``),
+        the gradients those of the plain loop. Then ``opt.step()`` and ``zero_grad()`` as usual."""
+        batches = list(batches)
+        if not batches:
+            raise UserError("run_micro_batches needs at least one micro-batch")
+        if not torch.is_grad_enabled():
+            raise UserError("run_micro_batches trains (forward and backward): call it with "
+                            "gradients enabled, not under torch.no_grad()")
+        r = self._r
+        if not r.layer_major:
+            losses = []
+            for mb in batches:
+                loss = loss_fn(r.model, mb)
+                loss.backward()
+                losses.append(loss.detach())
+            return losses
+        if r.closed or self._removed:
+            raise UserError("this handle was removed; apply the plan again")
+        return layer_major.Run(r, batches, loss_fn).run()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False, foreach=None,
@@ -1091,12 +1178,15 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
         plan_path = str(plan)
         plan = load_plan(plan)     # the format's checks; a /1 plan refused, naming 'plan upgrade'
     src = plan_path or "the plan"
-    if plan.micro_batch_order != "batch-major":
-        # priced by the planner, not executed yet (optimizer_overlap 'overlapped' is:
-        # runtime/overlap.py)
-        raise UserError(f"{src}: its schedule uses micro_batch_order "
-                        f"{plan.micro_batch_order!r}, which this runtime does not execute yet; "
-                        "re-solve with --micro-batch-order batch-major to train with it")
+    if plan.micro_batch_order == "layer-major" and plan.optimizer_overlap == "overlapped":
+        # runtime/overlap.py counts the step's passes; runtime/layer_major.py runs them in
+        # threads taking turns: the two have not been run together
+        raise UserError(f"{src}: its schedule is layer-major with the optimizer overlapped, "
+                        "which this runtime does not execute together yet; re-solve with "
+                        "--optimizer-overlap off (or --micro-batch-order batch-major)")
+    if plan.micro_batch_order == "layer-major" and plan.engine != "none":
+        raise UserError(f"{src} is layer-major under {plan.engine}, which this runtime does not "
+                        "run; solve with --micro-batch-order batch-major")
     executor = _executor(plan, src)
     blocks = bind(model, plan, src)      # runtime/binding.py: exact names, shapes, identity
     engines.check(plan, engine, model, blocks, src)

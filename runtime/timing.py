@@ -108,8 +108,11 @@ class StageClock:
         self.after_backward_t0 = None
         self.link0 = LINKS.snapshot()
 
-    def begin_pass(self) -> None:
-        self.passes.append({"marks": {}, "fwd_end": None, "recompute": [], "backward": False})
+    def begin_pass(self, micro_batches: int = 1) -> None:
+        """A stage sequence starts; under a layer-major plan one covers ``micro_batches``
+        micro-batches, and its unit times are divided by them (seconds per micro-batch)."""
+        self.passes.append({"marks": {}, "fwd_end": None, "recompute": [], "backward": False,
+                            "n": max(1, int(micro_batches))})
 
     def backward_seen(self) -> None:
         """A gradient hook of the current pass fired: its backward ran (a pass dropped without
@@ -152,8 +155,9 @@ class StageClock:
         acc: dict[str, dict[str, list]] = {n: {} for n in self.names}
 
         def add(name, key, v):
-            acc[name].setdefault(key, []).append(max(0.0, v))
+            acc[name].setdefault(key, []).append(max(0.0, v) / per)
         for p in self.passes:
+            per = p.get("n", 1)
             m = p["marks"]
             rec_by_stage: dict[int, float] = {}
             rec_unit: dict[str, float] = {}

@@ -153,9 +153,9 @@ def test_bad_clip_and_overlap_options_are_one_line():
 
 
 def test_the_runtime_refuses_a_family_it_does_not_run_and_clipping_under_clip_none(tmp_path):
-    """apply_plan refuses a layer-major plan in one line naming the family (until the runtime
-    executes it) and takes an overlapped one (runtime/overlap.py, tests/
-    test_overlap_runtime.py); a plan solved with --clip none refuses the handle's clipping."""
+    """apply_plan takes an overlapped plan (runtime/overlap.py) and a layer-major one
+    (runtime/layer_major.py) and refuses the two together in one line naming the fix (not
+    run yet); a plan solved with --clip none refuses the handle's clipping."""
     import torch
     from planner.models import build_model, load_config
     from runtime import apply_plan
@@ -164,11 +164,12 @@ def test_the_runtime_refuses_a_family_it_does_not_run_and_clipping_under_clip_no
     torch.manual_seed(0)
     model = build_model(dict(load_config("gpt-tiny"), dtype="fp32"), dtype="fp32")
     plan = plan_for(model, "keep-all", 2, 16, nvme_dir=tmp_path / "nvme")
-    apply_plan(model, dataclasses.replace(plan, optimizer_overlap="overlapped"),
-               optimizer=torch.optim.AdamW(model.parameters())).remove()
-    with pytest.raises(UserError, match="micro_batch_order 'layer-major'.*--micro-batch-order "
-                       "batch-major"):
-        apply_plan(model, dataclasses.replace(plan, micro_batch_order="layer-major"),
+    for fam in (dict(optimizer_overlap="overlapped"), dict(micro_batch_order="layer-major")):
+        apply_plan(model, dataclasses.replace(plan, **fam),
+                   optimizer=torch.optim.AdamW(model.parameters())).remove()
+    with pytest.raises(UserError, match="layer-major.*overlapped.*--optimizer-overlap off"):
+        apply_plan(model, dataclasses.replace(plan, optimizer_overlap="overlapped",
+                                              micro_batch_order="layer-major"),
                    optimizer=torch.optim.AdamW(model.parameters()))
     handle = apply_plan(model, dataclasses.replace(plan, clip="none"),
                         optimizer=torch.optim.AdamW(model.parameters()))

@@ -1,0 +1,363 @@
+"""Layer-major micro-batches: every micro-batch of a step through a unit before the next unit,
+forward and backward (``micro_batch_order: layer-major``; ``Handle.run_micro_batches``).
+
+An ordinary loop cannot run in this order (a micro-batch's loss exists only after its whole
+forward), so the handle runs the K micro-batches itself:
+
+- **Forward.** One thread per micro-batch runs the user's ``loss_fn(model, mb)``. Only one
+  thread runs at a time: each waits for its turn at every unit it reaches, and turns go
+  (unit 0, mb 1), (unit 0, mb 2), ..., (unit 1, mb 1), ... (``_Turns``). A thread keeps its turn
+  from the start of its unit to the start of its next one, so the code between blocks runs in
+  the turn of the block before it. The first turn of each unit starts the unit's stage in the
+  stage driver (its weights come, the previous unit's go), so a streamed unit's weights are
+  on the device once for all K micro-batches. Grad mode and autocast are carried into the
+  threads; each micro-batch has its own pass (offload groups, segments).
+- **Cuts.** Each block's hidden-state input is replaced by a detached leaf of the same values
+  (and the last block's hidden output, when the plan has a head unit), so each micro-batch's
+  graph is cut into pieces: the stem, one per block (with the code after it), the head.
+- **Backward.** Piece by piece from the top, micro-batch 1..K within each unit's stage:
+  ``torch.autograd.backward(root, leaf_above.grad)``. A piece's graph ends at its leaf, so it
+  runs only that piece and accumulates its parameters' gradients in micro-batch order, which
+  is the plain loop's order. A parameter that two pieces of one micro-batch read (tied
+  embedding and head weights) gets its parts from each piece apart and, when the lowest piece
+  has run, their sum added to ``.grad``: the plain loop's ``acc + (head part + stem part)``.
+- **Refused.** A piece whose graph reaches another piece's other than through the cut (an
+  encoder's output read by every decoder block, a skip connection around a block) is refused
+  in one line after the forward, before any gradient is taken.
+
+Random draws (dropout) happen in the turn order, not the plain loop's: the run is
+deterministic, but its masks are not the plain loop's (docs/runtime.md).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import weakref
+
+import torch
+
+from planner.formats import UserError
+
+from .binding import PlanMismatchError
+
+API = "handle.run_micro_batches(batches, loss_fn)"
+
+
+class _Aborted(BaseException):
+    """Another micro-batch's thread failed: this one stops at its next turn."""
+
+
+class _Turns:
+    """One thread runs at a time: the one whose (unit, micro-batch) position is the smallest."""
+
+    def __init__(self, K: int, first: int):
+        self.cv = threading.Condition()
+        self.pos = [(first, k) for k in range(K)]
+        self.aborted = False
+
+    def advance(self, k: int, slot: int) -> None:
+        with self.cv:
+            self.pos[k] = (slot, k)
+            self.cv.notify_all()
+            while not self.aborted and min(self.pos) != self.pos[k]:
+                self.cv.wait()
+            if self.aborted:
+                raise _Aborted()
+
+    def done(self, k: int) -> None:
+        with self.cv:
+            self.pos[k] = (math.inf, k)
+            self.cv.notify_all()
+
+    def abort(self) -> None:
+        with self.cv:
+            self.aborted = True
+            self.cv.notify_all()
+
+
+def _tls_state():
+    """Thread-local settings a micro-batch's thread takes from the caller's."""
+    ac = []
+    for dev in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(dev):
+            ac.append((dev, torch.get_autocast_dtype(dev)))
+    return ac, torch.is_autocast_cache_enabled()
+
+
+def _replace_hidden_out(out, leaf):
+    if isinstance(out, torch.Tensor):
+        return leaf
+    if isinstance(out, (tuple, list)):
+        items = list(out)
+        for j, t in enumerate(items):
+            if isinstance(t, torch.Tensor):
+                items[j] = leaf
+                return type(out)(items) if isinstance(out, list) else tuple(items)
+    raise PlanMismatchError(f"the last block returned {type(out).__name__}; a layer-major plan "
+                            "needs a tensor or a tuple whose first tensor is the hidden state; "
+                            "solve with --micro-batch-order batch-major")
+
+
+class Run:
+    """One call of ``run_micro_batches`` under a layer-major plan."""
+
+    def __init__(self, runner, batches, loss_fn):
+        self.r = runner
+        self.batches = batches
+        self.loss_fn = loss_fn
+        self.K = len(batches)
+        U = runner.U
+        units = runner.plan.units
+        self.has_stem = units[0].kind != "block"
+        self.has_head = units[-1].kind != "block"
+        self.first = 0 if self.has_stem else -1
+        self.turns = _Turns(self.K, self.first)
+        self.slot = [self.first] * self.K
+        self.entered = None              # the last forward slot whose stage was entered
+        self.passes: list = [None] * self.K
+        self.cut_in = [[] for _ in range(self.K)]   # per mb: (unit index, original, leaf)
+        self.cut_out: list = [None] * self.K        # per mb: (original, leaf)
+        self.losses: list = [None] * self.K
+        self.errors: list = [None] * self.K
+        self.U = U
+
+    # -- forward, on the micro-batches' threads -----------------------------------------------
+    def turn(self, k: int, slot: int, name: str) -> None:
+        if slot <= self.slot[k]:
+            raise PlanMismatchError(f"block {name} ran out of the plan's unit order under a "
+                                    "layer-major plan (a block called twice, or blocks in "
+                                    "another order); solve with --micro-batch-order batch-major")
+        self.turns.advance(k, slot)
+        self.slot[k] = slot
+        self._enter(slot)
+
+    def _enter(self, slot: int) -> None:
+        if self.entered is None or slot > self.entered:
+            self.entered = slot
+            self.r.driver.enter(1 + max(slot, 0))
+
+    def cut_input(self, k: int, ui: int, name: str, hidden: torch.Tensor):
+        """The block's input as a leaf of the same values (the piece below ends there)."""
+        leaf = hidden.detach().requires_grad_(hidden.requires_grad)
+        self.cut_in[k].append((ui, hidden, leaf))
+        if leaf.requires_grad and name in (self.r.plan.model.get("inplace_input") or ()):
+            return leaf, leaf.clone()        # a leaf may not be written in place
+        return leaf, leaf
+
+    def after_last(self, k: int, out, hid: torch.Tensor):
+        """The last block returned: cut its hidden output and start the head's turn."""
+        if not self.has_head:
+            return out
+        if hid.requires_grad:
+            leaf = hid.detach().requires_grad_(True)
+            self.cut_out[k] = (hid, leaf)
+            out = _replace_hidden_out(out, leaf)
+        self.turn(k, self.U - 1, "head")
+        return out
+
+    def _worker(self, k: int, state) -> None:
+        r = self.r
+        ac, ac_cache = state
+        r._tls.run, r._tls.k, r._tls.pass_ = self, k, None
+        try:
+            with contextlib.ExitStack() as st:
+                st.enter_context(torch.enable_grad())
+                for dev, dtype in ac:
+                    st.enter_context(torch.autocast(dev, dtype=dtype, cache_enabled=ac_cache))
+                self.turns.advance(k, self.first)
+                self._enter(self.first)
+                loss = self.loss_fn(r.model, self.batches[k])
+            if self.passes[k] is None:
+                raise UserError(f"loss_fn did not call the model (micro-batch {k + 1}); "
+                                f"{API} needs loss_fn(model, mb) -> the loss of one forward")
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
+                raise UserError(f"loss_fn returned {type(loss).__name__} for micro-batch "
+                                f"{k + 1}; it must return a scalar loss tensor that requires grad")
+            self.losses[k] = loss
+        except BaseException as e:     # noqa: BLE001 -- raised by the caller's thread
+            self.errors[k] = e
+            self.turns.abort()
+        finally:
+            r._tls.run = r._tls.pass_ = None
+            self.turns.done(k)
+
+    # -- the caller's thread -------------------------------------------------------------------
+    def run(self) -> list:
+        r = self.r
+        if not r.step_open:
+            r._begin_step()
+        passes0 = r.step_passes
+        r.clock.begin_pass(self.K)
+        r.static_ptrs = set()            # each micro-batch's forward adds its own
+        r.driver.begin(weakref.ref(self))
+        state = _tls_state()
+        threads = [threading.Thread(target=self._worker, args=(k, state), daemon=True,
+                                    name=f"tierplan-mb{k + 1}") for k in range(self.K)]
+        try:
+            try:
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+            except BaseException:          # Ctrl-C while the threads run
+                self.turns.abort()
+                for t in threads:
+                    t.join()
+                raise
+            errs = [e for e in self.errors if e is not None and not isinstance(e, _Aborted)]
+            if errs:
+                raise errs[0]
+            r.clock.forward_done()
+            pieces = self._pieces()
+            plan = self._analyse(pieces)
+            # from here the pieces alone hold the cuts: each goes once its backward has run
+            self.cut_in = [[] for _ in range(self.K)]
+            self.cut_out = [None] * self.K
+            self.losses = [x.detach() for x in self.losses]
+            r.clock.backward_seen()
+            self._backward(pieces, plan)
+        except BaseException:
+            self._discard()
+            r.step_passes = passes0      # a failed run is none of the step's passes
+            raise
+        finally:
+            if r.driver.ctx is not None and r.driver.ctx() is self:
+                r.driver.finish()
+        out = list(self.losses)
+        self._discard(keep_counts=True)
+        return out
+
+    def _discard(self, keep_counts: bool = False):
+        for p in self.passes:
+            if p is not None and not keep_counts:
+                p.discard()
+        self.passes = [None] * self.K
+        self.cut_in = [[] for _ in range(self.K)]
+        self.cut_out = [None] * self.K
+        self.losses = [None] * self.K
+
+    def _pieces(self) -> list:
+        """Per micro-batch, top first: (slot, root, leaf above (its grad is the root's) or
+        None for the loss, leaf below (the piece ends there) or None for the stem)."""
+        out = []
+        for k in range(self.K):
+            cuts = self.cut_in[k]
+            loss = self.losses[k]
+            ps = []
+            top = loss
+            above = None
+            if self.cut_out[k] is not None:
+                y, leaf = self.cut_out[k]
+                ps.append((self.U - 1, loss, None, leaf))
+                top, above = y, leaf
+            for j in range(len(cuts) - 1, -1, -1):
+                ui, h, leaf = cuts[j]
+                ps.append((ui, top, above, leaf))
+                top, above = h, leaf
+            ps.append((0 if self.has_stem else (cuts[0][0] if cuts else 0), top, above, None))
+            out.append(ps)
+        return out
+
+    def _analyse(self, pieces) -> list:
+        """Per micro-batch, per piece: the parameters it shares with another piece; refuses a
+        graph that reaches across a cut other than through it."""
+        plan = []
+        for k, ps in enumerate(pieces):
+            leaves = {id(leaf) for _, _, leaf in self.cut_in[k]}
+            if self.cut_out[k] is not None:
+                leaves.add(id(self.cut_out[k][1]))
+            owner: dict = {}
+            reach: dict = {}             # id(leaf variable) -> [piece indices]
+            names = [self._piece_name(s) for s, *_ in ps]
+            for j, (slot, root, above, below) in enumerate(ps):
+                fn = root.grad_fn if isinstance(root, torch.Tensor) else None
+                stack, seen = [fn], set()
+                while stack:
+                    f = stack.pop()
+                    if f is None or f in seen:
+                        continue
+                    seen.add(f)
+                    if type(f).__name__ == "AccumulateGrad":
+                        v = f.variable
+                        if v is below:
+                            continue
+                        if id(v) in leaves:
+                            self._refuse(names[j], "a block's input")
+                        reach.setdefault(id(v), []).append(j)
+                        continue
+                    o = owner.get(f)
+                    if o is not None and o != j:
+                        self._refuse(names[j], names[o])
+                    owner[f] = j
+                    stack.extend(nf for nf, _ in f.next_functions)
+            shared = {v: js for v, js in reach.items() if len(set(js)) > 1}
+            plan.append(shared)
+        return plan
+
+    def _piece_name(self, slot: int) -> str:
+        return self.r.plan.units[max(slot, 0)].name
+
+    @staticmethod
+    def _refuse(here: str, there: str):
+        raise UserError(f"under a layer-major plan a unit reads only the hidden state from the "
+                        f"units before it, but the backward of {here} reaches {there} another "
+                        "way (an encoder output read by later blocks, a skip connection); "
+                        "solve with --micro-batch-order batch-major")
+
+    def _backward(self, pieces, shared) -> None:
+        r = self.r
+        params = {id(p): p for p in r.model.parameters()}
+        # every leaf two pieces read: parts per micro-batch, added up at the lowest piece
+        parts = [dict() for _ in range(self.K)]
+        lowest = [{v: max(js) for v, js in s.items()} for s in shared]
+        by_slot: dict = {}
+        for k, ps in enumerate(pieces):
+            for j, piece in enumerate(ps):
+                by_slot.setdefault(piece[0], []).append((k, j, piece))
+            ps.clear()
+        for slot in sorted(by_slot, reverse=True):
+            r.driver.enter(2 * self.U - max(slot, 0))
+            # top piece first within a slot, micro-batches in order
+            items = sorted(by_slot.pop(slot), key=lambda x: (x[1], x[0]))
+            for n in range(len(items)):
+                k, j, (s, root, above, below) = items[n]
+                items[n] = None
+                mine = [v for v, js in shared[k].items() if j in js]
+                grad = None
+                if above is not None:
+                    grad = above.grad
+                    above.grad = None
+                run = (above is None or grad is not None) and isinstance(root, torch.Tensor) \
+                    and root.grad_fn is not None
+                if run:
+                    held = []
+                    for v in mine:
+                        t = params.get(v)
+                        if t is not None:
+                            held.append((v, t, t.grad))
+                            t.grad = None
+                    torch.autograd.backward(root, grad)
+                    for v, t, old in held:
+                        got, t.grad = t.grad, old
+                        if got is not None:
+                            parts[k].setdefault(v, []).append(got)
+                del root, grad
+                for v in mine:
+                    if lowest[k][v] == j and v in params:
+                        self._accumulate(params[v], parts[k].pop(v, []))
+
+    @staticmethod
+    def _accumulate(t: torch.Tensor, got: list) -> None:
+        """``.grad`` += the parts of one micro-batch, summed in the order they arrived (the
+        plain backward sums a leaf's inputs before accumulating them)."""
+        if not got:
+            return
+        s = got[0]
+        for g in got[1:]:
+            s = s + g
+        with torch.no_grad():
+            if t.grad is None:
+                t.grad = s.detach()
+            else:
+                t.grad.add_(s)
