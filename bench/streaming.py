@@ -18,7 +18,9 @@ said):
                   the loop clips at 0.5 through handle.clip_grad_norm_
   layer-major     --micro-batch-order layer-major --optimizer-overlap off: every micro-batch
                   through a unit before the next; the loop runs them through
-                  handle.run_micro_batches and clips
+                  handle.run_micro_batches and clips; dropout is off in both runs (its
+                  masks are drawn in the order the micro-batches take turns, not the plain
+                  loop's: docs/runtime.md, "Layer-major plans")
   overlap-none    --optimizer-overlap auto --clip none: a unit's step may run beside the
                   backward of the units before it; the loop does not clip (neither does plain)
   overlap-global  --optimizer-overlap auto --clip global: only state reads move into the
@@ -109,6 +111,18 @@ def _batches(spec, model_cfg, inputs, B, S, n):
     return out
 
 
+def _dropout_off(model) -> None:
+    """Every dropout of the model at p = 0: modules and the float rates attention layers keep
+    (the built-in models' ``dropout``, Hugging Face's ``attention_dropout``)."""
+    import torch
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        for attr in ("dropout", "attention_dropout", "dropout_p"):
+            if isinstance(getattr(m, attr, None), float):
+                setattr(m, attr, 0.0)
+
+
 def worker(args) -> None:
     """One training run in this process: plainly (saving the weights) or under the plan
     (comparing with them); writes a JSON result."""
@@ -120,6 +134,8 @@ def worker(args) -> None:
     torch.manual_seed(0)
     model, inputs, _, cfg, _ = resolve_model(args.spec, args.batch, args.seq, "fp32", "cpu")
     model.to(args.device)
+    if args.through_handle:
+        _dropout_off(model)
     model.train()
     cfg = cfg.get("model_config", cfg) if isinstance(cfg, dict) else cfg
     data = [{k: v.to(args.device) if isinstance(v, torch.Tensor) else v for k, v in d.items()}
