@@ -226,15 +226,18 @@ class StagedUnit(UnitStatic):
         be = self.be
         for k, t, lo, hi, off in parts:
             buf, pinned = self._stage(hi - lo)
-            mv = byte_view(buf)
-            self._pread(self.w_fd, mv, off + lo, self.w_sums)
-            self.w_sums.verify(off + lo, mv, self.w_fd)
-            self.c.moved_add("nvme_read", hi - lo)
-            be.copy(_pb(t)[lo:hi], buf, self.h2d)
-            self.c.moved_add("h2d", hi - lo)
-            ev = be.event()
-            be.record(ev, self.h2d)
-            self._unstage(buf, pinned, ev)
+            ev = None
+            try:        # the view goes back also when the read or its checksum fails
+                mv = byte_view(buf)
+                self._pread(self.w_fd, mv, off + lo, self.w_sums)
+                self.w_sums.verify(off + lo, mv, self.w_fd)
+                self.c.moved_add("nvme_read", hi - lo)
+                be.copy(_pb(t)[lo:hi], buf, self.h2d)
+                self.c.moved_add("h2d", hi - lo)
+                ev = be.event()
+                be.record(ev, self.h2d)
+            finally:
+                self._unstage(buf, pinned, ev)
             with self.lock:
                 self.w_ev[k] = ev
                 self.w_got.add((k, lo, hi))
@@ -320,26 +323,51 @@ class StagedUnit(UnitStatic):
             produced = be.event()            # the backward has written them
             be.record(produced, None)
             be.wait(self.d2h, produced)
-            for k, g, off, n in items:
-                buf, pinned = self._stage(n)
-                be.copy(buf, as_bytes(g), self.d2h)
-                self.c.moved_add("d2h", n)
-                staged.append((k, buf, pinned))
-            ev = be.event()
-            be.record(ev, self.d2h)
-            for k, g, off, n in items:
-                be.keep(g, ev)               # freed once the copy has read it
-                flat[k] = (None, off, n)
+            try:
+                for k, g, off, n in items:
+                    buf, pinned = self._stage(n)
+                    staged.append((k, buf, pinned))
+                    be.copy(buf, as_bytes(g), self.d2h)
+                    self.c.moved_add("d2h", n)
+                ev = be.event()
+                be.record(ev, self.d2h)
+                for k, g, off, n in items:
+                    be.keep(g, ev)           # freed once the copy has read it
+                    flat[k] = (None, off, n)
+            except BaseException:            # Ctrl-C, a failed copy: the views go back
+                done = be.event()
+                be.record(done, self.d2h)
+                for _, buf, pinned in staged:
+                    self._unstage(buf, pinned, done)
+                raise
         last = fb >= 1 - 1e-12
         if last:
             self.dev_grads = None
-        self.futures.append(self.worker().submit(self._accumulate_staged, staged, ev, last))
+        try:
+            fut = self.worker().submit(self._accumulate_staged, staged, ev, last)
+        except BaseException:
+            for _, buf, pinned in staged:
+                self._unstage(buf, pinned, ev)
+            raise
+        self.futures.append(fut)
 
     def _accumulate_staged(self, staged, ev, last: bool):
         """On the worker: wait for the copies, add each staged gradient into its home."""
+        left = list(staged)
+        try:
+            self._accumulate_each(left, ev)
+        finally:        # a failed read, checksum or write: the views not added yet go back
+            for _, buf, pinned in left:
+                self._unstage(buf, pinned, None)
+        if last:
+            self.placeholders_due = True
+
+    def _accumulate_each(self, left: list, ev) -> None:
+        """``_accumulate_staged``'s work; each view leaves ``left`` once given back."""
         if ev is not None:
             self.be.host_wait(ev)
-        for k, buf, pinned in staged:
+        while left:
+            k, buf, pinned = left[0]
             p = self.params[k][1]
             _, off, n = self.flat.items[k]
             new = buf.view(p.dtype)
@@ -378,9 +406,8 @@ class StagedUnit(UnitStatic):
             self.grad_norms[k] = norm.to(self.device)
             self.grad_state[k] = HOME
             self.grad_scales.pop(k, None)
+            left.pop(0)
             self._unstage(buf, pinned, None)
-        if last:
-            self.placeholders_due = True
 
     def _host_grads(self, ks=None) -> dict:
         """Index -> the gradient at home of parameter k as a host tensor of its own, its

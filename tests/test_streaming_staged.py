@@ -405,3 +405,41 @@ def test_an_overlapped_plan_is_refused_on_a_staged_device_in_one_line(tmp_path):
     msg = str(e.value)
     assert "\n" not in msg and "--optimizer-overlap off" in msg and "overlapped" in msg
     assert not _files(tmp_path / "nvme")
+
+
+@pytest.mark.parametrize("fail_at", ["weights", "gradients"])
+def test_a_failed_disk_read_gives_the_staging_views_back(fail_at, tmp_path, monkeypatch):
+    """A read of the NVMe tier that fails mid-step (a weight fetch, or a gradient accumulator
+    read back) raises; once the handle is removed nothing of the slab is in use and no file
+    is left (a view lost on that path kept the pinned slab for the process's life)."""
+    from runtime import staged
+    model0, data = MODELS["gpt"]()
+    model = copy.deepcopy(model0)
+    nvme = tmp_path / "nvme"
+    plan = _staged_plan(model0, "nvme" if fail_at == "weights" else "grads-on-nvme", nvme,
+                        data[0])
+    be = RecordingBackend()
+    opt, _ = _optimizer(model)
+    real = staged.StagedUnit._pread
+    calls = {"n": 0}
+
+    def flaky(self, fd, mv, off, sums):
+        which = "gradients" if fd == self.g_fd else "weights"
+        if which == fail_at:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise OSError(5, "Input/output error (the test's failure)")
+        return real(self, fd, mv, off, sums)
+    monkeypatch.setattr(staged.StagedUnit, "_pread", flaky)
+    with using(be):
+        handle = apply_plan(model, plan, optimizer=opt)
+        with pytest.raises(Exception, match="the test's failure"):
+            for k in range(STEPS * K):
+                (model(**data[k]).loss / K).backward()
+                if k % K == K - 1:
+                    opt.step()
+                    opt.zero_grad()
+        handle.remove()
+    assert calls["n"] >= 3
+    assert be.slab.in_use == 0
+    assert not _files(nvme)
