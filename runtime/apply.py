@@ -911,6 +911,13 @@ class Handle:
             return losses
         if r.closed or self._removed:
             raise UserError("this handle was removed; apply the plan again")
+        if len(batches) > r.plan.micro_batches:
+            # layer-major holds every micro-batch's activations of a unit at once: more than
+            # the plan's K is more memory than it counted
+            raise UserError(f"run_micro_batches got {len(batches)} micro-batches, but this "
+                            f"layer-major plan holds {r.plan.micro_batches} at a time; pass at "
+                            f"most {r.plan.micro_batches} per call, or re-solve with "
+                            f"--micro-batches {len(batches)}")
         return layer_major.Run(r, batches, loss_fn).run()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,

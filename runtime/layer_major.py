@@ -40,6 +40,7 @@ import torch
 from planner.formats import UserError
 
 from .binding import PlanMismatchError
+from .transfer import backend_for
 
 API = "handle.run_micro_batches(batches, loss_fn)"
 
@@ -76,13 +77,15 @@ class _Turns:
             self.cv.notify_all()
 
 
-def _tls_state():
-    """Thread-local settings a micro-batch's thread takes from the caller's."""
+def _tls_state(device):
+    """Thread-local settings a micro-batch's thread takes from the caller's: autocast, and the
+    caller's compute stream (``Backend.compute_context``). Not carried: the caller's own
+    saved-tensor hooks and torch function/dispatch modes (docs/runtime.md)."""
     ac = []
     for dev in ("cpu", "cuda"):
         if torch.is_autocast_enabled(dev):
             ac.append((dev, torch.get_autocast_dtype(dev)))
-    return ac, torch.is_autocast_cache_enabled()
+    return ac, torch.is_autocast_cache_enabled(), backend_for(device).compute_context()
 
 
 def _replace_hidden_out(out, leaf):
@@ -158,10 +161,11 @@ class Run:
 
     def _worker(self, k: int, state) -> None:
         r = self.r
-        ac, ac_cache = state
+        ac, ac_cache, compute = state
         r._tls.run, r._tls.k, r._tls.pass_ = self, k, None
         try:
             with contextlib.ExitStack() as st:
+                st.enter_context(compute())
                 st.enter_context(torch.enable_grad())
                 for dev, dtype in ac:
                     st.enter_context(torch.autocast(dev, dtype=dtype, cache_enabled=ac_cache))
@@ -191,7 +195,7 @@ class Run:
         r.clock.begin_pass(self.K)
         r.static_ptrs = set()            # each micro-batch's forward adds its own
         r.driver.begin(weakref.ref(self))
-        state = _tls_state()
+        state = _tls_state(self.r.device)
         threads = [threading.Thread(target=self._worker, args=(k, state), daemon=True,
                                     name=f"tierplan-mb{k + 1}") for k in range(self.K)]
         try:

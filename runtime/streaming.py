@@ -814,6 +814,18 @@ class OptimizerPhase:
                           "optimizers (Adam, AdamW, SGD, ...) whose state on NVMe is stepped "
                           "piece by piece: each unit's whole state comes to the device for its "
                           "step, more than the plan counts", stacklevel=3)
+        if any(getattr(u, "steps_on_host", False) for u in units):
+            # the staged path steps those units on the CPU with the user's hyper-parameters:
+            # settings for device tensors only would fail half way through opt.step()
+            for gi, g in enumerate(opt.param_groups):
+                bad = [k for k, v in g.items() if k != "params" and (
+                    (k == "capturable" and v) or
+                    (isinstance(v, torch.Tensor) and v.device.type != "cpu"))]
+                if bad:
+                    raise UserError(f"param group {gi} of the optimizer sets {bad[0]!r} for "
+                                    "device tensors, but this plan steps units off the device "
+                                    "on the CPU; build the optimizer without it (capturable="
+                                    "False, plain-number hyper-parameters)")
         self.subs = []      # (unit, [(sub optimizer, user group index)])
         for u in units:
             by_group = {}

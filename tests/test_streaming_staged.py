@@ -443,3 +443,37 @@ def test_a_failed_disk_read_gives_the_staging_views_back(fail_at, tmp_path, monk
     assert calls["n"] >= 3
     assert be.slab.in_use == 0
     assert not _files(nvme)
+
+
+def test_a_capturable_optimizer_is_refused_where_units_step_on_the_cpu(tmp_path):
+    """capturable=True is for device tensors: the staged path's CPU step would fail half way
+    through opt.step() with some units stepped; apply_plan refuses it in one line instead."""
+    from planner.errors import UserError
+    model, data = MODELS["gpt"]()
+    plan = _staged_plan(model, "host", tmp_path / "nvme", data[0])
+    opt = torch.optim.AdamW(model.parameters(), capturable=True)
+    with using(RecordingBackend()), pytest.raises(UserError) as e:
+        apply_plan(model, plan, optimizer=opt)
+    assert "\n" not in str(e.value) and "capturable" in str(e.value)
+
+
+def test_more_micro_batches_than_a_layer_major_plan_holds_are_refused(tmp_path):
+    """Layer-major holds each unit's activations of every micro-batch at once: a call with
+    more than the plan's K is refused in one line naming both fixes."""
+    import dataclasses
+
+    from planner.errors import UserError
+    model, data = MODELS["llama"]()
+    plan = dataclasses.replace(_staged_plan(model, "host", tmp_path / "nvme", data[0]),
+                               micro_batch_order="layer-major")
+    opt, _ = _optimizer(model)
+    with using(RecordingBackend()):
+        handle = apply_plan(model, plan, optimizer=opt)
+        try:
+            with pytest.raises(UserError) as e:
+                handle.run_micro_batches(data[:K + 1], lambda m, mb: m(**mb).loss)
+            assert "\n" not in str(e.value) and f"--micro-batches {K + 1}" in str(e.value)
+            handle.run_micro_batches(data[:K], lambda m, mb: m(**mb).loss / K)   # K is fine
+            opt.step()
+        finally:
+            handle.remove()

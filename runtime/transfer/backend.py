@@ -22,6 +22,7 @@ reads and writes the tensors' own memory. ``allocated``/``reset_peak``/``peak``:
 memory counters, or ``None`` where the backend has none (a CPU: the runtime reads RSS)."""
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -139,6 +140,12 @@ class Backend:
 
     def host_wait(self, event) -> None:
         raise NotImplementedError
+
+    def compute_context(self):
+        """A zero-argument callable giving a context manager that, entered on another thread,
+        makes the caller's compute stream that thread's (a thread starts on the device's
+        default stream; the layer-major micro-batch threads run the caller's compute)."""
+        return contextlib.nullcontext
 
     def synchronize(self) -> None:
         raise NotImplementedError

@@ -46,6 +46,10 @@ class CudaBackend(Backend):
     def done(self, event) -> bool:
         return event.query()
 
+    def compute_context(self):
+        s = torch.cuda.current_stream(self.device)
+        return lambda: torch.cuda.stream(s)        # sets the device too
+
     def synchronize(self) -> None:
         self.mod.synchronize(self.device)
         with self.lock:
