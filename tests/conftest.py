@@ -52,21 +52,19 @@ def _units_for(model, batch, seq, blocks_path=None, inputs=None):
 
 
 def plan_for(model, layers, batch, seq, *, hardware="cpu-host", nvme_dir=None,
-             blocks_path=None, name="test-model", inputs=None, homes=None, micro_batches=1,
-             micro_batch_order="batch-major"):
+             blocks_path=None, name="test-model", inputs=None, homes=None, micro_batches=1):
     """A Plan for ``model``: ``layers`` is a policy name (keep-all, recompute-all, sqrt,
     offload-all) or a list of ``(activation, checkpoint)`` per block ("keep", None),
     ("recompute", "gpu"|"nvme"|"none"), ("nvme", None). With ``inputs`` (a dict or tuple the
     model is called with) the blocks are found from a traced forward and every input's shape
     is recorded; without, the blocks are found by the container rule and the input guard
     checks ``batch`` x ``seq``. ``homes`` maps a unit name (or "blocks" for every block) to a
-    ``Home`` (weights, grads, optimizer, step); ``micro_batch_order`` "layer-major" makes a
-    plan ``handle.run_micro_batches`` runs unit by unit."""
+    ``Home`` (weights, grads, optimizer, step)."""
     from planner.costmodel.baselines import baseline_layers
     from planner.blocks import identity_hash, input_table
     from planner.formats import Activation, Budgets, LayerDecision, Profile, Tier
     from planner.hardware import load_hardware
-    from planner.plans import cost_model, make_plan
+    from planner.plans import make_plan
 
     hw = load_hardware(hardware)
     fields, units = _units_for(model, batch, seq, blocks_path, inputs)
@@ -97,9 +95,7 @@ def plan_for(model, layers, batch, seq, *, hardware="cpu-host", nvme_dir=None,
     budgets = Budgets(hw.memory_bytes, host, hw.nvme_bytes)
     return make_plan(prof, None, hw, budgets, layers if isinstance(layers, str) else "optimal",
                      decisions, nvme_dir=str(nvme_dir) if nvme_dir else None,
-                     micro_batches=micro_batches,
-                     cm=cost_model(prof, hw, budgets, micro_batches,
-                                   micro_batch_order=micro_batch_order))
+                     micro_batches=micro_batches)
 
 
 @pytest.fixture
@@ -111,9 +107,9 @@ def make_plan_for():
 # simulator, MILP, solve, inspect, diff. Whole modules that train models, profile real ones,
 # start processes or drive the CLI under faults are slow as a kind; single slow tests elsewhere
 # carry ``@pytest.mark.slow`` themselves.
-SLOW_MODULES = {"test_zoo", "test_zoo_adversarial", "test_fuzz", "test_faults", "test_distributed", "test_streaming",
-                "test_streaming_idioms", "test_trainer", "test_packaging", "test_determinism",
-                "test_calibrate",
+SLOW_MODULES = {"test_zoo", "test_zoo_adversarial", "test_fuzz", "test_faults",
+                "test_distributed", "test_streaming", "test_streaming_idioms", "test_trainer",
+                "test_packaging", "test_determinism", "test_calibrate",
                 "test_readme", "test_runtime", "test_binding", "test_profiler", "test_cli_errors",
                 "test_timing", "test_models", "test_blocks", "test_measure"}
 

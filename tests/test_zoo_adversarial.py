@@ -8,7 +8,7 @@ as late as its waits allow:
 * ``bm-nvme``: the same activations, the blocks' weights and optimizer state on NVMe
   (gradients on the host);
 * ``lm-host``: layer-major (``handle.run_micro_batches``), homes and activations as
-  ``bm-host``. A model whose blocks are not a chain is refused in one line (LAYER_MAJOR_REFUSED).
+  ``bm-host``. What a model is refused with, in one line, is REFUSED.
   This family runs with the model in eval mode (dropout off) in both runs: under layer-major
   the micro-batches' random draws interleave in turn order, so masks differ by design
   (docs/runtime.md, "Layer-major").
@@ -34,7 +34,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from conftest import plan_for  # noqa: E402
 from planner.errors import UserError  # noqa: E402
 from planner.formats import Home, Tier as T  # noqa: E402
 from test_zoo import B, MODELS, S, factory, loss_of, torchvision_problem  # noqa: E402
@@ -47,9 +46,20 @@ FAMILIES = {
     "lm-host": ("layer-major", Home(T.CPU, T.CPU, T.CPU, T.CPU), "eval"),
 }
 
-# Models whose backward reaches a block another way than through the hidden state: refused
-# under layer-major with one line naming the fix (the text each line holds).
-LAYER_MAJOR_REFUSED: dict = {}
+# (model, family) -> the text of the one line it is refused with.
+HOMES_REFUSED = ("home 'w:{0} g:cpu o:{0} s:cpu' is not possible here (tied weights, and a block's weights used "
+                 "between blocks, stay on the device")
+REFUSED = {
+    # encoder-decoders: the encoder's output is read by every decoder block, so a decoder
+    # block's gradient is complete only after the whole decoder's backward; the plan maker
+    # (planner.formats.plan.check_homes) refuses host/NVMe homes for those blocks
+    **{(m, f): (f"layer '{first}': " + HOMES_REFUSED.format("nvme" if f == "bm-nvme" else "cpu"))
+       for m, first in (("t5", "decoder.block.0"), ("whisper", "model.decoder.layers.0"))
+       for f in FAMILIES},
+    # each recurrent layer keeps its last state on the module (use_cache on): under the turn
+    # order micro-batch 2 starts from micro-batch 1's state, one graph across micro-batches
+    ("recurrent_gemma", "lm-host"): "in micro-batch 2 reaches micro-batch 1's",
+}
 
 
 def micro_batches(inputs):
@@ -91,9 +101,7 @@ def train(name, mode, family=None, nvme=None):
     be = handle = None
     if family is not None:
         order, home, _ = FAMILIES[family]
-        plan = plan_for(model, [("cpu", None)] * _blocks(model, inputs), B, S, inputs=inputs,
-                        nvme_dir=nvme, hardware="h200", homes={"blocks": home},
-                        micro_batches=K, micro_batch_order=order)
+        plan = make_plan_for(name, order, home, nvme)
         plan.hardware["device"] = "cpu"     # the recording backend is the discrete device
         be = RecordingBackend()
     ctx = using(be) if be is not None else _Null()
@@ -135,13 +143,29 @@ class _Null:
         return False
 
 
-def _blocks(model, inputs) -> int:
-    from planner.blocks import detect_blocks
+def make_plan_for(name, order, home, nvme):
+    """A plan solved for a discrete GPU (h200) from the model's real profile (taken on a copy
+    of the model of its own: the profile's forward moves a BatchNorm's running statistics):
+    every block's activations on the host, the blocks' tensors at ``home``, K micro-batches in
+    ``order``."""
+    import dataclasses
 
-    def run():
-        with torch.random.fork_rng(devices=[]):
-            return _call(model, inputs)
-    return len(detect_blocks(model, run).pairs())
+    from planner.costmodel.baselines import baseline_layers
+    from planner.formats import Activation, Budgets
+    from planner.hardware import load_hardware
+    from planner.plans import cost_model, make_plan
+    from planner.profile import profile_module
+    hw = load_hardware("h200")
+    model, inputs = factory(name)(B, S)
+    prof = profile_module(model, inputs, name=name, hardware=hw, timing="estimate", batch=B,
+                          seq=S)
+    layers = [dataclasses.replace(d, activation=Activation.CPU, home=home)
+              if u.kind == "block" else d
+              for d, u in zip(baseline_layers("keep-all", prof.layers, hw), prof.layers)]
+    budgets = Budgets(hw.memory_bytes, hw.host_memory_bytes or 1 << 40, hw.nvme_bytes)
+    return make_plan(prof, None, hw, budgets, "optimal", layers, nvme_dir=str(nvme),
+                     micro_batches=K, cm=cost_model(prof, hw, budgets, K,
+                                                    micro_batch_order=order))
 
 
 def max_diff(a, b) -> float:
@@ -161,6 +185,7 @@ def check(name, family, nvme, ref=None) -> dict:
         return {"refused": str(e)}
     diff = max(max(max_diff(a, b) for a, b in zip(g, g0)), max_diff(w, w0))
     return {"diff": diff, "missing": be.missing, "problems": be.problems[:3],
+            "copies": {st for st, op, _ in be.log if op == "copy"},
             "slab": be.slab.in_use, "files": _files(nvme)}
 
 
@@ -171,17 +196,39 @@ def test_zoo_through_the_adversarial_backend(name, family, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         got = check(name, family, tmp_path / "nvme")
-    if family == "lm-host" and name in LAYER_MAJOR_REFUSED:
-        assert "refused" in got, f"{name} was expected to be refused under layer-major"
+    if (name, family) in REFUSED:
+        assert "refused" in got, f"{name} was expected to be refused under {family}"
         msg = got["refused"]
-        assert "\n" not in msg and LAYER_MAJOR_REFUSED[name] in msg, msg
-        assert "--micro-batch-order batch-major" in msg
+        assert "\n" not in msg and REFUSED[name, family] in msg, msg
+        if family == "lm-host" and name == "recurrent_gemma":
+            assert "use_cache=False" in msg and "--micro-batch-order batch-major" in msg
+        assert _files(tmp_path / "nvme") == []
         return
     assert "refused" not in got, got.get("refused")
+    assert {"h2d", "d2h"} <= got["copies"], got["copies"]     # the staged path ran
     assert got["missing"] == 0, got["problems"]
     assert got["diff"] == 0.0, (name, family, got["diff"])
     assert got["slab"] == 0
     assert got["files"] == []
+
+
+def test_recurrent_gemma_without_its_cache_trains_layer_major(tmp_path, monkeypatch):
+    """The fix the refusal names: with ``use_cache=False`` RecurrentGemma keeps no state
+    between calls, and layer-major trains it as plain PyTorch does."""
+    from examples import hf_models as hf
+    factory("recurrent_gemma")
+    real = hf.recurrent_gemma
+
+    def no_cache(b, s):
+        model, inputs = real(b, s)
+        model.config.use_cache = False
+        return model, inputs
+    monkeypatch.setattr(hf, "recurrent_gemma", no_cache)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = check("recurrent_gemma", "lm-host", tmp_path / "nvme")
+    assert "refused" not in got, got.get("refused")
+    assert got["missing"] == 0 and got["diff"] == 0.0 and got["files"] == []
 
 
 def main():
