@@ -7,6 +7,8 @@ as late as its waits allow:
   weights, gradients and optimizer state on the host (step on the CPU);
 * ``bm-nvme``: the same activations, the blocks' weights and optimizer state on NVMe
   (gradients on the host);
+* a block the plan maker keeps on the device (T5's and Whisper's first decoder block, charged
+  the decoder's embeddings, which are tied to the head) keeps its home there (ON_DEVICE);
 * ``lm-host``: layer-major (``handle.run_micro_batches``), homes and activations as
   ``bm-host``. What a model is refused with, in one line, is REFUSED.
   This family runs with the model in eval mode (dropout off) in both runs: under layer-major
