@@ -85,6 +85,22 @@ def _tls_state():
     return ac, torch.is_autocast_cache_enabled()
 
 
+def _of_parameters(fn, param_ids: set) -> bool:
+    """Whether the graph below ``fn`` reaches no leaf but the model's parameters."""
+    stack, seen = [fn], set()
+    while stack:
+        f = stack.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
+        if type(f).__name__ == "AccumulateGrad":
+            if id(f.variable) not in param_ids:
+                return False
+            continue
+        stack.extend(nf for nf, _ in f.next_functions)
+    return True
+
+
 def _replace_hidden_out(out, leaf):
     if isinstance(out, torch.Tensor):
         return leaf
@@ -264,6 +280,7 @@ class Run:
         graph that reaches across a cut other than through it."""
         plan = []
         mb_of: dict = {}                 # grad_fn -> the micro-batch whose graph holds it
+        param_ids = {id(p) for p in self.r.model.parameters()}
         for k, ps in enumerate(pieces):
             leaves = {id(leaf) for _, _, leaf in self.cut_in[k]}
             if self.cut_out[k] is not None:
@@ -291,7 +308,9 @@ class Run:
                     if o is not None and o != j:
                         self._refuse(names[j], names[o])
                     owner[f] = j
-                    if mb_of.setdefault(f, k) != k:
+                    if mb_of.setdefault(f, k) != k and not _of_parameters(f, param_ids):
+                        # (a node of parameters alone is shared rightly: autocast's cached
+                        # cast of a weight, for the whole autocast region)
                         self._refuse_across(names[j], k, mb_of[f])
                     stack.extend(nf for nf, _ in f.next_functions)
             shared = {v: js for v, js in reach.items() if len(set(js)) > 1}
