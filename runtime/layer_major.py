@@ -88,6 +88,22 @@ def _tls_state(device):
     return ac, torch.is_autocast_cache_enabled(), backend_for(device).compute_context()
 
 
+def _of_parameters(fn, param_ids: set) -> bool:
+    """Whether the graph below ``fn`` reaches no leaf but the model's parameters."""
+    stack, seen = [fn], set()
+    while stack:
+        f = stack.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
+        if type(f).__name__ == "AccumulateGrad":
+            if id(f.variable) not in param_ids:
+                return False
+            continue
+        stack.extend(nf for nf, _ in f.next_functions)
+    return True
+
+
 def _replace_hidden_out(out, leaf):
     if isinstance(out, torch.Tensor):
         return leaf
@@ -267,6 +283,8 @@ class Run:
         """Per micro-batch, per piece: the parameters it shares with another piece; refuses a
         graph that reaches across a cut other than through it."""
         plan = []
+        mb_of: dict = {}                 # grad_fn -> the micro-batch whose graph holds it
+        param_ids = {id(p) for p in self.r.model.parameters()}
         for k, ps in enumerate(pieces):
             leaves = {id(leaf) for _, _, leaf in self.cut_in[k]}
             if self.cut_out[k] is not None:
@@ -294,6 +312,10 @@ class Run:
                     if o is not None and o != j:
                         self._refuse(names[j], names[o])
                     owner[f] = j
+                    if mb_of.setdefault(f, k) != k and not _of_parameters(f, param_ids):
+                        # (a node of parameters alone is shared rightly: autocast's cached
+                        # cast of a weight, for the whole autocast region)
+                        self._refuse_across(names[j], k, mb_of[f])
                     stack.extend(nf for nf, _ in f.next_functions)
             shared = {v: js for v, js in reach.items() if len(set(js)) > 1}
             plan.append(shared)
@@ -308,6 +330,17 @@ class Run:
                         f"units before it, but the backward of {here} reaches {there} another "
                         "way (an encoder output read by later blocks, a skip connection); "
                         "solve with --micro-batch-order batch-major")
+
+    @staticmethod
+    def _refuse_across(here: str, k: int, other: int):
+        # e.g. Hugging Face RecurrentGemma with use_cache on: each recurrent layer keeps its
+        # last state on the module, and under the turn order micro-batch 2's layer starts from
+        # micro-batch 1's (multiplied by 0, so the plain loop's values, but one graph)
+        raise UserError(f"under a layer-major plan each micro-batch's graph is its own, but "
+                        f"the backward of {here} in micro-batch {k + 1} reaches micro-batch "
+                        f"{other + 1}'s (a module keeps a tensor of one call for the next, as a "
+                        "recurrent state or cache does: call the model with use_cache=False), "
+                        "or solve with --micro-batch-order batch-major")
 
     def _backward(self, pieces, shared) -> None:
         r = self.r

@@ -107,9 +107,9 @@ def make_plan_for():
 # simulator, MILP, solve, inspect, diff. Whole modules that train models, profile real ones,
 # start processes or drive the CLI under faults are slow as a kind; single slow tests elsewhere
 # carry ``@pytest.mark.slow`` themselves.
-SLOW_MODULES = {"test_zoo", "test_fuzz", "test_faults", "test_distributed", "test_streaming",
-                "test_streaming_idioms", "test_trainer", "test_packaging", "test_determinism",
-                "test_calibrate",
+SLOW_MODULES = {"test_zoo", "test_zoo_adversarial", "test_fuzz", "test_faults",
+                "test_distributed", "test_streaming", "test_streaming_idioms", "test_trainer",
+                "test_packaging", "test_determinism", "test_calibrate",
                 "test_readme", "test_runtime", "test_binding", "test_profiler", "test_cli_errors",
                 "test_timing", "test_models", "test_blocks", "test_measure"}
 

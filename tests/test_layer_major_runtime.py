@@ -263,6 +263,53 @@ def test_a_side_input_that_needs_a_gradient_is_refused_in_one_line(tmp_path):
         handle.remove()
 
 
+class _Stateful(torch.nn.Module):
+    """Blocks that keep a tensor of one call for the next (as Hugging Face RecurrentGemma's
+    recurrent layers do with their cache on): the value is multiplied by 0, so the plain loop
+    is unaffected, but under the turn order micro-batch 2's graph reaches micro-batch 1's."""
+
+    def __init__(self, d=16, n=3):
+        super().__init__()
+        self.inp = torch.nn.Linear(d, d)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(n))
+        self.out = torch.nn.Linear(d, 1)
+        self.state = [None] * n
+
+    def forward(self, x, target):
+        h = self.inp(x)
+        self.state = [None] * len(self.blocks)     # reset per call, before any block runs
+        for i, b in enumerate(self.blocks):
+            h = b(h)
+            if i == 0:
+                prev = getattr(self, "_kept", None)
+                if prev is not None:
+                    h = h + 0 * prev
+                self._kept = h[:, -1:]
+        return ((self.out(h) - target) ** 2).mean()
+
+
+def test_a_graph_across_micro_batches_is_refused_in_one_line():
+    torch.manual_seed(0)
+    model = _Stateful()
+    x, t = torch.randn(4, 8, 16), torch.randn(4, 8, 1)
+    prof = profile_module(model, (x, t), name="stateful", hardware=HW, timing="estimate",
+                          batch=4, seq=8)
+    model._kept = None
+    budgets = Budgets(HW.memory_bytes, 0, 1 << 30)
+    cm = cost_model(prof, HW, budgets, K, micro_batch_order="layer-major")
+    plan = plan_and_sim(prof, None, HW, budgets, "keep-all",
+                        baseline_layers("keep-all", prof.layers, HW), cm=cm)[0]
+    handle = apply_plan(model, plan, optimizer=_opt(model))
+    try:
+        with pytest.raises(UserError, match="in micro-batch 2 reaches micro-batch 1's") as e:
+            handle.run_micro_batches([(x, t), (x + 1, t)], lambda m, mb: m(*mb))
+        msg = str(e.value)
+        assert "\n" not in msg and "use_cache=False" in msg and "batch-major" in msg
+        assert all(p.grad is None for p in model.parameters())
+    finally:
+        handle.remove()
+
+
 def test_with_dropout_a_run_is_deterministic_but_draws_in_turn_order(tmp_path):
     """Dropout on: two layer-major runs from one seed give the same weights; the plain loop's
     masks differ (its draws are all of mb 1's, then mb 2's), so its weights do too."""

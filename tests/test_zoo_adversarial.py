@@ -1,0 +1,273 @@
+"""The zoo through the adversarial-order backend (runtime/transfer/recording.py): every zoo
+model (tests/test_zoo.py) under the plan families the runtime executes on a device that is not
+host memory, run by the staged path (the code CUDA runs) with every copy deferred and reordered
+as late as its waits allow:
+
+* ``bm-host``: batch-major, every block's activations offloaded to the host, the blocks'
+  weights, gradients and optimizer state on the host (step on the CPU);
+* ``bm-nvme``: the same activations, the blocks' weights and optimizer state on NVMe
+  (gradients on the host);
+* a block the plan maker keeps on the device (T5's and Whisper's first decoder block, charged
+  the decoder's embeddings, which are tied to the head) keeps its home there (ON_DEVICE);
+* ``lm-host``: layer-major (``handle.run_micro_batches``), homes and activations as
+  ``bm-host``. What a model is refused with, in one line, is REFUSED.
+  This family runs with the model in eval mode (dropout off) in both runs: under layer-major
+  the micro-batches' random draws interleave in turn order, so masks differ by design
+  (docs/runtime.md, "Layer-major").
+
+Two AdamW steps of two micro-batches each; both steps' gradients (``handle.gradients()``) and
+the final weights and buffers equal plain PyTorch's bit for bit (dropout on in the batch-major
+families, the same seed in both runs), no consumer reads before its producer's event
+(``be.missing == 0``), the slab has nothing in use and no file is left.
+
+``python tests/test_zoo_adversarial.py`` prints the table model x family -> largest
+difference, missing waits.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from planner.errors import UserError  # noqa: E402
+from planner.formats import Home, Tier as T  # noqa: E402
+from test_zoo import B, MODELS, S, factory, loss_of, torchvision_problem  # noqa: E402
+
+K, STEPS = 2, 2
+FAMILIES = {
+    # name: (micro-batch order, the blocks' home, model mode)
+    "bm-host": ("batch-major", Home(T.CPU, T.CPU, T.CPU, T.CPU), "train"),
+    "bm-nvme": ("batch-major", Home(T.NVME, T.CPU, T.NVME, T.CPU), "train"),
+    "lm-host": ("layer-major", Home(T.CPU, T.CPU, T.CPU, T.CPU), "eval"),
+}
+
+# (model, family) -> the text of the one line it is refused with.
+REFUSED = {
+    # encoder-decoders: the encoder's output, which needs a gradient, is read by every decoder
+    # block: not a chain
+    **{(m, "lm-host"): "reaches a block's input another way" for m in ("t5", "whisper")},
+    # each recurrent layer keeps its last state on the module (use_cache on): under the turn
+    # order micro-batch 2 starts from micro-batch 1's state, one graph across micro-batches
+    ("recurrent_gemma", "lm-host"): "in micro-batch 2 reaches micro-batch 1's",
+}
+# The blocks whose home stays on the device (every other block's is on the host or NVMe).
+EXPECT_ON_DEVICE = {"t5": ["decoder.block.0"], "whisper": ["model.decoder.layers.0"]}
+
+
+def micro_batches(inputs):
+    """K different micro-batches from one: integer tensors rolled by k along their last
+    dimension (ids and labels together), floating ones shifted by k / 4."""
+    def vary(t, k):
+        if not isinstance(t, torch.Tensor) or k == 0:
+            return t
+        if t.is_floating_point():
+            return t + k / 4
+        return t.roll(k, dims=-1) if t.dim() else t
+    if isinstance(inputs, dict):
+        return [{n: vary(t, k) for n, t in inputs.items()} for k in range(K)]
+    return [tuple(vary(t, k) for t in inputs) for k in range(K)]
+
+
+def _call(model, mb):
+    return model(**mb) if isinstance(mb, dict) else model(*mb)
+
+
+def _loss(model, mb):
+    return loss_of(_call(model, mb)) / K
+
+
+def _files(path) -> list:
+    return [f for _, _, fs in os.walk(path) for f in fs] if os.path.exists(path) else []
+
+
+def train(name, mode, family=None, nvme=None):
+    """Two AdamW steps of K micro-batches: (gradients of each step, final weights + float
+    buffers, the backend or None)."""
+    from runtime import apply_plan
+    from runtime.transfer import using
+    from runtime.transfer.recording import RecordingBackend
+    model, inputs = factory(name)(B, S)
+    model.train(mode == "train")
+    mbs = micro_batches(inputs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    be = handle = None
+    if family is not None:
+        order, home, _ = FAMILIES[family]
+        plan = make_plan_for(name, order, home, nvme)
+        plan.hardware["device"] = "cpu"     # the recording backend is the discrete device
+        be = RecordingBackend()
+    ctx = using(be) if be is not None else _Null()
+    grads = []
+    with ctx:
+        if be is not None:
+            handle = apply_plan(model, plan, optimizer=opt)
+        torch.manual_seed(1234)             # dropout: the same draws in both runs
+        try:
+            for _ in range(STEPS):
+                if handle is not None and FAMILIES[family][0] == "layer-major":
+                    handle.run_micro_batches(mbs, _loss)
+                else:
+                    for mb in mbs:
+                        _loss(model, mb).backward()
+                if handle is not None:
+                    g = handle.gradients()
+                    grads.append([None if g.get(n) is None else g[n].clone()
+                                  for n, _ in model.named_parameters()])
+                else:
+                    grads.append([None if p.grad is None else p.grad.clone()
+                                  for p in model.parameters()])
+                opt.step()
+                opt.zero_grad()
+            sd = model.state_dict()
+            weights = [sd[n].clone() for n, _ in model.named_parameters()]
+            buffers = [b.detach().clone() for b in model.buffers() if b.is_floating_point()]
+        finally:
+            if handle is not None:
+                handle.remove()
+    return grads, weights + buffers, be
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def make_plan_for(name, order, home, nvme):
+    """A plan solved for a discrete GPU (h200) from the model's real profile (taken on a copy
+    of the model of its own: the profile's forward moves a BatchNorm's running statistics):
+    every block's activations on the host, the blocks' tensors at ``home``, K micro-batches in
+    ``order``."""
+    import dataclasses
+
+    from planner.costmodel.baselines import baseline_layers
+    from planner.formats import Activation, Budgets
+    from planner.hardware import load_hardware
+    from planner.plans import cost_model, make_plan
+    from planner.profile import profile_module
+    hw = load_hardware("h200")
+    model, inputs = factory(name)(B, S)
+    prof = profile_module(model, inputs, name=name, hardware=hw, timing="estimate", batch=B,
+                          seq=S)
+    budgets = Budgets(hw.memory_bytes, hw.host_memory_bytes or 1 << 40, hw.nvme_bytes)
+    cm = cost_model(prof, hw, budgets, K, micro_batch_order=order)
+    # a block the plan maker keeps on the device (tied weights, or parameters charged to it
+    # that code between blocks uses: T5's and Whisper's first decoder block) keeps its home
+    # there; its activations still go to the host
+    layers = [dataclasses.replace(d, activation=Activation.CPU,
+                                  home=home if home in cm.homes[i] else d.home)
+              if u.kind == "block" else d
+              for i, (d, u) in enumerate(zip(baseline_layers("keep-all", prof.layers, hw),
+                                             prof.layers))]
+    ON_DEVICE[name] = [u.name for i, u in enumerate(prof.layers)
+                       if u.kind == "block" and home not in cm.homes[i]]
+    return make_plan(prof, None, hw, budgets, "optimal", layers, nvme_dir=str(nvme),
+                     micro_batches=K, cm=cm)
+
+
+ON_DEVICE: dict = {}     # model -> the blocks whose home stays on the device
+
+
+def max_diff(a, b) -> float:
+    assert len(a) == len(b)
+    assert all((x is None) == (y is None) for x, y in zip(a, b)), "a gradient is missing"
+    return max(((x - y).abs().max().item() for x, y in zip(a, b) if x is not None),
+               default=0.0)
+
+
+def check(name, family, nvme, ref=None) -> dict:
+    """One model under one family: {"diff", "missing", "slab", "files"} or {"refused": line}."""
+    mode = FAMILIES[family][2]
+    g0, w0, _ = ref or train(name, mode)
+    try:
+        g, w, be = train(name, mode, family, nvme)
+    except UserError as e:
+        return {"refused": str(e)}
+    diff = max(max(max_diff(a, b) for a, b in zip(g, g0)), max_diff(w, w0))
+    return {"diff": diff, "missing": be.missing, "problems": be.problems[:3],
+            "copies": {st for st, op, _ in be.log if op == "copy"},
+            "slab": be.slab.in_use, "files": _files(nvme)}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("name", MODELS)
+def test_zoo_through_the_adversarial_backend(name, family, tmp_path):
+    factory(name)                       # skips what this environment lacks
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = check(name, family, tmp_path / "nvme")
+    if (name, family) in REFUSED:
+        assert "refused" in got, f"{name} was expected to be refused under {family}"
+        msg = got["refused"]
+        assert "\n" not in msg and REFUSED[name, family] in msg, msg
+        assert "--micro-batch-order batch-major" in msg
+        if name == "recurrent_gemma":
+            assert "use_cache=False" in msg
+        assert _files(tmp_path / "nvme") == []
+        return
+    assert "refused" not in got, got.get("refused")
+    assert ON_DEVICE[name] == EXPECT_ON_DEVICE.get(name, [])
+    assert {"h2d", "d2h"} <= got["copies"], got["copies"]     # the staged path ran
+    assert got["missing"] == 0, got["problems"]
+    assert got["diff"] == 0.0, (name, family, got["diff"])
+    assert got["slab"] == 0
+    assert got["files"] == []
+
+
+def test_recurrent_gemma_without_its_cache_trains_layer_major(tmp_path, monkeypatch):
+    """The fix the refusal names: with ``use_cache=False`` RecurrentGemma keeps no state
+    between calls, and layer-major trains it as plain PyTorch does."""
+    from examples import hf_models as hf
+    factory("recurrent_gemma")
+    real = hf.recurrent_gemma
+
+    def no_cache(b, s):
+        model, inputs = real(b, s)
+        model.config.use_cache = False
+        return model, inputs
+    monkeypatch.setattr(hf, "recurrent_gemma", no_cache)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = check("recurrent_gemma", "lm-host", tmp_path / "nvme")
+    assert "refused" not in got, got.get("refused")
+    assert got["missing"] == 0 and got["diff"] == 0.0 and got["files"] == []
+
+
+def main():
+    import tempfile
+    print(f"| model | {' | '.join(FAMILIES)} |")
+    print("|---|" + "---|" * len(FAMILIES))
+    for name in MODELS:
+        if name == "resnet18" and torchvision_problem():
+            print(f"| {name} | skipped: {torchvision_problem()} |")
+            continue
+        cells = []
+        refs = {}
+        for family in FAMILIES:
+            mode = FAMILIES[family][2]
+            with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if mode not in refs:
+                    refs[mode] = train(name, mode)
+                try:
+                    got = check(name, family, Path(d) / "nvme", refs[mode])
+                except Exception as e:   # noqa: BLE001 -- the table shows it
+                    got = {"refused": f"FAILED {type(e).__name__}: {str(e)[:80]}"}
+            if "refused" in got:
+                cells.append(f"refused: {got['refused'][:60]}")
+            else:
+                cells.append(f"{got['diff']:.1e}, {got['missing']} missing")
+        print(f"| {name} | {' | '.join(cells)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
