@@ -214,9 +214,9 @@ class OverlapScheduler:
         if self.jobs:
             self.worker.join()
 
-    def collect(self) -> set:
-        """At ``opt.step()``: wait for the jobs, raise the first one's error as it was, check
-        the hyper-parameters the steps used; the units already stepped."""
+    def _drain(self) -> tuple[list, BaseException | None]:
+        """Disarm, wait for the worker; the jobs it ran and the first error of them (or the one
+        kept from before)."""
         self.armed = False
         jobs, self.jobs = self.jobs, []
         self.worker.join()
@@ -225,6 +225,12 @@ class OverlapScheduler:
             e = j.future.exception()
             if e is not None and err is None:
                 err = e
+        return jobs, err
+
+    def collect(self) -> set:
+        """At ``opt.step()``: wait for the jobs, raise the first one's error as it was, check
+        the hyper-parameters the steps used; the units already stepped."""
+        jobs, err = self._drain()
         end = self.backward_end if self.backward_end is not None else float("inf")
         self.last_log = [(j.unit.name, j.kind, j.t_start is not None and j.t_start < end,
                           (j.t_end or 0.0) - (j.t_start or 0.0)) for j in jobs]
@@ -259,14 +265,8 @@ class OverlapScheduler:
 
     def close(self) -> BaseException | None:
         """Wait for the worker, unhook the units; the error no ``opt.step()`` raised."""
-        self.armed = False
-        jobs, self.jobs = self.jobs, []
-        self.worker.join()
-        err, self.pending_error = self.pending_error, None
+        jobs, err = self._drain()
         for j in jobs:
-            e = j.future.exception()
-            if e is not None and err is None:
-                err = e
             j.unit.drop_ahead()
         for u, _ in self.phase.subs:
             u.on_grads_home = None

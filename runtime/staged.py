@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from planner.formats import ACC_CHUNK_BYTES, Tier, UserError
+from planner.formats import Tier, UserError
 
 from .files import Sums, byte_view
 from .offload import as_bytes
@@ -387,21 +387,7 @@ class StagedUnit(UnitStatic):
                     h.copy_(new)
                 norm = torch.linalg.vector_norm(h, 2.0)
             else:
-                step = max(1, ACC_CHUNK_BYTES // p.element_size()) * p.element_size()
-                for c0 in range(0, n, step):
-                    c1 = min(n, c0 + step)
-                    part = buf[c0:c1]
-                    if add:
-                        old = torch.empty(c1 - c0, dtype=torch.uint8)
-                        self._pread(self.g_fd, byte_view(old), off + c0, self.g_sums)
-                        self.g_sums.verify(off + c0, byte_view(old), self.g_fd)
-                        self.c.moved_add("nvme_read", c1 - c0)
-                        acc = old.view(p.dtype)
-                        for f in scales:
-                            acc.mul_(f)
-                        part.view(p.dtype).add_(acc)
-                    self._pwrite(self.g_fd, byte_view(part), off + c0, self.g_sums)
-                    self.c.moved_add("nvme_write", c1 - c0)
+                self._add_into_file(buf, p.dtype, off, n, add, scales)
                 norm = torch.linalg.vector_norm(new, 2.0)
             self.grad_norms[k] = norm.to(self.device)
             self.grad_state[k] = HOME

@@ -407,27 +407,8 @@ class UnitStatic:
                 continue
             # by parts of ACC_CHUNK_BYTES (whole elements), each written with its own checksum:
             # the read-back below then holds one part at a time, as the plan counts it
-            add = self.grad_state.get(k) is HOME
-            scales = self.scales_now.get(k, ())
-            step = max(1, ACC_CHUNK_BYTES // g.element_size()) * g.element_size()
-            for c0 in range(0, n, step):
-                c1 = min(n, c0 + step)
-                part = as_bytes(g)[c0:c1]
-                if add:
-                    # add the accumulator into the new gradient in its dtype: new + acc, the
-                    # same bits as PyTorch's acc + new (the accumulator scaled first, as a
-                    # clip between passes scaled .grad in place)
-                    old = torch.empty(c1 - c0, dtype=torch.uint8)
-                    self._pread(self.g_fd, byte_view(old), off + c0, self.g_sums)
-                    self.g_sums.verify(off + c0, byte_view(old), self.g_fd)
-                    self.c.moved_add("nvme_read", c1 - c0)
-                    acc = old.view(g.dtype)
-                    for f in scales:
-                        acc.mul_(f)
-                    part.view(g.dtype).add_(acc)
-                    del old, acc
-                self._pwrite(self.g_fd, byte_view(part), off + c0, self.g_sums)
-                self.c.moved_add("nvme_write", c1 - c0)
+            self._add_into_file(as_bytes(g), g.dtype, off, n, self.grad_state.get(k) is HOME,
+                                self.scales_now.get(k, ()))
             # the tensor's accumulated gradient is complete: its norm, as clipping takes it
             self.grad_norms[k] = torch.linalg.vector_norm(g, 2.0)
             self.grad_state[k] = HOME
@@ -438,6 +419,32 @@ class UnitStatic:
         if last:
             self.dev_grads = None
             self.placeholders_due = True      # installed by the training thread (``wait``)
+
+    def _add_into_file(self, new: torch.Tensor, dtype, off: int, n: int, add: bool,
+                       scales) -> None:
+        """The new gradient (``new``: its ``n`` bytes) into the accumulator file at ``off``, by
+        parts of ACC_CHUNK_BYTES (whole elements), each written with its own checksum: the
+        read-back then holds one part at a time, as the plan counts it. With ``add`` the
+        accumulator is added into the new gradient in its dtype: new + acc, the same bits as
+        PyTorch's acc + new (the accumulator scaled first, as a clip between passes scaled
+        ``.grad`` in place)."""
+        es = torch.empty((), dtype=dtype).element_size()
+        step = max(1, ACC_CHUNK_BYTES // es) * es
+        for c0 in range(0, n, step):
+            c1 = min(n, c0 + step)
+            part = new[c0:c1]
+            if add:
+                old = torch.empty(c1 - c0, dtype=torch.uint8)
+                self._pread(self.g_fd, byte_view(old), off + c0, self.g_sums)
+                self.g_sums.verify(off + c0, byte_view(old), self.g_fd)
+                self.c.moved_add("nvme_read", c1 - c0)
+                acc = old.view(dtype)
+                for f in scales:
+                    acc.mul_(f)
+                part.view(dtype).add_(acc)
+                del old, acc
+            self._pwrite(self.g_fd, byte_view(part), off + c0, self.g_sums)
+            self.c.moved_add("nvme_write", c1 - c0)
 
     def read_grads(self, ks=None) -> dict:
         """Index -> the gradient at home of parameter k (all with one), read from the file
