@@ -88,20 +88,24 @@ def _tls_state(device):
     return ac, torch.is_autocast_cache_enabled(), backend_for(device).compute_context()
 
 
-def _of_parameters(fn, param_ids: set) -> bool:
-    """Whether the graph below ``fn`` reaches no leaf but the model's parameters."""
+def _nodes(fn):
+    """Every node of the autograd graph below ``fn``, once each; a leaf's ``AccumulateGrad``
+    is yielded and not gone below."""
     stack, seen = [fn], set()
     while stack:
         f = stack.pop()
         if f is None or f in seen:
             continue
         seen.add(f)
-        if type(f).__name__ == "AccumulateGrad":
-            if id(f.variable) not in param_ids:
-                return False
-            continue
-        stack.extend(nf for nf, _ in f.next_functions)
-    return True
+        yield f
+        if type(f).__name__ != "AccumulateGrad":
+            stack.extend(nf for nf, _ in f.next_functions)
+
+
+def _of_parameters(fn, param_ids: set) -> bool:
+    """Whether the graph below ``fn`` reaches no leaf but the model's parameters."""
+    return all(id(f.variable) in param_ids for f in _nodes(fn)
+               if type(f).__name__ == "AccumulateGrad")
 
 
 def _replace_hidden_out(out, leaf):
@@ -294,12 +298,7 @@ class Run:
             names = [self._piece_name(s) for s, *_ in ps]
             for j, (slot, root, above, below) in enumerate(ps):
                 fn = root.grad_fn if isinstance(root, torch.Tensor) else None
-                stack, seen = [fn], set()
-                while stack:
-                    f = stack.pop()
-                    if f is None or f in seen:
-                        continue
-                    seen.add(f)
+                for f in _nodes(fn):
                     if type(f).__name__ == "AccumulateGrad":
                         v = f.variable
                         if v is below:
@@ -316,7 +315,6 @@ class Run:
                         # (a node of parameters alone is shared rightly: autocast's cached
                         # cast of a weight, for the whole autocast region)
                         self._refuse_across(names[j], k, mb_of[f])
-                    stack.extend(nf for nf, _ in f.next_functions)
             shared = {v: js for v, js in reach.items() if len(set(js)) > 1}
             plan.append(shared)
         return plan

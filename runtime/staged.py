@@ -553,20 +553,10 @@ class StagedUnit(UnitStatic):
             self._pwrite(self.w_fd, byte_view(as_bytes(h)), off, self.w_sums)
             self.c.moved_add("nvme_write", n)
 
-    @contextlib.contextmanager
-    def weights_present(self, write_back: bool = False):
-        """The unit's weights on the device for the duration (state dicts, no-grad calls);
-        with ``write_back``, what the call left in them goes to the home."""
-        was = self.in_use or not self.weights_out
-        if not was:
-            self.use()
-        try:
-            yield
-        finally:
-            if not was:
-                if write_back:
-                    self._write_all_weights()
-                self.release()
+    def _write_weights_home(self) -> None:
+        """``weights_present(write_back=True)``: what the call left in the weights goes to
+        the home (``_write_all_weights`` brings them down and writes them itself)."""
+        self._write_all_weights()
 
     # -- state: loading and leaving ------------------------------------------------------------
     def write_back(self, opt_state, weights: bool = True, state: bool = True) -> None:

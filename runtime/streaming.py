@@ -754,8 +754,12 @@ class UnitStatic:
         finally:
             if not was:
                 if write_back:
-                    self.store_of().submit(self._write_all_weights).result()
+                    self._write_weights_home()
                 self.release()
+
+    def _write_weights_home(self) -> None:
+        """Every weight to its home, now (on the I/O thread, which owns the files)."""
+        self.store_of().submit(self._write_all_weights).result()
 
     @contextlib.contextmanager
     def state_present(self, opt_state, write_back: bool = False):
