@@ -175,9 +175,14 @@ class OverlapScheduler:
         if not self.armed or any(j.unit is u for j in self.jobs) or id(u) not in self.subs:
             return
         subs = self.subs[id(u)]
+        # the training thread's compute stream, made the worker's own while the job runs: on
+        # the staged path (a CUDA device) a step's waits and records for "the compute stream"
+        # (``StagedUnit._up``, the norms' copies) are then on the stream the backward uses,
+        # not on the worker thread's default one
+        ctx = u.be.compute_context()
         if self.clip == "none":
             job = _Job(u, "step", {gi: _snapshot(self.phase.hyper(gi)) for _, gi in subs})
-            job.future = self.worker.submit(lambda j=job: self._run(j, self._step))
+            job.future = self.worker.submit(lambda j=job: self._run(j, self._step, ctx))
         else:
             if not u.state_out:
                 return
@@ -190,14 +195,15 @@ class OverlapScheduler:
                 return
             self.ahead_left -= n
             job = _Job(u, "read", regions)
-            job.future = self.worker.submit(lambda j=job: self._run(j, self._read))
+            job.future = self.worker.submit(lambda j=job: self._run(j, self._read, ctx))
         self.jobs.append(job)
 
     # -- the worker's jobs -------------------------------------------------------------------
-    def _run(self, job: _Job, fn) -> None:
+    def _run(self, job: _Job, fn, ctx) -> None:
         job.t_start = time.perf_counter()
         try:
-            fn(job)
+            with ctx():
+                fn(job)
         finally:
             job.t_end = time.perf_counter()
 

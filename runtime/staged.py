@@ -294,6 +294,18 @@ class StagedUnit(UnitStatic):
         self.worker().submit(self._read_weights_into, out, off).result()
         return out
 
+    def open_for_load(self, k: int) -> bool:
+        """``UnitStatic.open_for_load``; where parameter k is fetched already, the compute
+        stream first waits for its ``h2d`` copy, so that the copy cannot land over what
+        ``load_state_dict`` writes into it (or be read half-done)."""
+        opened = super().open_for_load(k)
+        if not opened and self.weights_out:
+            with self.lock:
+                ev = self.w_ev.get(k)
+            if ev is not None:
+                self.be.wait(None, ev)
+        return opened
+
     def loaded(self, k: int, opened: bool) -> None:
         if not self.weights_out:
             return
@@ -318,7 +330,7 @@ class StagedUnit(UnitStatic):
         flat = self.dev_grads
         items = [(k, g, off, n) for k, (g, off, n) in enumerate(flat)
                  if g is not None and n and a <= off < b]
-        staged, ev = [], None
+        staged, ev, scales, kept = [], None, {}, []
         if items:
             produced = be.event()            # the backward has written them
             be.record(produced, None)
@@ -329,11 +341,27 @@ class StagedUnit(UnitStatic):
                     staged.append((k, buf, pinned))
                     be.copy(buf, as_bytes(g), self.d2h)
                     self.c.moved_add("d2h", n)
+                # the scales a clip recorded (device tensors the compute stream wrote): their
+                # host copies on d2h too, behind the same event the host job waits for
+                for k, g, off, n in items:
+                    fs = self.scales_now.get(k, ())
+                    host_fs = []
+                    for f in fs:
+                        if isinstance(f, torch.Tensor):
+                            h, src = torch.empty(f.shape, dtype=f.dtype), f.detach().contiguous()
+                            be.copy(as_bytes(h), as_bytes(src), self.d2h)
+                            kept.append(src)
+                            host_fs.append(h)
+                        else:
+                            host_fs.append(f)
+                    scales[k] = host_fs
                 ev = be.event()
                 be.record(ev, self.d2h)
                 for k, g, off, n in items:
                     be.keep(g, ev)           # freed once the copy has read it
                     flat[k] = (None, off, n)
+                for src in kept:
+                    be.keep(src, ev)
             except BaseException:            # Ctrl-C, a failed copy: the views go back
                 done = be.event()
                 be.record(done, self.d2h)
@@ -344,25 +372,26 @@ class StagedUnit(UnitStatic):
         if last:
             self.dev_grads = None
         try:
-            fut = self.worker().submit(self._accumulate_staged, staged, ev, last)
+            fut = self.worker().submit(self._accumulate_staged, staged, ev, last, scales)
         except BaseException:
             for _, buf, pinned in staged:
                 self._unstage(buf, pinned, ev)
             raise
         self.futures.append(fut)
 
-    def _accumulate_staged(self, staged, ev, last: bool):
-        """On the worker: wait for the copies, add each staged gradient into its home."""
+    def _accumulate_staged(self, staged, ev, last: bool, scales: dict):
+        """On the worker: wait for the copies, add each staged gradient into its home
+        (``scales``: k -> the clip's scales as host tensors, copied behind ``ev``)."""
         left = list(staged)
         try:
-            self._accumulate_each(left, ev)
+            self._accumulate_each(left, ev, scales)
         finally:        # a failed read, checksum or write: the views not added yet go back
             for _, buf, pinned in left:
                 self._unstage(buf, pinned, None)
         if last:
             self.placeholders_due = True
 
-    def _accumulate_each(self, left: list, ev) -> None:
+    def _accumulate_each(self, left: list, ev, host_scales: dict) -> None:
         """``_accumulate_staged``'s work; each view leaves ``left`` once given back."""
         if ev is not None:
             self.be.host_wait(ev)
@@ -372,7 +401,7 @@ class StagedUnit(UnitStatic):
             _, off, n = self.flat.items[k]
             new = buf.view(p.dtype)
             add = self.grad_state.get(k) is HOME
-            scales = [_on_host(f) for f in self.scales_now.get(k, ())]
+            scales = host_scales.get(k, ())
             if self.home.grads is Tier.CPU:
                 if k not in self.g_home:
                     self.g_home[k] = self._home_tensor(p)
@@ -385,9 +414,12 @@ class StagedUnit(UnitStatic):
                     h.add_(new)              # acc + new: the bits of new + acc
                 else:
                     h.copy_(new)
+                    if self.grad_state.get(k) is ZERO:
+                        h.add_(0.0)          # as PyTorch adds into a zeroed .grad: -0.0 -> +0.0
                 norm = torch.linalg.vector_norm(h, 2.0)
             else:
-                self._add_into_file(buf, p.dtype, off, n, add, scales)
+                self._add_into_file(buf, p.dtype, off, n, add, scales,
+                                    zeroed=self.grad_state.get(k) is ZERO)
                 norm = torch.linalg.vector_norm(new, 2.0)
             self.grad_norms[k] = norm.to(self.device)
             self.grad_state[k] = HOME

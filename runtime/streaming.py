@@ -407,8 +407,9 @@ class UnitStatic:
                 continue
             # by parts of ACC_CHUNK_BYTES (whole elements), each written with its own checksum:
             # the read-back below then holds one part at a time, as the plan counts it
-            self._add_into_file(as_bytes(g), g.dtype, off, n, self.grad_state.get(k) is HOME,
-                                self.scales_now.get(k, ()))
+            st = self.grad_state.get(k)
+            self._add_into_file(as_bytes(g), g.dtype, off, n, st is HOME,
+                                self.scales_now.get(k, ()), zeroed=st is ZERO)
             # the tensor's accumulated gradient is complete: its norm, as clipping takes it
             self.grad_norms[k] = torch.linalg.vector_norm(g, 2.0)
             self.grad_state[k] = HOME
@@ -421,13 +422,15 @@ class UnitStatic:
             self.placeholders_due = True      # installed by the training thread (``wait``)
 
     def _add_into_file(self, new: torch.Tensor, dtype, off: int, n: int, add: bool,
-                       scales) -> None:
+                       scales, zeroed: bool = False) -> None:
         """The new gradient (``new``: its ``n`` bytes) into the accumulator file at ``off``, by
         parts of ACC_CHUNK_BYTES (whole elements), each written with its own checksum: the
         read-back then holds one part at a time, as the plan counts it. With ``add`` the
         accumulator is added into the new gradient in its dtype: new + acc, the same bits as
         PyTorch's acc + new (the accumulator scaled first, as a clip between passes scaled
-        ``.grad`` in place)."""
+        ``.grad`` in place). With ``zeroed`` (the gradient was zeroed in place, ``ZERO``) the
+        new gradient is added to zeros, as PyTorch's accumulation into a zeroed ``.grad`` is:
+        0.0 + -0.0 is +0.0, so a -0.0 does not survive (a copy would keep it)."""
         es = torch.empty((), dtype=dtype).element_size()
         step = max(1, ACC_CHUNK_BYTES // es) * es
         for c0 in range(0, n, step):
@@ -443,6 +446,8 @@ class UnitStatic:
                     acc.mul_(f)
                 part.view(dtype).add_(acc)
                 del old, acc
+            elif zeroed:
+                part.view(dtype).add_(0.0)      # 0.0 + x: x, except -0.0 -> +0.0
             self._pwrite(self.g_fd, byte_view(part), off + c0, self.g_sums)
             self.c.moved_add("nvme_write", c1 - c0)
 

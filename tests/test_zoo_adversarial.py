@@ -14,6 +14,13 @@ as late as its waits allow:
   This family runs with the model in eval mode (dropout off) in both runs: under layer-major
   the micro-batches' random draws interleave in turn order, so masks differ by design
   (docs/runtime.md, "Layer-major").
+* ``ov-none`` / ``ov-global``: batch-major with the optimizer beside the backward
+  (``optimizer_overlap: overlapped``), homes and activations as ``bm-nvme``: under clip none
+  the worker thread steps each block on the CPU during the last micro-batch's backward; under
+  clip global (``handle.clip_grad_norm_`` against ``torch.nn.utils.clip_grad_norm_`` in the
+  reference) it reads each block's state ahead and the step runs after the clip. The solver
+  labels such plans ``after-backward`` (it prices the overlap only for deeper steps); the same
+  decisions are relabelled ``overlapped``, as tests/test_overlap_runtime.py does.
 
 Two AdamW steps of two micro-batches each; both steps' gradients (``handle.gradients()``) and
 the final weights and buffers equal plain PyTorch's bit for bit (dropout on in the batch-major
@@ -42,11 +49,14 @@ from test_zoo import B, MODELS, S, factory, loss_of, torchvision_problem  # noqa
 
 K, STEPS = 2, 2
 FAMILIES = {
-    # name: (micro-batch order, the blocks' home, model mode)
-    "bm-host": ("batch-major", Home(T.CPU, T.CPU, T.CPU, T.CPU), "train"),
-    "bm-nvme": ("batch-major", Home(T.NVME, T.CPU, T.NVME, T.CPU), "train"),
-    "lm-host": ("layer-major", Home(T.CPU, T.CPU, T.CPU, T.CPU), "eval"),
+    # name: (micro-batch order, the blocks' home, model mode, optimizer overlap's clip or None)
+    "bm-host": ("batch-major", Home(T.CPU, T.CPU, T.CPU, T.CPU), "train", None),
+    "bm-nvme": ("batch-major", Home(T.NVME, T.CPU, T.NVME, T.CPU), "train", None),
+    "lm-host": ("layer-major", Home(T.CPU, T.CPU, T.CPU, T.CPU), "eval", None),
+    "ov-none": ("batch-major", Home(T.NVME, T.CPU, T.NVME, T.CPU), "train", "none"),
+    "ov-global": ("batch-major", Home(T.NVME, T.CPU, T.NVME, T.CPU), "train", "global"),
 }
+CLIP_NORM = 0.5
 
 # (model, family) -> the text of the one line it is refused with.
 REFUSED = {
@@ -87,9 +97,10 @@ def _files(path) -> list:
     return [f for _, _, fs in os.walk(path) for f in fs] if os.path.exists(path) else []
 
 
-def train(name, mode, family=None, nvme=None):
+def train(name, mode, family=None, nvme=None, clip=None):
     """Two AdamW steps of K micro-batches: (gradients of each step, final weights + float
-    buffers, the backend or None)."""
+    buffers, the backend or None); ``clip`` "global": the gradients clipped to CLIP_NORM
+    before each step (the handle's clip under a plan)."""
     from runtime import apply_plan
     from runtime.transfer import using
     from runtime.transfer.recording import RecordingBackend
@@ -99,8 +110,10 @@ def train(name, mode, family=None, nvme=None):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     be = handle = None
     if family is not None:
-        order, home, _ = FAMILIES[family]
+        order, home, _, clip = FAMILIES[family]
         plan = make_plan_for(name, order, home, nvme)
+        if clip is not None:
+            plan = overlapped(plan, clip)
         plan.hardware["device"] = "cpu"     # the recording backend is the discrete device
         be = RecordingBackend()
     ctx = using(be) if be is not None else _Null()
@@ -123,6 +136,11 @@ def train(name, mode, family=None, nvme=None):
                 else:
                     grads.append([None if p.grad is None else p.grad.clone()
                                   for p in model.parameters()])
+                if clip == "global":
+                    if handle is not None:
+                        handle.clip_grad_norm_(CLIP_NORM)
+                    else:
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
                 opt.step()
                 opt.zero_grad()
             sd = model.state_dict()
@@ -130,6 +148,8 @@ def train(name, mode, family=None, nvme=None):
             buffers = [b.detach().clone() for b in model.buffers() if b.is_floating_point()]
         finally:
             if handle is not None:
+                ov = handle._r.overlap
+                be.jobs = [k for _, k, _, _ in ov.last_log] if ov is not None else []
                 handle.remove()
     return grads, weights + buffers, be
 
@@ -177,6 +197,16 @@ def make_plan_for(name, order, home, nvme):
 ON_DEVICE: dict = {}     # model -> the blocks whose home stays on the device
 
 
+def overlapped(plan, clip):
+    """The plan's decisions executed with the optimizer beside the backward under ``clip``;
+    under clip global every block's state on NVMe may be read ahead."""
+    import dataclasses
+    ahead = sum(u.optimizer_bytes for u, d in zip(plan.units, plan.layers)
+                if d.home.optimizer is T.NVME) if clip == "global" else 0
+    return dataclasses.replace(plan, optimizer_overlap="overlapped", clip=clip,
+                               optimizer_prefetch_bytes=ahead)
+
+
 def max_diff(a, b) -> float:
     assert len(a) == len(b)
     assert all((x is None) == (y is None) for x, y in zip(a, b)), "a gradient is missing"
@@ -186,8 +216,8 @@ def max_diff(a, b) -> float:
 
 def check(name, family, nvme, ref=None) -> dict:
     """One model under one family: {"diff", "missing", "slab", "files"} or {"refused": line}."""
-    mode = FAMILIES[family][2]
-    g0, w0, _ = ref or train(name, mode)
+    mode, clip = FAMILIES[family][2:]
+    g0, w0, _ = ref or train(name, mode, clip=clip)
     try:
         g, w, be = train(name, mode, family, nvme)
     except UserError as e:
@@ -195,7 +225,7 @@ def check(name, family, nvme, ref=None) -> dict:
     diff = max(max(max_diff(a, b) for a, b in zip(g, g0)), max_diff(w, w0))
     return {"diff": diff, "missing": be.missing, "problems": be.problems[:3],
             "copies": {st for st, op, _ in be.log if op == "copy"},
-            "slab": be.slab.in_use, "files": _files(nvme)}
+            "slab": be.slab.in_use, "files": _files(nvme), "jobs": be.jobs}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -221,6 +251,10 @@ def test_zoo_through_the_adversarial_backend(name, family, tmp_path):
     assert got["diff"] == 0.0, (name, family, got["diff"])
     assert got["slab"] == 0
     assert got["files"] == []
+    clip = FAMILIES[family][3]
+    if clip is not None:        # the worker ran the blocks' work of the last step
+        assert got["jobs"] and set(got["jobs"]) == {"step" if clip == "none" else "read"}, \
+            got["jobs"]
 
 
 def test_recurrent_gemma_without_its_cache_trains_layer_major(tmp_path, monkeypatch):
@@ -253,13 +287,13 @@ def main():
         cells = []
         refs = {}
         for family in FAMILIES:
-            mode = FAMILIES[family][2]
+            key = FAMILIES[family][2:]
             with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                if mode not in refs:
-                    refs[mode] = train(name, mode)
+                if key not in refs:
+                    refs[key] = train(name, key[0], clip=key[1])
                 try:
-                    got = check(name, family, Path(d) / "nvme", refs[mode])
+                    got = check(name, family, Path(d) / "nvme", refs[key])
                 except Exception as e:   # noqa: BLE001 -- the table shows it
                     got = {"refused": f"FAILED {type(e).__name__}: {str(e)[:80]}"}
             if "refused" in got:

@@ -57,6 +57,16 @@ class Slab:
             assert self.in_use == 0
             self.buf, self.free, self.used = None, [(0, self.nbytes)], {}
 
+    def drop_if_idle(self) -> bool:
+        """``drop`` where none of the buffer is in use, checked and done under the lock (a
+        view taken by another thread between a check and the drop would be freed under
+        it); whether it was dropped."""
+        with self.lock:
+            if self.in_use:
+                return False
+            self.buf, self.free, self.used = None, [(0, self.nbytes)], {}
+            return True
+
     def take(self, n: int) -> torch.Tensor:
         n = int(n)
         need = -(-n // SLAB_ALIGN) * SLAB_ALIGN or SLAB_ALIGN
@@ -122,8 +132,7 @@ class Backend:
         backend lives as long as the process, a plan's slab only as long as its runtime."""
         if self.slab.buf is not None:
             self._reap(block=True)
-            if self.slab.in_use == 0:
-                self.slab.drop()
+            self.slab.drop_if_idle()     # in_use read under the slab's lock, not before it
 
     # -- streams and events
     def stream(self, name: str):
