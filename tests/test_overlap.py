@@ -207,3 +207,164 @@ def test_clip_global_reads_ahead_state_never_a_gradient():
     assert evaluate(fixed["nvme"]) == pytest.approx(
         cm.G[j] / hw.nvme_read_bandwidth + cm.step_writes(j, cm.homes[j][k])["nvme"] /
         hw.nvme_write_bandwidth)
+
+
+# -- optimizer depth 1: one worker runs each unit's read, step and write, unit after unit ------
+
+def _depth1(clip, overlap="auto"):
+    prof, cfg = _profile_and_cfg(clip, overlap)
+    return prof, dataclasses.replace(cfg, optimizer_depth=1)
+
+
+def test_depth1_overlapped_is_faster_than_its_after_backward_twin_and_the_milp_agrees():
+    """Depth 1, clip none, same decisions: the chains that fit beside the backward leave the
+    phase, so the step is shorter than the same plan after the backward; the solver writes
+    it overlapped at depth 1 and its objective is what the simulator replays."""
+    prof, cfg = _depth1("none")
+    cm = cfg.cost_model(prof)
+    assert cm.opt_depth == 1 and cm.overlapped and "worker" in cm.overlap_resources()
+    layers = solve(prof, None, dataclasses.replace(cfg, optimizer_overlap="off")).plan.layers
+    plan, r = plan_and_sim(prof, None, cfg.hw, cfg.budgets, "optimal", layers, cm=cm)
+    twin, r0 = plan_and_sim(prof, None, cfg.hw, cfg.budgets, "optimal", layers,
+                            cm=dataclasses.replace(cm, optimizer_overlap="after-backward"))
+    assert (plan.optimizer_overlap, plan.optimizer_depth) == ("overlapped", 1)
+    assert twin.optimizer_overlap == "after-backward"
+    assert r.overlapped_s > 0 and r.step_s < r0.step_s * 0.99
+    # after the backward at depth 1 the phase is the sum of the chains
+    from planner.costmodel.layout import evaluate
+    from planner.plans.simulate import PlanView
+    assert r0.optimizer_s == pytest.approx(
+        sum(evaluate(c) for c in cm.opt_chains(PlanView(cm, twin.layers, {}))), rel=1e-6) \
+        or r0.optimizer_s > 0
+    on = solve(prof, None, cfg)
+    assert on.plan.predicted.step_s <= r0.step_s * (1 + 1e-6)
+    assert on.plan.optimizer_depth == 1 and on.plan.optimizer_overlap == "overlapped"
+    sim = simulate(on.plan)
+    assert sim.step_s == pytest.approx(on.plan.predicted.step_s, rel=1e-9)
+    if on.plan.solver.origin.startswith("milp") and on.plan.solver.objective:
+        assert on.plan.solver.objective == pytest.approx(sim.step_s, rel=2e-3)
+
+
+def _phase(cm, v, busy: bool):
+    """The overlapped phase of view v with every backward stage 1 s long, each resource
+    loaded all of it (busy) or not at all."""
+    from planner.plans.simulate import _overlapped_phase
+    last = {s: (1.0, {r: (1.0 if busy else 0.0) for r in cm.overlap_resources()
+                      if r != "worker"}) for s in range(cm.U + 1, 2 * cm.U + 1)}
+    return _overlapped_phase(cm, v, last)
+
+
+class _AllHome:
+    """A View that puts unit j in home k[j] (its other homes off; a unit without one: none)."""
+    def __init__(self, k):
+        self.k = k
+
+    def h(self, i, kk):
+        return 1.0 if self.k.get(i) == kk else 0.0
+
+
+def _host_home(cm):
+    """Every unit that may have it in the all-NVMe home stepped on the host."""
+    from planner.formats import Home, Tier as T
+    want = Home(T.NVME, T.NVME, T.NVME, T.CPU)
+    ks = {j: k for j, hs in enumerate(cm.homes) for k, h in enumerate(hs) if h == want}
+    assert len(ks) >= cm.U - 2
+    return _AllHome(ks)
+
+
+def test_depth1_without_idle_time_costs_what_the_serial_phase_costs():
+    """No idle second on any resource in the backward: nothing moves, and the depth-1
+    overlapped phase is exactly the sum of the chains; with idle time it is shorter, and it
+    never beats the worker's own serial chain of what is left (nor one resource)."""
+    from planner.costmodel.layout import evaluate
+    hw = load_hardware("a100-80g")
+    cm = cost_model(uniform_profile(6, hw), hw, Budgets(80 * GiB, 512 * GiB, 4096 * GiB),
+                    optimizer_overlap="overlapped", clip="none", optimizer_depth=1)
+    v = _host_home(cm)
+    serial = sum(evaluate(c) for c in cm.opt_chains(v))
+    dur, loads, moved = _phase(cm, v, busy=True)
+    assert moved == 0.0 and dur == pytest.approx(serial, rel=1e-12)
+    free, _, moved = _phase(cm, v, busy=False)
+    assert moved > 0 and free < serial
+    # idle stages of 1 s each: the worker can run at most that much before the phase
+    assert free >= serial - cm.U * 1.0 - 1e-9
+
+
+def test_depth1_worker_is_bounded_by_its_serial_chain_not_by_each_resource():
+    """The worker runs a unit's parts one after another: with the resources each idle for
+    the stage but the worker's chain longer than any single resource's part, the remainder
+    is the chain's, larger than what the per-resource rows alone would leave."""
+    hw = load_hardware("a100-80g")
+    cm = cost_model(uniform_profile(4, hw), hw, Budgets(80 * GiB, 512 * GiB, 4096 * GiB),
+                    optimizer_overlap="overlapped", clip="none", optimizer_depth=1)
+    U = cm.U
+    rel = [cm.release_stage(j) for j in range(U)]
+    first = min(rel)
+    # one unit released first: 1 s of nvme and 1 s of host, 2 s on the worker; 1 s of idle
+    movable = [{"nvme": 1.0, "host": 1.0, "worker": 2.0} if rel[j] == first and
+               j == rel.index(first) else {} for j in range(U)]
+    dur = {s: (1.0 if s == first + 1 else 0.0) for s in range(U + 1, 2 * U + 1)}
+    loads = {s: {} for s in dur}
+    rem = cm.overlap_remainder(movable, loads, dur)
+    assert rem["nvme"] == pytest.approx(0.0) and rem["host"] == pytest.approx(0.0)
+    assert rem["worker"] == pytest.approx(1.0)
+    # a depth-3 model has no worker: its per-resource rows alone leave nothing
+    cm3 = dataclasses.replace(cm, optimizer_depth=3)
+    assert "worker" not in cm3.overlap_remainder(movable, loads, dur)
+
+
+def test_depth1_clip_global_moves_only_state_reads():
+    """At depth 1 under clip global the worker's movable time is the state reads and nothing
+    else (step and write wait for the norm); under clip none it is the unit's whole chain."""
+    from planner.costmodel.layout import evaluate
+    hw = load_hardware("a100-80g")
+    kw = dict(optimizer_overlap="overlapped", optimizer_depth=1)
+    b = Budgets(80 * GiB, 512 * GiB, 4096 * GiB)
+    prof = uniform_profile(4, hw)
+    glob = cost_model(prof, hw, b, clip="global", **kw)
+    none = cost_model(prof, hw, b, clip="none", **kw)
+    v = _host_home(glob)
+    mov, fixed = glob.opt_work(v)
+    for j in v.k:
+        h = glob.homes[j][v.k[j]]
+        state = (glob.step_reads(j, h)["nvme"] - glob.G[j]) / hw.nvme_read_bandwidth
+        got = {r: evaluate(t) for r, t in mov[j].items() if evaluate(t)}
+        assert got == pytest.approx({"nvme": state, "worker": state})
+    chains = [evaluate(c) for c in glob.opt_chains(v)]
+    mv = [evaluate(m["worker"]) for m in none.opt_work(v)[0]]
+    assert mv == pytest.approx(chains)
+    assert evaluate(fixed["worker"]) == pytest.approx(
+        sum(chains) - sum(evaluate(m["worker"]) for m in mov))
+
+
+def test_on_a_cpu_only_spec_the_step_needs_the_compute_idle_time():
+    """cpu-host: the device is the host's CPU, so a unit's step is compute work on the cores
+    the backward runs on (no home steps it on a separate host). With compute busy in every
+    backward stage and the disk idle, no step hides in the backward; the state reads and
+    writes do, so the depth-1 overlapped phase is shorter than the serial one by them."""
+    from planner.costmodel.layout import evaluate
+    from planner.formats import Home, Tier as T
+    from planner.plans.simulate import _overlapped_phase
+    hw = load_hardware("cpu-host")
+    prof = dataclasses.replace(uniform_profile(4, hw), optimizer_s=0.5)
+    cm = cost_model(prof, hw, Budgets(8 * GiB, 0, 40 * GiB),
+                    optimizer_overlap="overlapped", clip="none", optimizer_depth=1)
+    assert all(h.step is T.GPU for hs in cm.homes for h in hs)
+    # gradients kept on the device: each unit is released at its own backward
+    want = Home(T.NVME, T.GPU, T.NVME, T.GPU)
+    v = _AllHome({j: k for j, hs in enumerate(cm.homes) for k, h in enumerate(hs)
+                  if h == want})
+    assert len(v.k) >= cm.U - 1
+    mov, _ = cm.opt_work(v)
+    steps = sum(evaluate(m["compute"]) for m in mov)
+    disk = sum(evaluate(m["nvme"]) for m in mov)
+    assert steps == pytest.approx(sum(cm.t_dev_opt[j] for j in v.k)) and steps > 0.3
+    assert disk > 0
+    assert all(not evaluate(m["host"]) for m in mov)
+    last = {s: (1.0, {"compute": 1.0, "host": 0.0, "nvme": 0.0})
+            for s in range(cm.U + 1, 2 * cm.U + 1)}
+    dur, loads, moved = _overlapped_phase(cm, v, last)
+    serial = sum(evaluate(c) for c in cm.opt_chains(v))
+    assert loads["compute"] == pytest.approx(steps)      # no step hid in the busy cores
+    assert moved > 0 and loads["nvme"] < disk
+    assert dur == pytest.approx(serial - (disk - loads["nvme"]), rel=1e-9)

@@ -150,7 +150,7 @@ class TimeRules:
         in parallel (the split that balances the two, fractional). When the update itself may
         run beside the backward (overlapped, clip none) only the passes are a floor."""
         passes = self.passes * (sum(self.f) + sum(self.b))
-        if self.optimizer_overlap == "overlapped" and self.clip == "none" and self.opt_depth == 3:
+        if self.optimizer_overlap == "overlapped" and self.clip == "none":
             return passes
         return passes + self.optimizer_floor()
 

@@ -36,22 +36,46 @@ class OverlapRules:
 
     @property
     def overlapped(self) -> bool:
-        """Whether this model prices the overlapped family (the pipelined phase only)."""
-        return self.optimizer_overlap == "overlapped" and self.opt_depth == 3
+        """Whether this model prices the overlapped family (either optimizer depth)."""
+        return self.optimizer_overlap == "overlapped"
+
+    def overlap_resources(self) -> tuple:
+        """The resources of the Hall rows: the physical ones, and at depth 1 the one worker
+        that runs each unit's read, step and write back to back (``worker``: no backward
+        stage loads it, so all of a stage is its idle time)."""
+        return OVERLAP_RESOURCES + (("worker",) if self.opt_depth == 1 else ())
+
+    def serial_resources(self) -> tuple:
+        """At depth 1, the resources the worker's parts run on, one per part of a step
+        (duplex repeats the links' seconds): the worker's idle time in a stage is at most
+        theirs summed (``worker_idle``)."""
+        return ("compute", "host", "nvme", "d2h", "h2d")
+
+    @staticmethod
+    def worker_idle(stage_s: float, idle: list) -> float:
+        """The worker's usable seconds in a backward stage: the stage, but no more than the
+        idle time of the resources its parts run on (``idle``), summed: each part needs its
+        own resource free, and the worker runs one part at a time."""
+        return min(stage_s, sum(idle))
 
     def prefetch_tier(self) -> str:
         """Where state read ahead under ``clip: global`` is held: host memory (the device's on
         a unified-memory spec, whose host is the device)."""
         return "gpu" if self.unified else "cpu"
 
-    def opt_work(self, v: View) -> tuple[list, dict]:
+    def opt_work(self, v: View, by_release: bool = False) -> tuple[list, dict]:
         """``(movable, fixed)``: per unit j a dict resource -> Lin (seconds) of its optimizer
-        work that may run after ``release_stage(j)``, and per resource the Lin of the work that stays in
-        the optimizer phase."""
-        movable, fixed = [], {r: [] for r in OVERLAP_RESOURCES}
+        work that may run after ``release_stage(j)``, and per resource the Lin of the work that
+        stays in the optimizer phase. With ``by_release`` movable is a list of ``(stage,
+        dict)``, one per unit and release stage of its homes (``release_stage(j, h)``: a home
+        that keeps the gradient on the device is released at the unit's backward)."""
+        res = self.overlap_resources()
+        movable, fixed = [], {r: [] for r in res}
         for j in range(self.U):
-            mine = {r: [] for r in OVERLAP_RESOURCES}
+            mine = {}                          # release stage -> resource -> Lin
             for k, h in enumerate(self.homes[j]):
+                rel = self.release_stage(j, h) if by_release else self.release_stage(j)
+                dest_m = mine.setdefault(rel, {r: [] for r in res})
                 hv = v.h(j, k)
                 r, w = self.step_reads(j, h), self.step_writes(j, h)
                 dev, cpu = self.step_seconds(j, h)
@@ -64,14 +88,47 @@ class OverlapRules:
                     ({"rd"} if h.step is Tier.CPU else set())
                 for name, n in parts.items():
                     if n:
-                        dest = mine if name in move else fixed
-                        for res, c in self._work_terms(name, float(n)):
-                            dest[res].append((hv, c))
-            movable.append(mine)
+                        dest = dest_m if name in move else fixed
+                        for r_, c in self._work_terms(name, float(n)):
+                            dest[r_].append((hv, c))
+            if by_release:
+                movable += sorted(mine.items())
+            else:
+                movable.append(next(iter(mine.values()), {r: [] for r in res}))
         return movable, fixed
 
+    def chain_classes(self, v: View, j: int) -> list:
+        """``(release stage, Lin)`` per release stage of unit j's homes: its read, step and
+        write back to back (``opt_chains``) under the homes released there."""
+        by = {}
+        for k, h in enumerate(self.homes[j]):
+            by.setdefault(self.release_stage(j, h), set()).add(k)
+        out = []
+        for rel, ks in sorted(by.items()):
+            only = _OnlyHomes(v, j, ks)
+            out += [(rel, t) for t in self.opt_chains(only, [j])]
+        return out
+
     def _work_terms(self, part: str, n: float) -> list:
-        """(resource, seconds) of one part of a step: bytes over its link, or seconds."""
+        """(resource, seconds) of one part of a step: bytes over its link, or seconds. At
+        depth 1 every part is also the worker's time (its chain, as ``opt_chains``)."""
+        out = self._physical_terms(part, n)
+        if self.opt_depth == 1:
+            hw = self.hw
+            if part in ("comp", "host"):
+                t = n
+            elif part in ("rd", "rd_grad"):
+                t = n / hw.nvme_read_bandwidth
+            elif part == "wr":
+                t = n / hw.nvme_write_bandwidth
+            else:
+                link = hw.d2h_bandwidth if part == "d2h" else hw.h2d_bandwidth
+                t = n / link if link else 0.0
+            if t:
+                out.append(("worker", t))
+        return out
+
+    def _physical_terms(self, part: str, n: float) -> list:
         hw = self.hw
         if part == "comp":
             return [("compute", n)]
@@ -94,11 +151,13 @@ class OverlapRules:
         """The release points c of the Hall rows: every backward stage."""
         return range(self.U + 1, 2 * self.U + 1)
 
-    def release_stage(self, j: int) -> int:
+    def release_stage(self, j: int, home=None) -> int:
         """The stage after whose end unit j's optimizer work may start: its backward, or later
         where its gradient is not complete there: a gradient that leaves the device (the end
         of its gd window, under any of its homes), one tied to a later-backward unit (that
-        unit's backward), a unit whose weights are used between blocks (the last stage)."""
+        unit's backward), a unit whose weights are used between blocks (the last stage).
+        Given its ``home``, only that home's gradient counts (one kept on the device has no
+        window to wait for)."""
         L, top = self.L, 2 * self.U
         u = self.units[j]
         if u.outside_params > 0:
@@ -108,8 +167,10 @@ class OverlapRules:
         for t in u.tied_to or ():
             if t in idx:
                 rel = max(rel, L.bwd(idx[t]))
-        if any(h.grads is not Tier.GPU for h in self.homes[j]):
-            for kind in ("gdc", "gdn"):
+        # only the ways a gradient of this unit may leave (a spec without a host tier has no
+        # gdc: its empty window must not hold the unit back to the last stage)
+        for kind, tier in (("gdc", Tier.CPU), ("gdn", Tier.NVME)):
+            if any(h.grads is tier for h in ([home] if home is not None else self.homes[j])):
                 w = self.window(kind, j)
                 rel = max(rel, w[-1] if len(w) else top)
         return min(rel, top)
@@ -122,26 +183,49 @@ class OverlapRules:
         """NVMe seconds of one byte read ahead (``clip: global`` moves reads only)."""
         return 1.0 / self.hw.nvme_read_bandwidth if self.hw.nvme_read_bandwidth else 0.0
 
-    def overlap_remainder(self, movable: list, last_loads: dict, last_dur: dict) -> dict:
+    def overlap_remainder(self, movable: list, last_loads: dict, last_dur: dict,
+                          rel: list | None = None, busy: list | None = None) -> dict:
         """Per resource, the movable seconds left for the optimizer phase (numbers): the Hall
         maximum over release points, given the last pass's stage durations and loads and the
-        movable work per unit (dicts resource -> seconds)."""
+        movable work (dicts resource -> seconds) per unit, or per entry released at ``rel``.
+        ``busy``: the resources the worker's parts may run on (default: those with work here;
+        the MILP's rows take every resource some home of some unit has work on)."""
         U = self.U
-        rel = [self.release_stage(j) for j in range(U)]
+        rel = [self.release_stage(j) for j in range(U)] if rel is None else rel
         out = {}
-        for r in OVERLAP_RESOURCES:
+        for r in self.overlap_resources():
             w = [m.get(r, 0.0) for m in movable]
             if not any(w):
                 out[r] = 0.0
                 continue
+            if busy is None:
+                busy = [q for q in self.serial_resources()
+                        if any(m.get(q, 0.0) for m in movable)]
             need, idle, worst = 0.0, 0.0, 0.0
             for c in range(2 * U, U, -1):          # from the last release point backwards
                 need += sum(x for x, rj in zip(w, rel) if rj == c)
                 worst = max(worst, need - idle)
-                idle += max(0.0, last_dur[c] - last_loads[c].get(r, 0.0))
+                if r == "worker":
+                    idle += self.worker_idle(last_dur[c], [
+                        max(0.0, last_dur[c] - last_loads[c].get(q, 0.0)) for q in busy])
+                else:
+                    idle += max(0.0, last_dur[c] - last_loads[c].get(r, 0.0))
             out[r] = max(0.0, worst)
         if self.clip == "global":
             # only what the host can hold until the optimizer phase is read ahead
-            total = sum(m.get("nvme", 0.0) for m in movable)
-            out["nvme"] = max(out["nvme"], total - self.prefetch_bytes * self.prefetch_s_per_byte())
+            # (at depth 1 the worker's movable time is those same reads)
+            ahead = self.prefetch_bytes * self.prefetch_s_per_byte()
+            for r in ("nvme", "worker") if "worker" in out else ("nvme",):
+                total = sum(m.get(r, 0.0) for m in movable)
+                out[r] = max(out[r], total - ahead)
         return out
+
+
+class _OnlyHomes:
+    """A view of unit j's homes ``ks`` only (every other home of j reads 0)."""
+
+    def __init__(self, v, j, ks):
+        self.v, self.j, self.ks = v, j, ks
+
+    def h(self, i, k):
+        return self.v.h(i, k) if i != self.j or k in self.ks else 0

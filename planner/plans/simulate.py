@@ -186,21 +186,28 @@ def _overlapped_phase(cm: CostModel, v: View, last: dict) -> tuple[float, dict, 
     duration, its loads per resource, and the seconds of optimizer work (on the busiest
     resource) that ran beside the backward. ``last`` maps each backward stage to the last
     pass's (duration, loads)."""
-    mov, fixed = cm.opt_work(v)
-    mov = [{r: evaluate(t) for r, t in m.items()} for m in mov]
+    entries, fixed = cm.opt_work(v, by_release=True)
+    rels = [c for c, _ in entries]
+    mov = [{r: evaluate(t) for r, t in m.items()} for _, m in entries]
     fixed = {r: evaluate(t) for r, t in fixed.items()}
     rem = cm.overlap_remainder(mov, {s: ld for s, (_, ld) in last.items()},
-                               {s: d for s, (d, _) in last.items()})
+                               {s: d for s, (d, _) in last.items()}, rels,
+                               [q for q in cm.serial_resources() if any(m[q] for _, m in entries)])
     loads = {r: rem[r] + fixed[r] for r in rem}
+    # at depth 1 the one worker's chains left for the phase (the worker is no physical
+    # resource: its seconds bound the phase but are not a stage load)
+    worker = loads.pop("worker", 0.0)
     # each unit's read, step and write back to back fit between its release and the phase's
     # end (with clip global its step and write are in the phase: the whole chain is a floor)
     chain = []
     for j in range(cm.U):
-        after = sum(last[s][0] for s in range(cm.release_stage(j) + 1, 2 * cm.U + 1)) \
-            if cm.clip == "none" else 0.0
-        chain += [evaluate(t) - after for t in cm.opt_chains(v, [j])]
-    moved = max((sum(m.get(r, 0.0) for m in mov) - rem[r] for r in rem), default=0.0)
-    return max([*chain, *loads.values(), 0.0]), loads, max(0.0, moved)
+        for rel, t in cm.chain_classes(v, j):
+            after = sum(last[s][0] for s in range(rel + 1, 2 * cm.U + 1)) \
+                if cm.clip == "none" else 0.0
+            chain.append(evaluate(t) - after)
+    moved = max((sum(m.get(r, 0.0) for m in mov) - rem[r] for r in rem if r != "worker"),
+                default=0.0)
+    return max([*chain, *loads.values(), worker, 0.0]), loads, max(0.0, moved)
 
 
 def check_plan(plan: Plan, source: str | None = None) -> tuple[CostModel, dict]:

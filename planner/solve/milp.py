@@ -409,6 +409,7 @@ class Model:
         timeo_r:       To >= Σ_j load_r(j)       the optimizer phase (depth 3): its busiest
         timeo_chain_j: To >= read_j + step_j + write_j     resource, or one unit's chain
         timeo_sum:     To >= Σ_j (read_j + step_j + write_j)    (depth 1: one after another)
+        (overlapped, either depth: ``overlap_rows``)
         timeo_int:     To >= F_int   (depth 3; valid: the phase over whole units, opt_floor_int)
         """
         cm, L, v = self.cm, self.cm.L, self.v
@@ -420,11 +421,12 @@ class Model:
                     if terms:
                         self._c(T[s] - lin(terms, 1 / self.ts) >= 0, f"time{tag}_{r}_{s}")
         chains = cm.opt_chains(v)
-        if cm.opt_depth == 1:
+        if cm.overlapped:
+            # (at depth 1 the worker's rows bound the phase by the chains not yet run)
+            overlap_rows(self)
+        elif cm.opt_depth == 1:
             # one unit after the other: the phase is the sum of their chains
             self._c(self.To - lin([t for c in chains for t in c], 1 / self.ts) >= 0, "timeo_sum")
-        elif cm.overlapped:
-            overlap_rows(self)
         else:
             for r, terms in cm.opt_loads(v).items():
                 if terms:

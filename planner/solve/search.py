@@ -37,6 +37,9 @@ class _Models:
     main: CostModel      # depth cfg.optimizer_depth (3), homes off the device allowed
     lean: CostModel      # depth 1: the optimizer phase one unit at a time (the least memory)
     act: CostModel       # every tensor class at home on the device (activations only)
+    # depth 1 with the optimizer beside the backward (one unit in flight during the backward,
+    # so more memory than lean); None where the configuration does not overlap
+    lean_ovl: CostModel | None = None
 
 
 def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: str = "optimal",
@@ -45,7 +48,8 @@ def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: 
                   stream: str = "auto", world_size: int = 1, ranks_per_node: int | None = None,
                   engine: str | None = None, seeds: tuple = (), clip: str = "global",
                   optimizer_overlap: str = "auto",
-                  micro_batch_order: str = "batch-major") -> SolveOutcome:
+                  micro_batch_order: str = "batch-major",
+                  shard_homes: str = "runnable") -> SolveOutcome:
     """The plan ``plan solve`` writes: fits in the simulator, or ``NoFitError``. With
     ``world_size`` N > 1 (or ``engine`` fsdp2/ddp) the plan is one rank's, every rank replaying
     it (``rank_options``: defaults, checks). ``seeds``: plans of the same profile solved under
@@ -55,7 +59,7 @@ def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: 
                             nvme_dir=nvme_dir, progress=progress, micro_batches=micro_batches,
                             stream=stream, world_size=world_size, ranks_per_node=ranks_per_node,
                             engine=engine, clip=clip, optimizer_overlap=optimizer_overlap,
-                            micro_batch_order=micro_batch_order)
+                            micro_batch_order=micro_batch_order, shard_homes=shard_homes)
     return solve(profile, profile_path, cfg, seeds)
 
 
@@ -94,8 +98,11 @@ def _solve_order(profile: Profile, profile_path, cfg: SolveConfig, seeds: tuple 
                                 dataclasses.replace(cm, allow_streaming=False))
     # the optimizer phase pipelined (3 units in flight: faster) and one unit at a time (1: the
     # least memory); the second is tried where homes off the device can matter
-    models = _Models(cm, dataclasses.replace(cm, optimizer_depth=1),
-                     dataclasses.replace(cm, allow_streaming=False))
+    lean = dataclasses.replace(cm, optimizer_depth=1)
+    models = _Models(cm, dataclasses.replace(lean, optimizer_overlap="after-backward",
+                                             prefetch_bytes=0),
+                     dataclasses.replace(cm, allow_streaming=False),
+                     lean if lean.overlapped else None)
     if _static_floor(models.lean) > models.lean.budget["gpu"]:
         # what the device holds for the whole step under the leanest homes already exceeds the
         # budget: no strategy can fit, so the whole time limit goes to naming what would
@@ -179,8 +186,11 @@ def _search(profile, profile_path, cfg: SolveConfig, models: _Models, clock,
     best = _pick(cands)
     if _homes_matter(cfg, models) and (best is None or cfg.stream == "on"
                                        or _streaming_may_pay(models.main, best, cfg.gap)):
-        for model, origin, share in ((models.main, "milp", 0.5),
-                                     (models.lean, "milp/depth1", 1.0)):
+        runs = [(models.main, "milp", 0.5)]
+        if models.lean_ovl is not None:
+            runs.append((models.lean_ovl, "milp/depth1", 1.0))
+        runs.append((models.lean, "milp/depth1", 1.0))
+        for model, origin, share in runs:
             joint = milp(profile, profile_path, cfg, model, origin=origin, clock=clock,
                          warm=best.plan.layers if best else None, share=share,
                          incumbent=best.sim.step_s if best else None)
