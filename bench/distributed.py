@@ -2,6 +2,8 @@
 this CPU host with two gloo ranks.
 
     python bench/distributed.py --part table        # llama3-8b / llama3-70b, s=8192, h100-80g
+    python bench/distributed.py --part table --homes off on --nvme-mem 3.84T \
+        --models llama3-8b llama3-70b gpt3-175b --world-sizes 1 8 16 32 64   # issue 29's table
     python bench/distributed.py --part fidelity     # 2 ranks, FSDP2 and DDP, measured vs predicted
 
 Table: each model is profiled on the meta device (batch 1 per rank, seq 8192, bf16, flash
@@ -10,6 +12,10 @@ and solved as ``plan solve PROFILE --gpu-mem 80G --world-size N --ranks-per-node
 --engine fsdp2`` (host memory: the spec's 2 TiB per node, shared by its ranks; no NVMe) for
 N = 1, 2, 4, 8, 16. Beside each solve, the plain FSDP2 run (the keep-all plan under the same
 cost model: every activation kept): its per-rank peak and the activation bytes in it.
+``--homes off on`` solves each cell twice: homes off the device not offered (``--stream off``)
+and offered (``--stream auto``: a rank's shards of weights, gradients and optimizer state may
+live on the host or, with ``--nvme-mem`` per node, on NVMe); each row then has its homes and
+its TFLOPS per GPU (6 N T / step, N the model's parameters, T the tokens of one rank's batch).
 
 Fidelity: runs in child processes started with ``MALLOC_MMAP_THRESHOLD_=65536`` (so RSS follows
 the live tensors; docs/runtime.md). A GPT (d=256, 4 blocks, batch 8, seq 512, fp32) is
@@ -53,6 +59,14 @@ def _summary(plan) -> str:
     return ", ".join(f"{n} {k}" for k, n in sorted(c.items(), key=lambda kv: -kv[1]))
 
 
+def _homes_summary(plan) -> str:
+    """Where the blocks' shards live, counted by home (weights/grads/optimizer tiers)."""
+    from collections import Counter
+    c = Counter(d.home.label() for u, d in zip(plan.units, plan.layers)
+                if u.kind == "block" and not d.home.resident)
+    return ", ".join(f"{n} {k}" for k, n in sorted(c.items(), key=lambda kv: -kv[1])) or "none"
+
+
 def table(a) -> list[dict]:
     from planner.costmodel.baselines import baseline_layers
     from planner.formats import Budgets, write_json_atomic
@@ -60,37 +74,47 @@ def table(a) -> list[dict]:
     from planner.plans import cost_model, plan_and_sim
     from planner.profile import profile_model
     from planner.solve import solve_profile
-    hw = load_hardware("h100-80g")
+    from planner.sizes import parse_size
+    hw = load_hardware(a.hardware)
+    nvme = parse_size(a.nvme_mem) if a.nvme_mem else 0
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     for model in a.models:
         t0 = time.perf_counter()
-        prof = profile_model(model, 1, a.seq, device="meta", hardware=hw)
-        path = out_dir / f"{model}-b1-s{a.seq}.json"
+        seq = a.seq or (2048 if "gpt" in Path(model).stem else 8192)
+        prof = profile_model(model, 1, seq, device="meta", hardware=hw)
+        path = out_dir / f"{Path(model).stem}-b1-s{seq}.json"
+        params = sum(u.param_count for u in prof.layers)
         write_json_atomic(path, prof.to_dict())
         print(f"# {model}: profiled in {time.perf_counter() - t0:.1f} s, "
               f"{len(prof.layers)} units, static {fmt_bytes(prof.static_bytes)}", flush=True)
-        for n in a.world_sizes:
+        for n, homes in [(n, h) for n in a.world_sizes for h in a.homes]:
             ranks = {"world_size": n, "ranks_per_node": min(n, 8), "engine": "fsdp2"}
-            budgets = Budgets(80 * GIB, int(hw.host_memory_bytes), 0)
+            budgets = Budgets(80 * GIB, int(hw.host_memory_bytes), nvme if homes == "on" else 0)
             cm = cost_model(prof, hw, budgets, **ranks)
             plain, ps = plan_and_sim(prof, None, hw, budgets, "keep-all",
                                      baseline_layers("keep-all", prof.layers, hw), cm=cm)
             act = sum(u.saved_bytes for u in prof.layers)
-            row = {"model": model, "N": n, "plain_peak": ps.peak_gpu_bytes,
+            row = {"model": Path(model).stem, "N": n, "homes": homes, "seq": seq,
+                   "plain_peak": ps.peak_gpu_bytes,
                    "plain_fits": ps.fits, "activations": act,
                    "static_per_rank": ps.static_bytes}
             t1 = time.perf_counter()
             try:
                 got = solve_profile(prof, str(path), hw, budgets, "optimal",
-                                    time_limit=a.time_limit, **ranks)
+                                    time_limit=a.time_limit,
+                                    stream="auto" if homes == "on" else "off",
+                                    shard_homes="all", **ranks)
                 p = got.plan
                 row.update(exit=0, step=p.predicted.step_s, compute=p.predicted.compute_s,
                            ratio=p.predicted.step_s / p.predicted.compute_s,
                            peak=p.predicted.peak_gpu_bytes, host=p.predicted.peak_cpu_bytes,
-                           what=_summary(p), origin=p.solver.origin)
-                write_json_atomic(out_dir / f"{model}-n{n}.json", p.to_dict())
+                           nvme=p.predicted.peak_nvme_bytes,
+                           tflops=6 * params * seq / p.predicted.step_s / 1e12,
+                           what=_summary(p), where=_homes_summary(p), origin=p.solver.origin)
+                write_json_atomic(out_dir / f"{Path(model).stem}-n{n}-{homes}.json",
+                                  p.to_dict())
             except UserError as e:
                 row.update(exit=e.exit_code, needed=getattr(e, "needed_bytes", None),
                            why=str(e))
@@ -104,32 +128,37 @@ def table(a) -> list[dict]:
 
 
 def _print_row(r):
-    head = (f"{r['model']:<11} N={r['N']:<3} plain FSDP2 peak {fmt_bytes(r['plain_peak']):>11}"
+    head = (f"{r['model']:<11} N={r['N']:<3} homes {r['homes']:<3} plain FSDP2 peak {fmt_bytes(r['plain_peak']):>11}"
             f" ({'fits' if r['plain_fits'] else 'OOM'})")
     if r["exit"] == 0:
-        print(f"{head}  plan: {r['ratio']:.3f}x compute-only, peak {fmt_bytes(r['peak'])}, "
-              f"host {fmt_bytes(r['host'])}: {r['what']}  [{r['solve_s']:.1f} s]", flush=True)
+        print(f"{head}  plan: {r['ratio']:.3f}x compute-only, {r['tflops']:.0f} TFLOPS/GPU, "
+              f"peak {fmt_bytes(r['peak'])}, host {fmt_bytes(r['host'])}, NVMe "
+              f"{fmt_bytes(r['nvme'])}: {r['what']}; homes {r['where']}  "
+              f"[{r['solve_s']:.1f} s]", flush=True)
     else:
         need = f", needs --gpu-mem {fmt_bytes(r['needed'])}" if r.get("needed") else ""
         print(f"{head}  plan: exit {r['exit']}{need}  [{r['solve_s']:.1f} s]", flush=True)
 
 
 def markdown(rows) -> str:
-    lines = ["| model | ranks | static / rank | plain FSDP2: peak / rank (activations) | "
-             "tierplan `plan solve` | step / compute-only | peak / rank | host / rank | "
-             "blocks' activations |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | ranks | homes | static / rank | plain FSDP2: peak / rank (activations) | "
+             "tierplan `plan solve` | step (s) / compute-only | TFLOPS / GPU | peak / rank | "
+             "host / rank | NVMe / rank | blocks' activations | blocks' homes off the device |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         plain = (f"{fmt_bytes(r['plain_peak'])} ({fmt_bytes(r['activations'])})"
                  f"{'' if r['plain_fits'] else ' — OOM'}")
         if r["exit"] == 0:
-            lines.append(f"| {r['model']} | {r['N']} | {fmt_bytes(r['static_per_rank'])} | "
-                         f"{plain} | fits | {r['ratio']:.3f}x | {fmt_bytes(r['peak'])} | "
-                         f"{fmt_bytes(r['host'])} | {r['what']} |")
+            lines.append(f"| {r['model']} | {r['N']} | {r['homes']} | "
+                         f"{fmt_bytes(r['static_per_rank'])} | {plain} | fits | "
+                         f"{r['step']:.3f} / {r['ratio']:.3f}x | {r['tflops']:.0f} | "
+                         f"{fmt_bytes(r['peak'])} | {fmt_bytes(r['host'])} | "
+                         f"{fmt_bytes(r['nvme'])} | {r['what']} | {r['where']} |")
         else:
             need = f" (needs {fmt_bytes(r['needed'])})" if r.get("needed") else ""
-            lines.append(f"| {r['model']} | {r['N']} | {fmt_bytes(r['static_per_rank'])} | "
-                         f"{plain} | exit {r['exit']}{need} | — | — | — | — |")
+            lines.append(f"| {r['model']} | {r['N']} | {r['homes']} | "
+                         f"{fmt_bytes(r['static_per_rank'])} | {plain} | exit {r['exit']}{need}"
+                         " | — | — | — | — | — | — | — |")
     return "\n".join(lines)
 
 
@@ -167,8 +196,9 @@ def fidelity_child(a) -> None:
             if pol == "optimal":
                 low = min(peaks.values())
                 tight = Budgets(int(low + 0.4 * (peaks["keep-all"] - low)), 0, 8 * GIB)
+                # activations only, as measured in docs/distributed.md ("Fidelity")
                 plan = solve_profile(prof, None, hw, tight, "optimal", time_limit=60,
-                                     nvme_dir=nvme, **ranks).plan
+                                     nvme_dir=nvme, stream="off", **ranks).plan
             else:
                 plan = make_plan(prof, None, hw, loose, pol,
                                  baseline_layers(pol, prof.layers, hw), nvme_dir=nvme, cm=cm)
@@ -221,7 +251,12 @@ def main():
     ap.add_argument("--part", choices=["table", "fidelity", "fidelity-child"], default="table")
     ap.add_argument("--models", nargs="+", default=["llama3-8b", "llama3-70b"])
     ap.add_argument("--world-sizes", nargs="+", type=int, default=[1, 2, 4, 8, 16])
-    ap.add_argument("--seq", type=int, default=None)
+    ap.add_argument("--seq", type=int, default=None,
+                    help="tokens per sequence (default: 8192 for llama, 2048 for gpt models)")
+    ap.add_argument("--homes", nargs="+", choices=["off", "on"], default=["off"],
+                    help="homes off the device not offered (off) and/or offered (on)")
+    ap.add_argument("--hardware", default="h100-80g")
+    ap.add_argument("--nvme-mem", default=None, help="NVMe per node with --homes on (e.g. 3.84T)")
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--out", default="/tmp/tierplan-bench-distributed")
     ap.add_argument("--d-model", type=int, default=256)
@@ -231,7 +266,6 @@ def main():
     ap.add_argument("--engines", nargs="+", default=["fsdp2", "ddp"])
     a = ap.parse_args()
     if a.part == "table":
-        a.seq = a.seq or 8192
         table(a)
     elif a.part == "fidelity":
         a.seq = a.seq or 512

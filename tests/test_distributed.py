@@ -199,7 +199,7 @@ def test_edited_distributed_plans_are_refused(tmp_path):
         load_plan(path)
 
 
-def test_fsdp2_refuses_segment_recompute_and_homes_off_the_device():
+def test_fsdp2_refuses_segment_recompute_and_ddp_homes_off_the_device():
     p = _prof()
     b = Budgets(80 * GIB, 512 * GIB, 0)
     cm = cost_model(p, H100, b, world_size=2, ranks_per_node=2, engine="fsdp2")
@@ -208,11 +208,14 @@ def test_fsdp2_refuses_segment_recompute_and_homes_off_the_device():
         validate_layers(cm, baseline_layers("sqrt", p.layers, H100))
     from planner.formats import Home
     layers = baseline_layers("keep-all", p.layers, H100)
-    layers[1] = dataclasses.replace(layers[1], home=Home(Tier.CPU, Tier.CPU, Tier.CPU, Tier.CPU))
-    with pytest.raises(UserError, match="not supported with fsdp2 across ranks"):
-        validate_layers(cm, layers)
+    # a shard homed on the host: fine under FSDP2 (not the first block: its gradient shard
+    # would have no stage left after its reduce-scatter to go down in)
+    layers[2] = dataclasses.replace(layers[2], home=Home(Tier.CPU, Tier.CPU, Tier.CPU, Tier.CPU))
+    validate_layers(cm, layers)
     ddp = cost_model(p, H100, b, world_size=2, ranks_per_node=2, engine="ddp")
     validate_layers(ddp, baseline_layers("sqrt", p.layers, H100))   # DDP's weights stay put
+    with pytest.raises(UserError, match="not planned under ddp"):
+        validate_layers(ddp, layers)
 
 
 def _cli(*args, cwd=None):
@@ -238,7 +241,8 @@ def test_cli_world_size_flags_and_errors(tmp_path):
     for bad, msg in [(("--world-size", "3", "--ranks-per-node", "2"), "divisor"),
                      (("--world-size", "2", "--engine", "none"), "need an engine"),
                      (("--world-size", "0"), "number of ranks"),
-                     (("--world-size", "2", "--stream", "on"), "not supported")]:
+                     (("--world-size", "2", "--engine", "ddp", "--stream", "on"),
+                      "not planned under --engine ddp")]:
         r = _cli("solve", str(prof), "--gpu-mem", "80G", *bad, "-o", str(tmp_path / "x.json"))
         assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1

@@ -73,5 +73,5 @@ def test_config_is_checked_once_and_frozen(setup):
     with pytest.raises(UserError, match="--stream"):
         SolveConfig.build(hw, b, stream="sometimes")
     with pytest.raises(UserError, match="--stream on"):
-        SolveConfig.build(hw, b, stream="on", world_size=2)
+        SolveConfig.build(hw, b, stream="on", world_size=2, engine="ddp")
     assert isinstance(cm, CostModel)

@@ -146,6 +146,10 @@ def _solve_options(q) -> None:
     q.add_argument("--engine", choices=["fsdp2", "ddp", "none"], default=None,
                    help="how the ranks share the model: fsdp2 (fully_shard on each block, then "
                    "the root) or ddp (default: fsdp2 for N > 1, none for one rank)")
+    q.add_argument("--shard-homes", choices=["runnable", "all"], default="runnable",
+                   help="with --engine fsdp2: runnable (homes the runtime executes: a block's "
+                   "whole shard on the host, stepped on the CPU) or all (also NVMe and split "
+                   "homes: priced, not executed yet)")
     q.add_argument("--stream", choices=["auto", "on", "off"], default="auto",
                    help="homes off the device for weights, gradients and optimizer state: "
                    "auto (when they can pay), on (always search them), off (activations only)")

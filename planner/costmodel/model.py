@@ -80,6 +80,7 @@ class CostModel(OptionRules, MemoryRules, TimeRules, OverlapRules, RankRules, Ob
     world_size: int = 1               # ranks training together
     ranks_per_node: int = 1           # ranks sharing a node's host and NVMe budgets
     engine: str = "none"              # none, fsdp2 or ddp
+    shard_homes: str = "all"          # fsdp2: "runnable" (what the runtime executes) or "all"
     chain_breaks: frozenset = frozenset()  # blocks whose input is not the previous block's output
     margin_bytes: int = 0             # kept free below the device budget besides the reserve
     optimizer_overlap: str = "after-backward"  # or "overlapped" (``OverlapRules``)
@@ -130,8 +131,10 @@ class CostModel(OptionRules, MemoryRules, TimeRules, OverlapRules, RankRules, Ob
         # a sharded engine (FSDP2, DDP): per-rank static state, budgets and optimizer step
         optimizer_s = self._ranks(self.world_size, self.ranks_per_node, self.engine,
                                   self.optimizer_s)
-        if self.distributed:
-            allow_streaming = False     # homes off the device are single-process only (for now)
+        if self.engine == "ddp":
+            # DDP replicates every tensor on every rank: homes off the device are not planned
+            # there (docs/distributed.md, "Homes per rank"); under FSDP2 a rank's shards may go
+            allow_streaming = False
         # units in flight in the optimizer phase: 1 steps them one after the other (read, step,
         # write back), 3 reads the next and writes the previous back while one steps
         if optimizer_depth not in (1, 3):

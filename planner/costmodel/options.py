@@ -44,8 +44,18 @@ class OptionRules:
         if not allow_streaming or self.P[i] + self.G[i] + self.O[i] == 0:
             return [R]
         tied = bool(self.units[i].tied_to) or self.units[i].outside_params > 0
+        if self.engine == "fsdp2" and self.units[i].kind != UnitKind.BLOCK.value:
+            return [R]      # FSDP2's root group (embedding, head) stays gathered all step
         grads_ok = len(self.window("gdc", i)) > 0     # a gradient needs a stage to leave in
         G_, C_, N_ = Tier.GPU, Tier.CPU, Tier.NVME
+        if self.engine == "fsdp2" and self.shard_homes == "runnable":
+            # what the runtime executes under FSDP2 today: the whole shard in pinned host
+            # memory with the step on the CPU (FSDP2's CPUOffloadPolicy; runtime/sharded.py);
+            # not NVMe homes, nothing on a unified device (its host is the device)
+            if self.unified or not self.has_cpu or self.hw.cpu_adam_params_per_s <= 0 or \
+                    tied or not grads_ok:
+                return [R]
+            return [R, Home(C_, C_, C_, C_)]
         out = [R]
         if self.unified:
             # The device is the host: every step runs on it; nvme is the only other tier.
@@ -113,6 +123,19 @@ class OptionRules:
         """
         L, w = self.L, self.windows
         f, b = L.fwd(i), L.bwd(i)
+        if kind[:2] in ("wf", "wb", "gd") and self.engine == "fsdp2":
+            # a shard comes up one stage before the all-gather that reads it (fwd(i)-1 and
+            # bwd(i)-1, ``collectives``) and goes down one after the reduce-scatter
+            # (bwd(i)+1) that makes it
+            r = self._plain_window(kind, i)
+            if kind[:2] == "gd":
+                return range(max(r.start, b + 2), r.stop)
+            return range(r.start, r.stop - 1)
+        return self._plain_window(kind, i)
+
+    def _plain_window(self, kind: str, i: int) -> range:
+        L, w = self.L, self.windows
+        f, b = L.fwd(i), L.bwd(i)
         if kind in ("oc", "on"):
             return range(f + 1, min(f + w.act, b - 1) + 1)
         if kind in ("pc", "pn"):
@@ -130,6 +153,13 @@ class OptionRules:
         are inside these): after the bytes exist and before they are needed."""
         L = self.L
         f, b = L.fwd(i), L.bwd(i)
+        if self.engine == "fsdp2":      # the shard moves clear of its collective (``window``)
+            if kind in ("wfc", "wfn"):
+                return 0 <= s < f - 1
+            if kind in ("wbc", "wbn"):
+                return i != self.U - 1 and f < s < b - 1
+            if kind in ("gdc", "gdn"):
+                return b + 1 < s <= 2 * self.U
         if kind in ("oc", "on", "pc", "pn"):
             return f < s < b
         if kind in ("wfc", "wfn"):

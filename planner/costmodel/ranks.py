@@ -3,6 +3,7 @@ and their ring cost, and what the engine holds on the device per stage (``RankRu
 of ``CostModel``). docs/distributed.md documents each rule and its source."""
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 from planner.errors import UserError
@@ -52,8 +53,10 @@ class RankRules:
         N = self.world
         for k in ("cpu", "nvme"):
             self.budget[k] //= self.rpn
+        put("hw", rank_share(node_spec(self.hw), self.rpn))
         if self.engine == "fsdp2":
-            for name in ("P", "G", "O", "M"):
+            put("Nfull", list(self.N))
+            for name in ("P", "G", "O", "M", "N"):
                 put(name, [-(-x // N) for x in getattr(self, name)])
             return optimizer_s / N
         # DDP copies gradients into its buckets (gradient_as_bucket_view=False, its default):
@@ -159,3 +162,28 @@ class RankRules:
                 out[s] += self.Gfull[i]
         return out
 
+
+def node_spec(hw):
+    """The node's spec behind ``hw``: a rank's share (``rank_share``) remembers it, so a cost
+    model rebuilt from one (``dataclasses.replace``) shares again from the node's figures and
+    a plan records the spec as given."""
+    return getattr(hw, "_node_spec", hw)
+
+
+def rank_share(hw, R: int):
+    """The spec as one rank of R on a node sees it: the node's NVMe array, its host memory
+    bandwidth and the CPU cores of the host optimizer step are shared by its R ranks, so each
+    rank gets 1/R of ``nvme_read/write_bandwidth``, ``host_memory_bandwidth`` and
+    ``cpu_adam_params_per_s``. The PCIe links (``h2d``, ``d2h``, ``duplex``) are per GPU on
+    the shipped specs (one x16 link per GPU on DGX/HGX nodes) and stay as they are.
+    NB: R ranks streaming at once through one root complex or socket may get less than their
+    links' sum; that is not modelled."""
+    if R <= 1:
+        return hw
+    out = dataclasses.replace(
+        hw, nvme_read_bandwidth=hw.nvme_read_bandwidth / R,
+        nvme_write_bandwidth=hw.nvme_write_bandwidth / R,
+        host_memory_bandwidth=hw.host_memory_bandwidth / R,
+        cpu_adam_params_per_s=hw.cpu_adam_params_per_s / R)
+    object.__setattr__(out, "_node_spec", hw)
+    return out

@@ -33,10 +33,10 @@ def validate_layers(cm: CostModel, layers: list[LayerDecision]) -> None:
                         "give one decision per unit, in execution order")
     prev = None
     for i, (u, d) in enumerate(zip(units, layers)):
-        if cm.distributed and not d.home.resident:
+        if cm.engine == "ddp" and not d.home.resident:
             raise UserError(f"layer {d.name!r}: homes off the device ({d.home.label()}) are not "
-                            f"supported with {cm.engine} across ranks yet; keep every tensor "
-                            "class on the device (plan solve --world-size does so)")
+                            "planned under ddp (it replicates every tensor on every rank); "
+                            "keep every tensor class on the device or use --engine fsdp2")
         if cm.engine == "fsdp2" and d.activation is Activation.RECOMPUTE and \
                 _ckpt(d) is Tier.NONE:
             raise UserError(f"layer {d.name!r}: checkpoint 'none' would recompute it away from "

@@ -107,7 +107,8 @@ def solve_options(args, profile: Profile) -> tuple:
                     stream=args.stream, world_size=args.world_size,
                     ranks_per_node=args.ranks_per_node, engine=args.engine,
                     clip=args.clip, optimizer_overlap=args.optimizer_overlap,
-                    micro_batch_order=args.micro_batch_order)
+                    micro_batch_order=args.micro_batch_order,
+                    shard_homes=getattr(args, "shard_homes", "runnable"))
 
 
 def cli_solve(args) -> int:

@@ -75,6 +75,10 @@ class SolveConfig:
     optimizer_overlap: str = "auto"
     """``auto``: units' optimizer work may run beside the backward where it pays (the plan says
     ``overlapped`` only if some does); ``off``: after the backward (``--optimizer-overlap``)."""
+    shard_homes: str = "runnable"
+    """Under ``--engine fsdp2``: ``runnable`` (homes the runtime executes: a block's whole shard
+    on the host, stepped on the CPU) or ``all`` (also NVMe and split homes: priced, not yet
+    executed) (``--shard-homes``)."""
     micro_batch_order: str = "batch-major"
     """``batch-major`` (K whole passes), ``layer-major`` (every micro-batch through a unit before
     the next) or ``auto`` (both solved, the faster kept) (``--micro-batch-order``)."""
@@ -86,7 +90,8 @@ class SolveConfig:
               stream: str = "auto", world_size: int = 1, ranks_per_node: int | None = None,
               engine: str | None = None, clip: str = "global",
               optimizer_overlap: str = "auto",
-              micro_batch_order: str = "batch-major") -> "SolveConfig":
+              micro_batch_order: str = "batch-major",
+              shard_homes: str = "runnable") -> "SolveConfig":
         """The configuration of these options, checked, with the ranks' defaults filled in
         (``rank_options``). One UserError line per bad value."""
         policy = getattr(policy, "value", policy)
@@ -100,20 +105,23 @@ class SolveConfig:
         if micro_batch_order not in ORDER_MODES:
             raise UserError(f"--micro-batch-order {micro_batch_order!r}: use "
                             f"{', '.join(ORDER_MODES)}")
+        if shard_homes not in ("runnable", "all"):
+            raise UserError(f"--shard-homes {shard_homes!r}: use runnable, all")
         if int(micro_batches) == 1:
             micro_batch_order = "batch-major"      # one micro-batch: the orders are one
         ranks = rank_options(world_size, ranks_per_node, engine)
         if ranks["engine"] != "none" and micro_batch_order != "batch-major":
             raise UserError(f"--micro-batch-order {micro_batch_order}: only batch-major is "
                             f"planned with --engine {ranks['engine']} yet; leave it out")
-        if ranks["engine"] != "none" and stream == "on":
-            raise UserError(f"--stream on: homes off the device are not supported with "
-                            f"--engine {ranks['engine']} yet; use --stream auto or off")
+        if ranks["engine"] == "ddp" and stream == "on":
+            raise UserError("--stream on: homes off the device are not planned under --engine "
+                            "ddp (it replicates every tensor); use --engine fsdp2 or --stream "
+                            "auto/off")
         return cls(hw=hw, budgets=budgets, policy=policy, micro_batches=int(micro_batches),
                    solver=solver, time_limit=time_limit, gap=gap, stream=stream,
                    nvme_dir=nvme_dir, progress=progress, clip=clip,
                    optimizer_overlap=optimizer_overlap, micro_batch_order=micro_batch_order,
-                   **ranks)
+                   shard_homes=shard_homes, **ranks)
 
     @property
     def allow_offload(self) -> bool:
@@ -128,6 +136,7 @@ class SolveConfig:
                           allow_streaming=self.stream != "off", allow_offload=self.allow_offload,
                           optimizer_depth=self.optimizer_depth, world_size=self.world_size,
                           ranks_per_node=self.ranks_per_node, engine=self.engine,
+                          shard_homes=self.shard_homes,
                           clip=self.clip, optimizer_overlap="after-backward"
                           if self.optimizer_overlap == "off" else "overlapped",
                           micro_batch_order="layer-major"
