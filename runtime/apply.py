@@ -33,7 +33,7 @@ from planner.formats import Activation, Executor, Plan, Tier, UnitKind, UserErro
 from planner.formats.plan import check_homes
 from planner.formats.report import LINKS, Report, StepRecord
 
-from . import calls, engines, layer_major
+from . import calls, engines, layer_major, sharded
 from .binding import InputGuard, InputTooLargeError, PlanMismatchError, bind
 from .calls import find_hidden as _find_hidden, hidden_of as _hidden_of
 from .files import OffloadError, planned_files
@@ -1197,6 +1197,8 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
     executor = _executor(plan, src)
     blocks = bind(model, plan, src)      # runtime/binding.py: exact names, shapes, identity
     engines.check(plan, engine, model, blocks, src)
+    if engine == "fsdp2":
+        sharded.check_policies(plan, model, blocks, src)    # each block's policy against its home
     table = plan.model.get("params") or {}
     for u, d in zip(plan.units, plan.layers):
         if u.kind != UnitKind.BLOCK.value and d.activation is not Activation.KEEP:
@@ -1247,22 +1249,18 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
                                     "which needs a device that is not host memory (CUDA); use a "
                                     "cpu-host plan (homes on nvme) on a CPU")
         streams = streams or not d.home.resident
-    if streams and plan.optimizer_overlap == "overlapped" and \
-            not backend_for(torch.device(dev)).unified:
-        # runtime/overlap.py steps units on a worker thread during the backward; the staged
-        # path (runtime/staged.py) has not been run from two threads at once
-        raise PlanMismatchError(f"{src}: its optimizer steps beside the backward "
-                                "(optimizer_overlap 'overlapped'), which this runtime executes "
-                                f"on a CPU device only so far; re-solve with --optimizer-overlap "
-                                f"off to train on {dev}")
     nvme = str(nvme_dir) if nvme_dir is not None else plan.nvme_dir
     if nvme_needed and not nvme:
         raise PlanMismatchError(f"{src} uses nvme but names no directory; pass "
                                 "apply_plan(..., nvme_dir=DIR) or solve with --nvme-dir DIR")
-    if streams and plan.engine != "none":
-        raise PlanMismatchError(f"{src} keeps tensors off the device under {plan.engine}, which "
-                                "is not supported yet; solve it again with --world-size (homes "
-                                "stay on the device)")
+    if streams and plan.engine == "ddp":
+        raise PlanMismatchError(f"{src} keeps tensors off the device under ddp, which is not "
+                                "supported; solve it with --engine fsdp2 (or homes on the device)")
+    if streams and plan.engine == "fsdp2":
+        # engines.check has matched each block's CPUOffloadPolicy to its host home (NVMe homes
+        # refused there): FSDP2 moves those shards and the user's optimizer steps them on the
+        # CPU, so the runtime streams nothing itself (runtime/sharded.py)
+        plan, streams = sharded.engine_view(plan), False
     if streams and optimizer is None:
         raise PlanMismatchError(f"{src} keeps weights, gradients or optimizer state off the "
                                 "device, so the optimizer step goes through the plan: pass "
