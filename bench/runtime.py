@@ -169,8 +169,8 @@ def checksum_cost(pairs: int, d: int, layers: int, batch: int, seq: int, nvme_ba
                           hardware=hw, dtype="fp32", config=cfg, batch=batch, seq=seq,
                           timing="estimate")
     tmp = tempfile.TemporaryDirectory(prefix="tierplan-bench-", dir=nvme_base)
-    plan, _ = baseline_plan(prof, None, hw, Budgets(hw.memory_bytes, 0, hw.nvme_bytes),
-                            "offload-all", nvme_dir=str(Path(tmp.name) / "nvme"))
+    plan = baseline_plan(prof, None, hw, Budgets(hw.memory_bytes, 0, hw.nvme_bytes),
+                         "offload-all", nvme_dir=str(Path(tmp.name) / "nvme"))
     inputs = make_inputs(cfg, batch, seq)
     torch.manual_seed(0)
     a = build_model(cfg)
