@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from planner.costmodel import STEP_PIECE_BYTES
 from planner.costmodel.baselines import baseline_layers
 from planner.errors import UserError
 from planner.formats.events import Op, Stream
@@ -256,3 +257,41 @@ def test_shared_tensors_a_units_own_prologue_made_are_held_from_its_forward_to_i
                           baseline_layers("keep-all", p.layers, hw))[1].peak_gpu_bytes
              for p in (prof, loaded)]
     assert peaks[1] - peaks[0] == S
+
+
+def test_the_optimizer_workspace_is_what_each_step_steps_at_once():
+    """The profile's optimizer workspace (two fp32 temporaries of the largest tensor) is
+    charged for a step of whole tensors; a unit stepped by pieces (its state on NVMe) holds at
+    most 8 bytes per element of one piece, and a small unit 8 bytes per parameter. Found on a
+    NanoChat plan whose optimizer phase was predicted 270 MiB above what it measured: the
+    whole embedding's temporaries were charged though the runtime steps it 16 MiB at a time."""
+    hw = spec(unified=True)
+    M = 2 ** 20
+    p = prof(2, hw, param_bytes=256 * M, saved_bytes=0, workspace_bytes=0, head_saved_bytes=0,
+             input_bytes=0)
+    big = 8 * p.layers[0].param_count          # two fp32 temporaries of a unit's tensor
+    p = dataclasses.replace(p, optimizer_workspace_bytes=big)
+    budgets = Budgets(10**13, 0, 10**13)
+
+    def opt_phase_gpu(home_of):
+        layers = [LD(u.name, Act.KEEP, home=home_of(u)) for u in p.layers]
+        plan, r = plan_and_sim(p, None, hw, budgets, "x", layers)
+        resident = sum(sum(v for v in (u.param_bytes if h.home.weights is T.GPU else 0,
+                                       u.grad_bytes if h.home.grads is T.GPU else 0,
+                                       u.optimizer_bytes if h.home.optimizer is T.GPU else 0))
+                       for u, h in zip(p.layers, layers))
+        return next(s for s in r.stages if s.phase == "optimizer").memory["gpu"] - resident, plan
+
+    # every unit resident: the user's optimizer steps whole tensors, the profile's figure
+    ws, _ = opt_phase_gpu(lambda u: Home())
+    assert ws == big
+    # every unit's state on NVMe: a piece of 16 MiB of state is 16 MiB / 12 bytes per element
+    # (master and two moments of bf16 weights); each of the opt_depth steps in flight holds
+    # its piece, and the one stepping its temporaries
+    nv = Home(T.GPU, T.GPU, T.NVME, T.GPU)
+    ws, plan = opt_phase_gpu(lambda u: nv)
+    per_element = p.layers[0].optimizer_bytes / p.layers[0].param_count
+    piece_elems = -(-STEP_PIECE_BYTES // per_element)
+    assert ws == pytest.approx(plan.optimizer_depth * STEP_PIECE_BYTES + 8 * piece_elems,
+                               abs=8 * per_element)
+    assert ws - plan.optimizer_depth * STEP_PIECE_BYTES < big / 20

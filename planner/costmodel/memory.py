@@ -316,6 +316,40 @@ class MemoryRules:
                 out.append([(v.q(k, i), float(self.W[k])), *acc])
         return out
 
+    def step_workspace(self, i: int, h: Home) -> tuple[str, int]:
+        """(tier, bytes): the temporaries unit i's step allocates where it runs. The profile's
+        figure (``optimizer_workspace_bytes``: two fp32 temporaries of the model's largest
+        tensor) is what a step of whole tensors may need; a step never needs more than 8 bytes
+        (two fp32) per element it steps at once: a piece where the runtime steps by pieces
+        (state on NVMe; on a unified device, any state off it: ``STEP_PIECE_BYTES``), else the
+        unit's own parameters."""
+        where = "gpu" if (self.unified or h.step is Tier.GPU) else "cpu"
+        if not self.opt_ws or not self.G[i]:
+            return where, 0
+        n = self.N[i]
+        if not n:                        # a profile without parameter counts: the whole figure
+            return where, int(self.opt_ws)
+        if h.optimizer is Tier.NVME or (self.unified and h.optimizer is not Tier.GPU):
+            per_element = self.opt_copy(i, h) / n
+            if per_element:
+                n = min(n, math.ceil(self.state_held(i, h) / per_element))
+        return where, int(min(self.opt_ws, 8 * n))
+
+    def opt_workspaces(self, v: View) -> dict:
+        """Per tier, one Lin per unit: its step's workspace (``step_workspace``); the phase
+        holds the largest (one step runs at a time where it runs)."""
+        out = {t: [] for t in TIERS}
+        for j in range(self.U):
+            per = {t: [] for t in TIERS}
+            for k, h in enumerate(self.homes[j]):
+                where, n = self.step_workspace(j, h)
+                if n:
+                    per[where].append((v.h(j, k), float(n)))
+            for t in TIERS:
+                if per[t]:
+                    out[t].append(per[t])
+        return out
+
     def opt_transients(self, v: View) -> dict:
         """Per tier, one Lin per unit: what the unit's step holds where it runs, from its read
         to its write. The optimizer phase holds at most ``opt_depth`` units' at once (with 3:

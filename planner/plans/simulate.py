@@ -259,8 +259,8 @@ def simulate(plan: Plan) -> SimResult:
     pass_s = rest_s = opt_s = recompute_s = stall = overlapped_s = 0.0
     busy = {r: 0.0 for r in RESOURCES}
     last = {}                       # backward stage -> the last pass's (seconds, loads)
-    held = {t: max((evaluate(x) for x in per), default=0.0)
-            for t, per in cm.opt_transients(v).items()}
+    held, opt_ws = ({t: max((evaluate(x) for x in per), default=0.0) for t, per in d.items()}
+                    for d in (cm.opt_transients(v), cm.opt_workspaces(v)))
     for s in range(L.n_stages):
         in_pass = s in L.pass_stages
         if in_pass:
@@ -272,9 +272,9 @@ def simulate(plan: Plan) -> SimResult:
             mem = {t: base[t] + carried[t] for t in TIERS}
             mem["gpu"] += cm.shared[s] + ws
             if cm.overlapped and s > cm.U:
-                _overlap_memory(cm, mem, held)
+                _overlap_memory(cm, mem, held, opt_ws)
         else:
-            mem = _opt_memory(cm, base_opt, held)
+            mem = _opt_memory(cm, base_opt, held, opt_ws)
         if staging:
             mem[pool_tier] += staging
         for t in TIERS:
@@ -320,18 +320,17 @@ def simulate(plan: Plan) -> SimResult:
         overlapped_s=overlapped_s)
 
 
-def _opt_memory(cm: CostModel, base_opt: dict, held: dict) -> dict:
+def _opt_memory(cm: CostModel, base_opt: dict, held: dict, opt_ws: dict) -> dict:
     """Bytes per tier in the optimizer phase: every home's resident bytes (gradients on the
-    device included), ``opt_depth`` units' steps in flight, the device optimizer's workspace,
-    and under clip global the state read ahead during the backward."""
-    mem = {t: base_opt[t] + cm.opt_depth * held[t] for t in TIERS}
-    mem["gpu"] += cm.opt_ws
+    device included), ``opt_depth`` units' steps in flight, the largest step's workspace
+    where it runs, and under clip global the state read ahead during the backward."""
+    mem = {t: base_opt[t] + cm.opt_depth * held[t] + opt_ws[t] for t in TIERS}
     if cm.overlapped and cm.clip == "global":
         mem[cm.prefetch_tier()] += cm.prefetch_bytes
     return mem
 
 
-def _overlap_memory(cm: CostModel, mem: dict, held: dict) -> None:
+def _overlap_memory(cm: CostModel, mem: dict, held: dict, opt_ws: dict) -> None:
     """What the optimizer work beside a backward stage holds (``OverlapRules``): with clip
     none, ``opt_depth`` units' steps in flight and the device step's workspace (as in the
     optimizer phase); with clip global,
@@ -339,8 +338,7 @@ def _overlap_memory(cm: CostModel, mem: dict, held: dict) -> None:
     pass's figure, the largest)."""
     if cm.clip == "none":
         for t in TIERS:
-            mem[t] += cm.opt_depth * held[t]
-        mem["gpu"] += cm.opt_ws            # a device step's own workspace
+            mem[t] += cm.opt_depth * held[t] + opt_ws[t]    # a step's own workspace
     else:
         mem[cm.prefetch_tier()] += cm.prefetch_bytes
 

@@ -340,9 +340,10 @@ class Model:
         carried_t_s:  C_{t,s} = C_{t,s-1} - free_t(s-1) + alloc_t(s),   C_{t,-1} = 0
         mem_t_s:      base_t + shared_t(s) + C_{t,s} + ws_s [gpu] + pi [cpu; gpu on unified] <= B_t
         opt_held_t_j: tmax_t >= what unit j's step holds on tier t (read to write)
-        mem_t_opt:    base'_t + depth tmax_t [+ optimizer workspace on gpu] + pi [host] <= B_t
+        mem_t_opt:    base'_t + depth tmax_t + wsopt_t + pi [host] <= B_t
                       (base' = base with every gradient on the device, also with K = 1)
         ws_s >= each workspace candidate of stage s (the largest of a recomputed segment's)
+        opt_ws_t_j:   wsopt_t >= unit j's step workspace on tier t (``step_workspace``)
         staging_n:    pi >= each staging need (two buffers of the largest NVMe transfer)
         """
         cm, L, v = self.cm, self.cm.L, self.v
@@ -358,6 +359,13 @@ class Model:
             tmax[t] = self._var(f"tmax_{t}") if per_unit else 0
             for j, terms in enumerate(per_unit):
                 self._c(tmax[t] - lin(terms, 1 / GB) >= 0, f"opt_held_{t}_{j}")
+        self.wsopt = {}
+        for t, per_unit in cm.opt_workspaces(v).items():
+            if t not in self._tiers() or not per_unit:
+                continue
+            self.wsopt[t] = self._var(f"wsopt_{t}")
+            for j, terms in enumerate(per_unit):
+                self._c(self.wsopt[t] - lin(terms, 1 / GB) >= 0, f"opt_ws_{t}_{j}")
         for t in self._tiers():
             prev_free = None
             for s in L.pass_stages:
@@ -384,9 +392,7 @@ class Model:
                     row += self._overlap_held(t, tmax)
                 self._c(row - self.budget(t) <= 0, f"mem_{t}_{s}")
         for t in tmax:
-            row = lin(base_opt[t], 1 / GB) + cm.opt_depth * tmax[t]
-            if t == "gpu" and cm.opt_ws:
-                row += cm.opt_ws / GB
+            row = lin(base_opt[t], 1 / GB) + cm.opt_depth * tmax[t] + self.wsopt.get(t, 0)
             if t == pool_tier:
                 row += self.pool
             if self.Vpre is not None and t == cm.prefetch_tier():
@@ -398,8 +404,8 @@ class Model:
         units' steps in flight (clip none), or the state read ahead (clip global)."""
         if self.Vpre is not None:
             return self.Vpre if t == self.cm.prefetch_tier() else 0
-        ws = self.cm.opt_ws / GB if t == "gpu" else 0.0    # a device step's own workspace
-        return self.cm.opt_depth * tmax.get(t, 0) + ws
+        # a step's own workspace where it runs
+        return self.cm.opt_depth * tmax.get(t, 0) + self.wsopt.get(t, 0)
 
     def c_time(self):
         """A stage lasts as long as its longest resource (transfers overlap compute):
