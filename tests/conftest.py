@@ -114,6 +114,18 @@ SLOW_MODULES = {"test_zoo", "test_zoo_adversarial", "test_fuzz", "test_faults",
                 "test_timing", "test_models", "test_blocks", "test_measure"}
 
 
+@pytest.fixture
+def one_rank_group():
+    """A gloo process group of one rank (this process), destroyed after the test."""
+    import torch.distributed as dist
+
+    import dist_harness
+    dist.init_process_group("gloo", rank=0, world_size=1,
+                            init_method=f"tcp://127.0.0.1:{dist_harness.free_port()}")
+    yield
+    dist.destroy_process_group()
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:

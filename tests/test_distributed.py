@@ -313,15 +313,6 @@ def test_every_rank_equals_the_engine_alone_under_every_plan(engine, plan_dir):
 
 # ----------------------------------------------------------------------------- one process
 
-@pytest.fixture
-def one_rank_group():
-    import torch.distributed as dist
-    dist.init_process_group("gloo", rank=0, world_size=1,
-                            init_method=f"tcp://127.0.0.1:{H.free_port()}")
-    yield
-    dist.destroy_process_group()
-
-
 def _plan(name, engine, tmp_path, policy="recompute-all", world=1):
     from planner.plans import save_plan
     hw = load_hardware("cpu-host")

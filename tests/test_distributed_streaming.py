@@ -37,15 +37,6 @@ def _line(e) -> str:
     return msg
 
 
-@pytest.fixture
-def one_rank_group():
-    import torch.distributed as dist
-    dist.init_process_group("gloo", rank=0, world_size=1,
-                            init_method=f"tcp://127.0.0.1:{H.free_port()}")
-    yield
-    dist.destroy_process_group()
-
-
 def _model():
     torch.manual_seed(0)
     return build_model(CFG, dtype="fp32")

@@ -105,6 +105,17 @@ def _staged_run(model, data, home, nvme, acts="keep-all", clip=True, be=None):
     return be, handle, opt
 
 
+def _assert_as_plain(model, ref, opt, ropt, be) -> None:
+    """Weights and AdamW state exactly plain PyTorch's, and no read before its producer."""
+    assert _max_diff(model.state_dict(), ref.state_dict()) == 0.0
+    got, want = opt.state_dict()["state"], ropt.state_dict()["state"]
+    assert got.keys() == want.keys()
+    for i in want:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(got[i][key], want[i][key]), (i, key)
+    assert be.missing == 0, be.problems[:3]
+
+
 @pytest.mark.parametrize("home", list(HOMES))
 @pytest.mark.parametrize("name", list(MODELS))
 def test_staged_streaming_equals_plain_pytorch(name, home, tmp_path):
@@ -116,13 +127,7 @@ def test_staged_streaming_equals_plain_pytorch(name, home, tmp_path):
     nvme = tmp_path / "nvme"
     be, handle, opt = _staged_run(model, data, home, nvme)
     with using(be):
-        assert _max_diff(model.state_dict(), ref.state_dict()) == 0.0
-        got, want = opt.state_dict()["state"], ropt.state_dict()["state"]
-        assert got.keys() == want.keys()
-        for i in want:
-            for key in ("exp_avg", "exp_avg_sq", "step"):
-                assert torch.equal(got[i][key], want[i][key]), (i, key)
-        assert be.missing == 0, be.problems[:3]
+        _assert_as_plain(model, ref, opt, ropt, be)
         copies = [s for s, op, _ in be.log if op == "copy"]
         assert {"h2d", "d2h"} <= set(copies) and be.ran_ops == sum(c != "compute"
                                                                    for c in copies)
@@ -435,13 +440,7 @@ def test_overlapped_staged_training_equals_plain_pytorch(name, home, clip, tmp_p
         want_kinds = set() if h.grads is T.GPU else \
             ({"step"} if clip == "none" else ({"read"} if h.optimizer is T.NVME else set()))
         assert kinds == want_kinds, log
-        assert _max_diff(model.state_dict(), ref.state_dict()) == 0.0
-        got, want = opt.state_dict()["state"], ropt.state_dict()["state"]
-        assert got.keys() == want.keys()
-        for i in want:
-            for key in ("exp_avg", "exp_avg_sq", "step"):
-                assert torch.equal(got[i][key], want[i][key]), (i, key)
-        assert be.missing == 0, be.problems[:3]
+        _assert_as_plain(model, ref, opt, ropt, be)
         assert not [t for t in threading.enumerate() if t.name == WORKER_THREAD]
         handle.remove()
     assert _files(nvme) == []
