@@ -316,7 +316,8 @@ class _Runner:
                                   2 * self.U, self._run_action, self._barrier, self._on_stage)
         self.phase = None
         if optimizer is not None and self.statics:
-            self.phase = OptimizerPhase(optimizer, list(self.statics.values()), self.param_ids)
+            self.phase = OptimizerPhase(optimizer, list(self.statics.values()), self.param_ids,
+                                        depth=int(plan.optimizer_depth))
         # optimizer_overlap 'overlapped': units' optimizer work beside the backward
         self.overlap = (OverlapScheduler(self.phase, plan) if self.phase is not None
                         and plan.optimizer_overlap == "overlapped" else None)

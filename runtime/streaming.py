@@ -192,6 +192,7 @@ class UnitStatic:
         # one line that refuses a scale of the gradients (a clip under a clip-none plan)
         self.on_grads_home = None
         self.ahead: dict = {}
+        self.grads_ahead = None              # the pipelined phase: a read of the gradients
         self.scale_refusal: str | None = None
         for _, p in params:
             _own_storage(p)
@@ -305,6 +306,26 @@ class UnitStatic:
         self.wait()
         self._free_weights()
         self.in_use = False
+
+    def prefetch(self) -> None:
+        """Start reading what the unit's optimizer step reads first, its weights and its
+        gradients at home (the pipelined phase: while the unit before steps); ``materialize``
+        then finds them."""
+        if self.grads_out:
+            self.sync_grads()
+        if self.weights_out and not self.in_use:
+            self.fetch_weights(0.0, 1.0)
+        if self.grads_out and self.acc_valid:
+            self.grads_ahead = self.store_of().submit(self.read_grads)
+
+    def drop_prefetch(self) -> None:
+        """A pipelined phase failed: free what ``prefetch`` brought, once its reads are over."""
+        got, self.grads_ahead = self.grads_ahead, None
+        if got is not None:
+            with contextlib.suppress(Exception):
+                got.result()
+        if self.weights_out and not self.in_use:
+            self.release()
 
     # -- gradients --------------------------------------------------------------------------
     @property
@@ -491,9 +512,10 @@ class UnitStatic:
         self.sync_grads()
         if self.weights_out and not self.in_use:
             self.use()
+        got, self.grads_ahead = self.grads_ahead, None
         if self.grads_out and self.acc_valid:
-            # scaled, as they come back, by what clipped them
-            for k, g in store.submit(self.read_grads).result().items():
+            # scaled, as they come back, by what clipped them (read ahead by ``prefetch``)
+            for k, g in (got or store.submit(self.read_grads)).result().items():
                 self.params[k][1].grad = g
         if state and self.state_out and self.state_layout is not None:
             tens = self.state_tensors(opt_state)
@@ -521,11 +543,13 @@ class UnitStatic:
             v.untyped_storage().resize_(n)
             self._read_state_range(off, byte_view(as_bytes(v)))
 
-    def write_back(self, opt_state, weights: bool = True, state: bool = True) -> None:
+    def write_back(self, opt_state, weights: bool = True, state: bool = True,
+                   defer: bool = False):
         """After the step: weights (unless ``weights`` is False: a loaded optimizer state
         alone) and state (unless ``state`` is False: a step in pieces wrote its own) to their
         homes, freed on the device; gradients stay where they were (the accumulation lives
-        until ``zero_grad``)."""
+        until ``zero_grad``). With ``defer`` the writes are left in flight and the function
+        that waits for them and frees is returned."""
         store = self.store_of()
         jobs = []
         state = state and self.state_out
@@ -539,16 +563,22 @@ class UnitStatic:
         weights = weights and self.weights_out
         if weights:
             jobs.append(store.submit(self._write_all_weights))
-        for j in jobs:
-            j.result()
-        if state:
-            for _, _, v in self.state_tensors(opt_state):
+        tens = self.state_tensors(opt_state) if state else []
+
+        def finish():
+            for j in jobs:
+                j.result()
+            for _, _, v in tens:
                 v.untyped_storage().resize_(0)
-        if weights:
-            self._free_weights()
-            self.in_use = False
-        if self.grads_out:
-            self._install_placeholders()
+            if weights:
+                self._free_weights()
+                self.in_use = False
+            if self.grads_out:
+                self._install_placeholders()
+        if defer:
+            return finish
+        finish()
+        return None
 
     def _write_state(self, tens):
         self._write_slices([(self.s_off[(k, key)][0], v) for k, key, v in tens])
@@ -581,69 +611,107 @@ class UnitStatic:
             out.append(cur)
         return out
 
-    def step_in_pieces(self, make_optimizer, ps: list, opt_state, host=None) -> None:
+    def step_in_pieces(self, make_optimizer, ps: list, opt_state, host=None,
+                       pipelined: bool = False) -> None:
         """Step the parameters ``ps`` piece by piece (``pieces``): each piece's state is read
         from the state file, stepped by ``make_optimizer(views)`` over flat views of the
-        parameters' elements, and written back in place before the next is read. For
-        elementwise optimizers only (Adam, SGD, ...): there a slice steps exactly as the
-        whole tensor would (slices start at multiples of 2^20 elements: the same
-        vectorised kernels, the same bits). Weights and gradients are those of the
-        parameters, or, with ``host`` (param index -> (weights, gradient or None): host
-        tensors, the staged path's step on the CPU), those."""
+        parameters' elements, and written back in place. For elementwise optimizers only
+        (Adam, SGD, ...): there a slice steps exactly as the whole tensor would (slices start
+        at multiples of 2^20 elements: the same vectorised kernels, the same bits). Weights
+        and gradients are those of the parameters, or, with ``host`` (param index ->
+        (weights, gradient or None): host tensors, the staged path's step on the CPU), those.
+        One piece at a time; ``pipelined`` (the plan's optimizer depth 3): the next piece's
+        state is read while one steps and its writes go behind (three pieces in flight, the
+        pieces' file ranges disjoint), all written before this returns."""
         self._state_file()
         store = self.store_of()
         # the state as the step found it: a tensor's later slices must read what its first
         # slice's step has not yet replaced (its stand-ins, its step count)
         before = {id(p): dict(opt_state.get(p, {})) for p in ps}
-        for piece in self.pieces(ps, opt_state):
-            views, slots = [], []
-            for k, lo, hi in piece:
-                p = self.params[k][1]
-                w, g = host.get(k, (None, None)) if host is not None else (p.detach(), p.grad)
-                if g is None or isinstance(g, OffloadedGrad):
-                    continue                     # no gradient: the optimizer skips it
-                c = w.view(-1)[lo:hi]
-                c.grad = g.detach().view(-1)[lo:hi]
-                st, reads = {}, []
-                for key, v in before[id(p)].items():
-                    if isinstance(v, torch.Tensor) and v.numel() == p.numel() > 1:
-                        part = torch.empty(hi - lo, dtype=v.dtype, device=v.device)
-                        reads.append((self.s_off[(k, key)][0] + lo * v.element_size(), part))
-                        st[key] = part
-                    else:                        # a step count and the like: one per tensor
-                        st[key] = v.clone() if isinstance(v, torch.Tensor) else v
-                if reads:
-                    store.submit(self._read_slices, reads).result()
-                views.append(c)
-                slots.append((k, lo, hi, st))
-            if not views:
-                continue
-            sub = make_optimizer(views)
-            for c, (_, _, _, st) in zip(views, slots):
-                if st:
-                    sub.state[c] = st
-            sub.step()
-            writes = []
-            for c, (k, lo, hi, _) in zip(views, slots):
-                p = self.params[k][1]
-                new = sub.state.get(c, {})
-                old = opt_state.setdefault(p, {})
-                for key in sorted(new, key=str):
-                    v = new[key]
-                    # per element: the view's own shape (a step count is 0-dim, even where
-                    # a slice has one element)
-                    if isinstance(v, torch.Tensor) and v.shape == c.shape and p.numel() > 1:
-                        es = v.element_size()
-                        off = self._state_offset(k, key, p.numel() * es)
-                        writes.append((off + lo * es, v))
-                        if key not in old:       # the whole tensor's stand-in: no storage
-                            ph = torch.empty(p.shape, dtype=v.dtype, device=v.device)
-                            ph.untyped_storage().resize_(0)
-                            old[key] = ph
-                    else:
-                        old[key] = v
-            store.submit(self._write_slices, writes).result()
+        pieces = iter(self.pieces(ps, opt_state))
+
+        def prepared():                  # the next piece with something to step, or None
+            for piece in pieces:
+                x = self._piece_slots(piece, before, host)
+                if x[0]:
+                    return x, store.submit(self._read_slices, x[2])
+            return None
+        writing, cur, nxt = [], prepared(), None
+        try:
+            while cur is not None:
+                (views, slots, _), got = cur
+                got.result()
+                if pipelined:
+                    nxt = prepared()         # read while this one steps
+                sub = make_optimizer(views)
+                for c, (_, _, _, st) in zip(views, slots):
+                    if st:
+                        sub.state[c] = st
+                sub.step()
+                writing.append(store.submit(self._write_slices,
+                                            self._piece_writes(sub, views, slots, opt_state)))
+                del sub, views, slots
+                # one write behind at most (pipelined), none otherwise
+                while len(writing) > (1 if pipelined else 0):
+                    writing.pop(0).result()
+                cur, nxt = (nxt if pipelined else prepared()), None
+        finally:
+            for x in (cur, nxt):
+                if x is not None:
+                    with contextlib.suppress(Exception):
+                        x[1].result()
+            for w in writing:
+                w.result()
         self.state_layout = [(k, key) for k, key, _ in self.state_tensors(opt_state)]
+
+    def _piece_slots(self, piece, before: dict, host) -> tuple:
+        """(views, slots, reads) of one piece: a flat view of each parameter's elements with
+        its gradient, its state (buffers to read into, per-tensor values copied) and the
+        file reads that fill them. Parameters without a gradient are left out (the optimizer
+        skips them)."""
+        views, slots, reads = [], [], []
+        for k, lo, hi in piece:
+            p = self.params[k][1]
+            w, g = host.get(k, (None, None)) if host is not None else (p.detach(), p.grad)
+            if g is None or isinstance(g, OffloadedGrad):
+                continue
+            c = w.view(-1)[lo:hi]
+            c.grad = g.detach().view(-1)[lo:hi]
+            st = {}
+            for key, v in before[id(p)].items():
+                if isinstance(v, torch.Tensor) and v.numel() == p.numel() > 1:
+                    part = torch.empty(hi - lo, dtype=v.dtype, device=v.device)
+                    reads.append((self.s_off[(k, key)][0] + lo * v.element_size(), part))
+                    st[key] = part
+                else:                        # a step count and the like: one per tensor
+                    st[key] = v.clone() if isinstance(v, torch.Tensor) else v
+            views.append(c)
+            slots.append((k, lo, hi, st))
+        return views, slots, reads
+
+    def _piece_writes(self, sub, views, slots, opt_state) -> list:
+        """The file writes of one stepped piece; its per-tensor values (and a stand-in of no
+        storage for each new state tensor) go into the user's state."""
+        writes = []
+        for c, (k, lo, hi, _) in zip(views, slots):
+            p = self.params[k][1]
+            new = sub.state.get(c, {})
+            old = opt_state.setdefault(p, {})
+            for key in sorted(new, key=str):
+                v = new[key]
+                # per element: the view's own shape (a step count is 0-dim, even where a
+                # slice has one element)
+                if isinstance(v, torch.Tensor) and v.shape == c.shape and p.numel() > 1:
+                    es = v.element_size()
+                    off = self._state_offset(k, key, p.numel() * es)
+                    writes.append((off + lo * es, v))
+                    if key not in old:       # the whole tensor's stand-in: no storage
+                        ph = torch.empty(p.shape, dtype=v.dtype, device=v.device)
+                        ph.untyped_storage().resize_(0)
+                        old[key] = ph
+                else:
+                    old[key] = v
+        return writes
 
     def _read_slices(self, reads):
         for off, t in reads:
@@ -812,9 +880,13 @@ class OptimizerPhase:
     optimizer of the same class per other unit (sharing the user's state and
     hyper-parameters), one unit after the other."""
 
-    def __init__(self, opt: torch.optim.Optimizer, units: list[UnitStatic], model_params: set):
+    def __init__(self, opt: torch.optim.Optimizer, units: list[UnitStatic], model_params: set,
+                 depth: int = 1):
         self.opt = opt
         self.units = units
+        # the plan's optimizer_depth: with more than one unit in flight the phase is pipelined
+        # (``_pipelined``), as the plan prices it; with one, one unit after the other
+        self.depth = depth
         streamed = {id(p) for u in units for _, p in u.params}
         self.streamed = streamed
         group_of = {}
@@ -885,31 +957,69 @@ class OptimizerPhase:
         finally:
             for p, g in hidden:
                 p.grad = g
-        for u, subs in self.subs:
-            if u not in done:
+        todo = [(u, subs) for u, subs in self.subs if u not in done]
+        if self.depth > 1 and not any(getattr(u, "steps_on_host", False) for u, _ in todo):
+            self._pipelined(todo)
+        else:
+            for u, subs in todo:
                 self.step_unit(u, subs)
         return loss
 
-    def step_unit(self, u: UnitStatic, subs: list, hypers: dict | None = None) -> None:
+    def _pipelined(self, todo: list) -> None:
+        """The units' steps with three in flight (``optimizer_depth`` 3): while one steps, the
+        next one's weights are read and the one before's written home (the store's one I/O
+        thread runs them in the order given: this unit's reads, the next's weights, this
+        unit's writes), and its state pieces are read one ahead and written behind
+        (``step_in_pieces``). Each step computes what it would alone: only the I/O moves."""
+        behind = None                    # finishes the write-back of the unit before
+        try:
+            for n, (u, subs) in enumerate(todo):
+                nxt = todo[n + 1][0] if n + 1 < len(todo) else None
+                fin = self.step_unit(u, subs, ahead=nxt)
+                if behind is not None:
+                    behind()
+                behind = fin
+        except BaseException:
+            # the error is the one raised; the writes issued still end, and nothing fetched
+            # ahead stays on the device
+            with contextlib.suppress(Exception):
+                if behind is not None:
+                    behind()
+            for u, _ in todo:
+                with contextlib.suppress(Exception):
+                    u.drop_prefetch()
+            raise
+        if behind is not None:
+            behind()
+
+    def step_unit(self, u: UnitStatic, subs: list, hypers: dict | None = None,
+                  ahead: UnitStatic | None = None):
         """One unit's step: brought to where it runs, stepped, written back. ``hypers``
-        (group index -> hyper-parameters): those to step with, else the user's now."""
+        (group index -> hyper-parameters): those to step with, else the user's now. With
+        ``ahead`` (the pipelined phase: the unit stepped next) that unit's weights are read
+        while this one steps, this one's state pieces are read ahead and written behind, and
+        its write-back is left in flight: the function that ends it is returned."""
         if getattr(u, "steps_on_host", False):    # the staged path (runtime/staged.py)
             u.step_host(self.opt, subs, type(self.opt) in ELEMENTWISE, hypers)
-            return
+            return None
         by_pieces = type(self.opt) in ELEMENTWISE and u.state_out
+        pipelined = ahead is not None or self.depth > 1 and hypers is None
         try:
             u.materialize(self.opt.state, state=not by_pieces)
+            if ahead is not None:
+                ahead.prefetch()
             for sub, gi in subs:
                 # the user's state and hyper-parameters as they are now: a scheduler changes
                 # the groups, and ``opt.load_state_dict`` replaces ``opt.state`` altogether
                 hyper = hypers[gi] if hypers is not None else self.hyper(gi)
                 if by_pieces:
                     u.step_in_pieces(lambda views, h=hyper: type(self.opt)([dict(h, params=views)]),
-                                     sub.param_groups[0]["params"], self.opt.state)
+                                     sub.param_groups[0]["params"], self.opt.state,
+                                     pipelined=pipelined)
                     continue
                 sub.state = self.opt.state
                 sub.param_groups[0].update(hyper)
                 sub.step()
-            u.write_back(self.opt.state, state=not by_pieces)
+            return u.write_back(self.opt.state, state=not by_pieces, defer=ahead is not None)
         finally:
             u.drop_ahead()

@@ -7,6 +7,7 @@ with a deadline far above what it takes on a loaded 2-core host, never a fixed s
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -323,6 +324,44 @@ def test_disk_full_during_forward_stops_with_one_line(tmp_path, monkeypatch):
     assert "cannot write offload file" in msg and "activations of unit 'blocks." in msg
     monkeypatch.setattr(os, "pwrite", real)
     h.remove()
+    assert not (tmp_path / "n").exists()
+
+
+def test_disk_full_in_a_pipelined_optimizer_phase_stops_with_one_line(tmp_path, monkeypatch):
+    """The disk fills while the optimizer phase writes one unit home and reads the next
+    (optimizer depth 3): opt.step() stops with the write's one line, nothing fetched ahead
+    stays on the device, and remove() leaves nothing."""
+    m, opt, h = _streamed(tmp_path, Home(Tier.NVME, Tier.NVME, Tier.NVME, Tier.GPU))
+    assert h.plan.optimizer_depth == 3
+    m(**_inputs()).loss.backward()
+    opt.step()                                   # the first step writes every state file
+    opt.zero_grad()
+    m(**_inputs(1)).loss.backward()
+    _drain(h)
+    real = os.pwrite
+    written = [0]
+
+    def pwrite(fd, data, offset):
+        written[0] += 1
+        if written[0] > 5:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data, offset)
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    with pytest.raises(OffloadError, match="disk is full") as e:
+        opt.step()
+    _one_line(str(e.value))
+    monkeypatch.setattr(os, "pwrite", real)
+    # the unit whose write failed keeps its weights (its home is half written); no other
+    # unit's weights, read ahead for its step, stay on the device
+    failed = [u for u in h._r.statics.values() if u.in_use]
+    assert len(failed) <= 1
+    for u in h._r.statics.values():
+        assert u.grads_ahead is None
+        if u not in failed:
+            assert all(p.untyped_storage().nbytes() == 0 for _, p in u.params), u.name
+    with contextlib.suppress(OffloadError):
+        h.remove()                               # a unit's home may be half written
+    assert h._r.model not in _active()
     assert not (tmp_path / "n").exists()
 
 

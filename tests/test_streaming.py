@@ -439,3 +439,61 @@ def test_a_block_charged_parameters_used_between_blocks_keeps_them_on_the_device
     with pytest.raises(UserError, match="weights used between blocks, stay on the device"):
         apply_plan(model, load_plan(tmp_path / "p.json"),
                    optimizer=torch.optim.AdamW(model.parameters()))
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_a_depth_3_plan_pipelines_its_optimizer_phase(reference, depth, tmp_path, monkeypatch):
+    """With the plan's optimizer depth 3 the phase runs as the plan prices it: the next
+    unit's weights are read while one steps (their read issued before this unit's weights are
+    written back) and a unit's state pieces are read one ahead (a piece's read issued before
+    the one before it has stepped); at depth 1 neither, one thing after another. The weights
+    are plain PyTorch's either way."""
+    import dataclasses
+
+    from runtime import files, streaming
+    monkeypatch.setattr(streaming, "STEP_PIECE_BYTES", 4096)
+    monkeypatch.setattr(streaming, "STEP_PIECE_ALIGN", 16)
+    log, in_phase = [], [False]
+    real_submit, real_writes = files.NvmeStore.submit, streaming.UnitStatic._piece_writes
+
+    def submit(store, fn, *args):
+        if in_phase[0]:
+            log.append((getattr(fn, "__name__", ""), getattr(getattr(fn, "__self__", None),
+                                                              "name", None)))
+        return real_submit(store, fn, *args)
+
+    def piece_writes(us, *args):
+        log.append(("stepped", us.name))
+        return real_writes(us, *args)
+    monkeypatch.setattr(files.NvmeStore, "submit", submit)
+    monkeypatch.setattr(streaming.UnitStatic, "_piece_writes", piece_writes)
+    cfg, model0, data, ref, _ = reference
+    model = copy.deepcopy(model0)
+    plan = plan_for(model, "keep-all", B, S, nvme_dir=tmp_path / "nvme", micro_batches=K,
+                    homes={"blocks": HOMES["all-on-disk"]})
+    assert plan.optimizer_depth == 3
+    plan = dataclasses.replace(plan, optimizer_depth=depth)
+    real_step = streaming.OptimizerPhase.step
+
+    def step(*a, **kw):
+        in_phase[0] = True
+        try:
+            return real_step(*a, **kw)
+        finally:
+            in_phase[0] = False
+    monkeypatch.setattr(streaming.OptimizerPhase, "step", step)
+    opt, sched = _optimizer(model)
+    handle = apply_plan(model, plan, optimizer=opt)
+    _train(model, data, opt, sched, handle)
+    assert _max_diff(model.state_dict(), ref.state_dict()) <= 1e-6
+    # state pieces: reads issued and not yet stepped, at most
+    open_reads, most = 0, 0
+    for what, _ in log:
+        open_reads += (what == "_read_slices") - (what == "stepped")
+        most = max(most, open_reads)
+    # the next unit's weights asked for before this unit's go home
+    order = [(w, u) for w, u in log if w in ("_read_weights", "_write_all_weights")]
+    early = any(a[0] == "_read_weights" and b[0] == "_write_all_weights" and a[1] != b[1]
+                for a, b in zip(order, order[1:]))
+    assert (most, early) == ((2, True) if depth == 3 else (1, False)), (most, order[:6])
+    handle.remove()
