@@ -102,24 +102,3 @@ def test_each_micro_batch_holds_its_part_of_a_tied_gradient():
     s = bm.L.bwd(bm.U - 1)               # the head's backward: the tied part exists from here
     assert bm.shared[s] - bm._shared_memory()[s] == n
     assert lm.shared[s] - K * lm._shared_memory()[s] == K * n
-
-
-def test_a_backward_sums_its_gradient_only_after_its_first_micro_batch_freed_its_bytes():
-    """In a layer-major backward stage the K backwards run one after another: the first holds
-    all K micro-batches' saved bytes and makes the gradient; from the second on a new gradient
-    is summed into it, by when the first's saved bytes are gone. The stage holds the larger of
-    the two, not both at once (a NanoChat plan measured ~50 MiB, one micro-batch of its
-    head's saved bytes, below the sum)."""
-    from planner.costmodel import evaluate
-    from planner.plans.simulate import PlanView, check_plan
-    prof, hw, budgets, cm, layers = _case("layer-major", Policy.KEEP_ALL)
-    plan, _ = plan_and_sim(prof, None, hw, budgets, "stream-all", layers, cm=cm)
-    cm, shares = check_plan(plan)
-    v = PlanView(cm, plan.layers, shares)
-    for i in range(1, cm.U - 1):                       # the blocks
-        s = 2 * cm.U - i
-        got = max(evaluate(c) for c in cm.transient(s, v))
-        first = cm.W[i]                                 # all K saved bytes carried, no sum yet
-        later = cm.W[i] + cm.G[i] - (K - 1) / K * cm.A[i]
-        assert got == pytest.approx(max(first, later))
-        assert got < cm.W[i] + cm.G[i]                  # the K-sum rule alone charged this

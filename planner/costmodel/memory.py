@@ -296,8 +296,7 @@ class MemoryRules:
         """GPU Lins of which the largest is held on top of the carried bytes during pass stage
         s: the running unit's workspace; during a segment's recompute, the largest workspace
         of the segment's forwards. In the passes after the first (K > 1), a backward also
-        holds its unit's new gradient beside the resident one it is added into; in a layer-major
-        stage that is from its second micro-batch on, the first's saved bytes freed by then."""
+        holds its unit's new gradient beside the resident one it is added into."""
         U = self.U
         if s == 0:
             return [[]]
@@ -312,13 +311,6 @@ class MemoryRules:
             acc = [(v.h(i, k), float(self.G[i])) for k, h in enumerate(self.homes[i])
                    if every or h.grads is Tier.GPU]
         out = [[(1, float(self.W[i])), *acc]]
-        if acc and self.passes == 1:
-            # layer-major: the gradient is summed into from the second micro-batch's backward
-            # on, by when the first's share of the unit's saved bytes (carried, all K) is freed
-            # (the runtime runs the K backwards one after another); the first holds them all
-            # and no second gradient
-            out = [[(1, float(self.W[i]))],
-                   [(1, float(self.W[i]) - (self.K - 1) / self.K * self.A[i]), *acc]]
         for k in v.recomputed_at(i):
             if self.W[k] > self.W[i]:
                 out.append([(v.q(k, i), float(self.W[k])), *acc])
