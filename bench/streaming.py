@@ -45,6 +45,10 @@ one plainly and one under the plan. The table shows:
              and under the budget
   files      files left in the plan's NVMe directory after ``handle.remove()``
 
+The plain and plan runs whose weights are compared run with MKL_CBWR=AUTO,STRICT: without
+it MKL's matrix products may round differently where a buffer's alignment differs, and a plain
+run then differs from another plain run (3e-6 after 3 steps, seen once in five).
+
 On a CPU device the memory runs (plain and plan) use MALLOC_MMAP_THRESHOLD_=65536, so that
 glibc maps every tensor of 64 KiB or more on its own and returns it when freed: the RSS then
 follows the bytes that are alive, not what the heap kept from earlier steps (runtime.md,
@@ -255,6 +259,10 @@ def bench_family(name, spec, B, S, family, prof: Path, static: int, args, tmp: P
     timing_env.pop("MALLOC_MMAP_THRESHOLD_", None)
     memory_env = dict(timing_env, MALLOC_MMAP_THRESHOLD_="65536") if args.device == "cpu" \
         else timing_env
+    # the runs whose weights are compared: MKL's matrix products in strict conditional
+    # numerical reproducibility, whose bits do not depend on where a tensor lies in memory (a
+    # plain run once differed from four others by 3e-6: its buffers' alignment)
+    memory_env = dict(memory_env, MKL_CBWR="AUTO,STRICT")
     ref, out, tout = tmp / f"{tag}-ref.pt", tmp / f"{tag}-out.json", tmp / f"{tag}-time.json"
     common = ["--spec", spec, "--batch", str(B), "--seq", str(S), "--steps", str(args.steps),
               "--k", str(args.micro_batches), "--plan", str(plan), "--ref", str(ref),

@@ -304,20 +304,26 @@ def test_too_little_room_is_refused_up_front(tmp_path):
     h.remove()
 
 
-def test_disk_full_during_forward_stops_with_one_line(tmp_path, monkeypatch):
-    """The disk fills after the up-front check: the write fails at the next stage of the
-    forward, one line naming the file, and nothing is left."""
-    m = _model()
-    h = apply_plan(m, plan_for(m, "offload-all", B, S, nvme_dir=tmp_path / "n"))
+def _disk_fills_after(n: int, monkeypatch):
+    """Every ``os.pwrite`` after the first ``n`` fails with ENOSPC; returns the real one."""
     real = os.pwrite
     written = [0]
 
     def pwrite(fd, data, offset):
         written[0] += 1
-        if written[0] > 3:
+        if written[0] > n:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(fd, data, offset)
     monkeypatch.setattr(os, "pwrite", pwrite)
+    return real
+
+
+def test_disk_full_during_forward_stops_with_one_line(tmp_path, monkeypatch):
+    """The disk fills after the up-front check: the write fails at the next stage of the
+    forward, one line naming the file, and nothing is left."""
+    m = _model()
+    h = apply_plan(m, plan_for(m, "offload-all", B, S, nvme_dir=tmp_path / "n"))
+    real = _disk_fills_after(3, monkeypatch)
     with pytest.raises(OffloadError, match="disk is full") as e:
         m(**_inputs()).loss.backward()
     msg = _one_line(str(e.value))
@@ -338,15 +344,7 @@ def test_disk_full_in_a_pipelined_optimizer_phase_stops_with_one_line(tmp_path, 
     opt.zero_grad()
     m(**_inputs(1)).loss.backward()
     _drain(h)
-    real = os.pwrite
-    written = [0]
-
-    def pwrite(fd, data, offset):
-        written[0] += 1
-        if written[0] > 5:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(fd, data, offset)
-    monkeypatch.setattr(os, "pwrite", pwrite)
+    real = _disk_fills_after(5, monkeypatch)
     with pytest.raises(OffloadError, match="disk is full") as e:
         opt.step()
     _one_line(str(e.value))

@@ -105,6 +105,18 @@ def _staged_run(model, data, home, nvme, acts="keep-all", clip=True, be=None):
     return be, handle, opt
 
 
+def _keep_all_setup(model, ref, data, home, tmp_path):
+    """A keep-all plan with ``home`` for every block, run on this CPU through the recording
+    backend: (plan, optimizer, the reference's optimizer, backend)."""
+    hw, h = HOMES[home]
+    plan = plan_for(model, "keep-all", B, S, inputs=data[0], nvme_dir=tmp_path / "nvme",
+                    hardware=hw, homes={"blocks": h}, micro_batches=K)
+    plan.hardware["device"] = "cpu"
+    ropt, _ = _optimizer(ref)
+    opt, _ = _optimizer(model)
+    return plan, opt, ropt, RecordingBackend()
+
+
 def _assert_as_plain(model, ref, opt, ropt, be) -> None:
     """Weights and AdamW state exactly plain PyTorch's, and no read before its producer."""
     assert _max_diff(model.state_dict(), ref.state_dict()) == 0.0
@@ -549,13 +561,7 @@ def test_a_gradient_zeroed_in_place_accumulates_as_pytorch_does(home, tmp_path):
     for m in (ref, model):
         for p in m.parameters():
             p.register_hook(negzero)
-    hw, h = HOMES[home]
-    plan = plan_for(model, "keep-all", B, S, inputs=data[0], nvme_dir=tmp_path / "nvme",
-                    hardware=hw, homes={"blocks": h}, micro_batches=K)
-    plan.hardware["device"] = "cpu"
-    ropt, _ = _optimizer(ref)
-    opt, _ = _optimizer(model)
-    be = RecordingBackend()
+    plan, opt, ropt, be = _keep_all_setup(model, ref, data, home, tmp_path)
 
     def grads(m, handle=None):
         for step in range(2):
@@ -590,13 +596,7 @@ def test_a_clip_between_micro_batches_scales_the_accumulator_exactly(home, tmp_p
     wait."""
     model0, data = MODELS["gpt"]()
     ref, model = copy.deepcopy(model0), copy.deepcopy(model0)
-    hw, h = HOMES[home]
-    plan = plan_for(model, "keep-all", B, S, inputs=data[0], nvme_dir=tmp_path / "nvme",
-                    hardware=hw, homes={"blocks": h}, micro_batches=K)
-    plan.hardware["device"] = "cpu"
-    ropt, _ = _optimizer(ref)
-    opt, _ = _optimizer(model)
-    be = RecordingBackend()
+    plan, opt, ropt, be = _keep_all_setup(model, ref, data, home, tmp_path)
 
     def run(m, o, clip):
         for step in range(2):
