@@ -1003,7 +1003,7 @@ class OptimizerPhase:
             u.step_host(self.opt, subs, type(self.opt) in ELEMENTWISE, hypers)
             return None
         by_pieces = type(self.opt) in ELEMENTWISE and u.state_out
-        pipelined = ahead is not None or self.depth > 1 and hypers is None
+        pipelined = self.depth > 1 and hypers is None    # the phase after the backward
         try:
             u.materialize(self.opt.state, state=not by_pieces)
             if ahead is not None:

@@ -259,8 +259,7 @@ def simulate(plan: Plan) -> SimResult:
     pass_s = rest_s = opt_s = recompute_s = stall = overlapped_s = 0.0
     busy = {r: 0.0 for r in RESOURCES}
     last = {}                       # backward stage -> the last pass's (seconds, loads)
-    held, opt_ws = ({t: max((evaluate(x) for x in per), default=0.0) for t, per in d.items()}
-                    for d in (cm.opt_transients(v), cm.opt_workspaces(v)))
+    held, opt_ws = _largest(cm.opt_transients(v)), _largest(cm.opt_workspaces(v))
     for s in range(L.n_stages):
         in_pass = s in L.pass_stages
         if in_pass:
@@ -318,6 +317,11 @@ def simulate(plan: Plan) -> SimResult:
         busy_s=busy, stall_s=stall, static_bytes=int(base["gpu"]), staging_bytes=int(staging),
         stages=tuple(stages), events=_event_times(plan, cm, stages), flops=float(flops),
         overlapped_s=overlapped_s)
+
+
+def _largest(per_tier: dict) -> dict:
+    """Per tier, the largest of its Lins (one per unit) as evaluated under the plan."""
+    return {t: max((evaluate(x) for x in per), default=0.0) for t, per in per_tier.items()}
 
 
 def _opt_memory(cm: CostModel, base_opt: dict, held: dict, opt_ws: dict) -> dict:

@@ -186,31 +186,27 @@ def _search(profile, profile_path, cfg: SolveConfig, models: _Models, clock,
     best = _pick(cands)
     if _homes_matter(cfg, models) and (best is None or cfg.stream == "on"
                                        or _streaming_may_pay(models.main, best, cfg.gap)):
-        after = dataclasses.replace(models.main, optimizer_overlap="after-backward",
-                                    prefetch_bytes=0) if models.main.overlapped else None
-        runs = [(models.main, "milp", 0.5)]
-        if after is not None:
-            runs.append((after, "milp", 0.5))
-        if models.lean_ovl is not None:
-            runs.append((models.lean_ovl, "milp/depth1", 1.0))
-        runs.append((models.lean, "milp/depth1", 1.0))
-        main_overlapped = False
-        for model, origin, share in runs:
-            if model is after and main_overlapped:
-                continue
-            joint = milp(profile, profile_path, cfg, model, origin=origin, clock=clock,
-                         warm=best.plan.layers if best else None, share=share,
-                         incumbent=best.sim.step_s if best else None)
-            if joint is not None:
-                cands.append(joint)
+        def joint(model, origin, share):
+            nonlocal best
+            got = milp(profile, profile_path, cfg, model, origin=origin, clock=clock,
+                       warm=best.plan.layers if best else None, share=share,
+                       incumbent=best.sim.step_s if best else None)
+            if got is not None:
+                cands.append(got)
                 best = _pick(cands)
-            # the same depth after the backward is solved too where the overlapped model found
-            # no plan that overlaps: it holds a step in flight during the backward, so at a
-            # tight budget it can find none (a NanoChat plan at static/4.2: --optimizer-overlap
-            # auto 10.0 s at depth 1 against off 8.9 s at depth 3, before this)
-            if model is models.main:
-                main_overlapped = joint is not None and \
-                    joint.plan.optimizer_overlap == "overlapped"
+            return got
+        main = joint(models.main, "milp", 0.5)
+        if models.main.overlapped and (main is None
+                                       or main.plan.optimizer_overlap != "overlapped"):
+            # the overlapped model found no plan that overlaps: the same depth after the
+            # backward too. The overlapped one holds a step in flight during the backward, so
+            # at a tight budget it can find none (a NanoChat plan at static/4.2:
+            # --optimizer-overlap auto 10.0 s at depth 1 against off 8.9 s at depth 3, before)
+            joint(dataclasses.replace(models.main, optimizer_overlap="after-backward",
+                                      prefetch_bytes=0), "milp", 0.5)
+        if models.lean_ovl is not None:
+            joint(models.lean_ovl, "milp/depth1", 1.0)
+        joint(models.lean, "milp/depth1", 1.0)
     return _pick(cands)
 
 
