@@ -45,6 +45,10 @@ one plainly and one under the plan. The table shows:
              and under the budget
   files      files left in the plan's NVMe directory after ``handle.remove()``
 
+The plain run computes with the intra-op threads the plan does (the plan's
+``executor.compute_threads``, its profile's: every core but one by default, which the runtime
+sets on a CPU device; docs/runtime.md, "Compute threads on a CPU host"): torch's float sums
+split by thread count, so plain PyTorch at 1 and 2 threads differ (2e-7 in one backward).
 The plain and plan runs whose weights are compared run with MKL_CBWR=AUTO,STRICT: without
 it MKL's matrix products may round differently where a buffer's alignment differs, and a plain
 run then differs from another plain run (3e-6 after 3 steps, seen once in five).
@@ -137,6 +141,13 @@ def worker(args) -> None:
     from planner.profile import resolve_model
     from runtime import apply_plan
 
+    if args.mode == "plain":
+        # plain PyTorch at the intra-op threads the plan computes with (its profile's; the
+        # runtime sets them): a float sum splits by thread count, so a plain run at another
+        # count differs from itself at this one (2e-7 in one backward of the built-in GPT)
+        n = (json.loads(Path(args.plan).read_text()).get("executor") or {}).get("compute_threads")
+        if n and args.device == "cpu":
+            torch.set_num_threads(int(n))
     torch.manual_seed(0)
     model, inputs, _, cfg, _ = resolve_model(args.spec, args.batch, args.seq, "fp32", "cpu")
     model.to(args.device)

@@ -1151,6 +1151,28 @@ def _executor(plan: Plan, src: str) -> Executor:
     return plan.executor
 
 
+def _compute_threads(runner: _Runner, executor: Executor) -> list:
+    """On a CPU device, torch's intra-op threads at the count the plan's profile was timed
+    with (``executor.compute_threads``), as they were again at ``remove()``; the undo list.
+
+    The plan's times hold at that count only: on a 2-core host a pass at 2 threads beside the
+    runtime's transfer thread ran 2.1x the profile's time, at 1 thread (the profile's default
+    there) its own (docs/runtime.md, "Compute threads on a CPU host")."""
+    n = executor.compute_threads
+    if runner.device.type != "cpu" or not n:
+        return []
+    was = torch.get_num_threads()
+    runner.report.compute_threads = n
+    if n == was:
+        return []
+    torch.set_num_threads(n)
+
+    def restore():
+        if torch.get_num_threads() == n:       # not changed again by the user since
+            torch.set_num_threads(was)
+    return [restore]
+
+
 def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
                optimizer: torch.optim.Optimizer | None = None,
                nvme_dir: str | Path | None = None, trim_heap: bool = False,
@@ -1309,6 +1331,7 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
     hook = register_optimizer_step_post_hook(runner.on_optimizer_step)
     pre_hook = register_optimizer_step_pre_hook(runner.before_optimizer_step)
     undo.append(pre_hook.remove)
+    undo += _compute_threads(runner, executor)
     handle = Handle(runner, hook, undo)
     _ACTIVE[model] = handle
     return handle

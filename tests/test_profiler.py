@@ -218,6 +218,12 @@ BAD = [
     (["profile", "gpt-tiny", "--batch", "1", "--seq", "100000"], "context"),
     (["profile", "gpt-tiny", "--batch", "1", "--seq", "8", "--hardware", "tpu9"], "tpu9"),
     (["profile", "gpt-tiny", "--batch", "1", "--seq", "8", "--dtype", "int4"], "dtype"),
+    (["profile", "gpt-tiny", "--batch", "1", "--seq", "8", "--device", "cpu",
+      "--compute-threads", "0"], "--compute-threads"),
+    (["profile", "gpt-tiny", "--batch", "1", "--seq", "8", "--device", "cpu",
+      "--compute-threads", "two"], "--compute-threads"),
+    (["profile", "gpt-tiny", "--batch", "1", "--seq", "8", "--device", "cpu",
+      "--compute-threads", "100000"], "--compute-threads"),
 ]
 
 

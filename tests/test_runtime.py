@@ -613,3 +613,38 @@ def test_plan_of_another_precision_warns_but_runs():
     with warnings.catch_warnings():
         warnings.simplefilter("error")   # the matching precision says nothing
         apply_plan(same, plan).remove()
+
+
+def test_a_cpu_plan_computes_with_the_threads_its_profile_was_timed_with(tmp_path):
+    """The profile records the intra-op threads its times were measured with; under the plan
+    a CPU model computes with as many (the report says so) and ``remove()`` puts torch's count
+    back. A profile on meta records none, and its plan leaves the count alone."""
+    from planner.cli import main
+    from runtime import apply_plan
+    was = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        prof, plan = tmp_path / "p.json", tmp_path / "plan.json"
+        assert main(["profile", "gpt-tiny", "--batch", "2", "--seq", "16", "--dtype", "fp32",
+                     "--device", "cpu",
+                     "--compute-threads", "1", "--repeats", "1", "-o", str(prof)]) == 0
+        assert json.loads(prof.read_text())["model"]["compute_threads"] == 1
+        assert main(["solve", str(prof), "--gpu-mem", "1G", "-o", str(plan)]) == 0
+        assert json.loads(plan.read_text())["executor"]["compute_threads"] == 1
+        model = build_model("gpt-tiny", "fp32", "cpu")
+        inputs = make_inputs(load_config("gpt-tiny"), 2, 16, "cpu")
+        handle = apply_plan(model, str(plan))
+        assert torch.get_num_threads() == 1
+        model(**inputs).loss.backward()
+        assert handle.report().compute_threads == 1
+        handle.remove()
+        assert torch.get_num_threads() == 2
+        meta, mplan = tmp_path / "m.json", tmp_path / "mplan.json"
+        assert main(["profile", "gpt-tiny", "--batch", "2", "--seq", "16", "--dtype", "fp32",
+                     "-o", str(meta)]) == 0
+        assert "compute_threads" not in json.loads(meta.read_text())["model"]
+        assert main(["solve", str(meta), "--gpu-mem", "1G", "-o", str(mplan)]) == 0
+        with apply_plan(build_model("gpt-tiny", "fp32", "cpu"), str(mplan)):
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(was)

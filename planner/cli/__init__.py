@@ -116,6 +116,9 @@ def _profile_options(q) -> None:
     q.add_argument("--timing", choices=["measure", "estimate"], default=None,
                    help="measure times (default on cpu/cuda) or estimate them from FLOPs and "
                    "bytes on the hardware spec (the only choice on meta)")
+    q.add_argument("--compute-threads", default=None, help="--device cpu: torch's intra-op "
+                   "threads while timing, which a plan's runtime computes with: a count or "
+                   "'all' (default: every core but one, left to the runtime's transfers)")
     q.add_argument("-o", "--output", default=None, help="output file (default: profiles/<name>.json)")
 
 

@@ -41,7 +41,9 @@ class Executor:
     not the gradients), the report's prediction of the static bytes. ``staging_bytes``: the
     pinned staging pool the plan prices (0: none). ``step_piece_bytes``,
     ``step_piece_align``, ``acc_chunk_bytes``: the piece sizes the plan priced (above); the
-    runtime refuses a plan priced with other sizes than it executes."""
+    runtime refuses a plan priced with other sizes than it executes. ``compute_threads``: the
+    intra-op threads the profile's times were measured with on a CPU device, which a CPU
+    model under the plan computes with (0: not recorded, torch's left as they are)."""
 
     grads_from_backward: bool
     static_device_bytes: int
@@ -49,6 +51,7 @@ class Executor:
     step_piece_bytes: int = STEP_PIECE_BYTES
     step_piece_align: int = STEP_PIECE_ALIGN
     acc_chunk_bytes: int = ACC_CHUNK_BYTES
+    compute_threads: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -74,4 +77,4 @@ class Executor:
 
 _FIELDS = {"grads_from_backward": "bool", "static_device_bytes": "bytes",
            "staging_bytes": "bytes", "step_piece_bytes": "bytes", "step_piece_align": "count",
-           "acc_chunk_bytes": "bytes"}
+           "acc_chunk_bytes": "bytes", "compute_threads": "count"}

@@ -174,7 +174,8 @@ _MODEL_FIELDS = {"name": "name", "batch": "count", "seq": "count", "param_count"
                  "blocks": "strs?", "attention": "str?", "optimizer": "str?",
                  "bytes_per_param": "count", "unique_blocks": "count", "state_bytes": "bytes?",
                  "chain_breaks": "strs?", "inplace_input": "strs?", "identity": "str?",
-                 "config": "dict?", "params": "dict?", "timing_quality": "dict?"}
+                 "config": "dict?", "params": "dict?", "timing_quality": "dict?",
+                 "compute_threads": "count?"}
 
 
 def check_model_section(m: dict, where: str, fix: str) -> None:

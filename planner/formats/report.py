@@ -147,6 +147,7 @@ class Report:
     engine: str = "none"              # none | fsdp2 | ddp
     units: list = field(default_factory=list)   # the plan's unit names, in execution order
     structure_hash: str | None = None           # the plan's (its profile's) structure hash
+    compute_threads: int = 0          # CPU: torch's intra-op threads under the plan (0: left)
 
     @property
     def measured(self) -> Measured | None:
@@ -213,6 +214,7 @@ class Report:
                 "gpu_measure": self.gpu_measure, "rank": self.rank,
                 "world_size": self.world_size, "engine": self.engine,
                 "units": list(self.units), "structure_hash": self.structure_hash,
+                "compute_threads": self.compute_threads,
                 "measured_units": self.unit_times(), "measured_links": self.link_rates()}
 
     def save(self, path) -> Path:
@@ -222,6 +224,8 @@ class Report:
         med = self.measured
         head = (f"tierplan report: plan {self.plan_path or '(in memory)'} ({self.policy}, "
                 f"{self.hardware}), {len(self.steps)} step(s) measured on {self.device}")
+        if self.compute_threads:
+            head += f", {self.compute_threads} compute thread(s)"
         if self.engine != "none":
             head += f", rank {self.rank} of {self.world_size} ({self.engine}; figures per rank)"
         if med is None:
@@ -264,7 +268,8 @@ def load_report_dict(d: dict, source: str = "report") -> Report:
     check_fields(d, {"plan": "dict", "device": "str", "predicted": "dict", "steps": "list",
                       "predicted_moved": "dict", "predicted_static_bytes": "bytes",
                       "rank": "count", "world_size": "count", "engine": "str",
-                      "units": "list", "structure_hash": "str?"}, where, _FIX)
+                      "units": "list", "structure_hash": "str?",
+                      "compute_threads": "count"}, where, _FIX)
     if not all(isinstance(n, str) for n in d.get("units", [])):
         raise UserError(f"{where}: units must be a list of unit names; {_FIX}")
     p = d["plan"]
@@ -285,7 +290,8 @@ def load_report_dict(d: dict, source: str = "report") -> Report:
                   steps=steps, hwm_reset=bool(d.get("hwm_reset", True)),
                   rank=int(d.get("rank", 0)), world_size=int(d.get("world_size", 1)),
                   engine=str(d.get("engine", "none")), units=list(d.get("units", [])),
-                  structure_hash=d.get("structure_hash"))
+                  structure_hash=d.get("structure_hash"),
+                  compute_threads=int(d.get("compute_threads", 0)))
 
 
 def load_report(path) -> Report:

@@ -461,8 +461,10 @@ def executor_of(cm: CostModel, plan: Plan, sim: SimResult) -> Executor:
     the device (``zero_grad`` frees them; they belong to the step's rise), plus the engine's."""
     static = sum(cm.resident(i, d.home)["gpu"] - (cm.G[i] if d.home.grads is Tier.GPU else 0)
                  for i, d in enumerate(plan.layers)) + cm.engine_static
+    threads = plan.model.get("compute_threads") if plan.hardware.get("device") == "cpu" else 0
     return Executor(grads_from_backward=bool(cm.grads_from_backward()),
-                    static_device_bytes=int(static), staging_bytes=int(sim.staging_bytes))
+                    static_device_bytes=int(static), staging_bytes=int(sim.staging_bytes),
+                    compute_threads=int(threads or 0))
 
 
 def with_executor(plan: Plan) -> Plan:

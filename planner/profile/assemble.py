@@ -185,6 +185,8 @@ def _assemble(step) -> Profile:
     if settings.measure:
         model_section["timing_quality"] = _timing_quality(
             records, spreads, ratios, settings.repeats, step.quality.get("other_load_cpus"))
+    if settings.compute_threads:
+        model_section["compute_threads"] = int(settings.compute_threads)
     model_section["warnings"] = _unit_warnings(records, step.units, step.rep_of, block_names)
     model_section["identity"] = identity_hash(model_section)
     return Profile(schema=PROFILE_SCHEMA, model=model_section, device=settings.device.type,

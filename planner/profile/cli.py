@@ -42,7 +42,8 @@ def cli_profile(args) -> int:
         prof = profile_model(args.model, batch, seq, dtype=args.dtype, device=args.device,
                              hardware=hardware, optimizer=args.optimizer,
                              blocks_path=args.blocks, repeats=getattr(args, "repeats", 5),
-                             progress=progress, timing=getattr(args, "timing", None) or "auto")
+                             progress=progress, timing=getattr(args, "timing", None) or "auto",
+                             compute_threads=getattr(args, "compute_threads", None))
     if progress:
         print(file=sys.stderr)
     m = prof.model
@@ -67,7 +68,9 @@ def cli_profile(args) -> int:
         print(f"timing: median of {min(quality['samples'].values())}-"
               f"{max(quality['samples'].values())} repeats per unit, widest spread "
               f"{max(max(v) for v in quality['spread'].values()):.0%}"
-              + ("" if load is None else f", other processes {load:.2f} CPUs"))
+              + ("" if load is None else f", other processes {load:.2f} CPUs")
+              + (f", {m['compute_threads']} compute thread(s)" if m.get("compute_threads")
+                 else ""))
         for w in quality["warnings"]:
             print(f"plan: warning: timings unreliable: {w}", file=sys.stderr)
     out = Path(args.output) if args.output else default_output(prof)

@@ -5,6 +5,8 @@ back as it came, assemble the profile.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import warnings
 
 import torch
@@ -30,14 +32,17 @@ WARNING_PREFIX = "tierplan: profile: "
 def profile_module(model, inputs, *, name: str, hardware: HardwareSpec, dtype: str | None = None,
                    optimizer: str = "adamw", blocks_path=None, repeats: int = 5,
                    config: dict | None = None, batch: int = 0, seq: int = 0,
-                   progress=None, timing: str = "auto") -> Profile:
+                   progress=None, timing: str = "auto",
+                   compute_threads: int | None = None) -> Profile:
     """Profile an already-built ``model`` on ``inputs`` (a dict of keyword arguments or a tuple).
 
     The device is the parameters' device (``meta``, ``cpu`` or ``cuda``); ``hardware`` is the
     target the estimate and the attention kernel are for. ``blocks_path`` is ``--blocks``
     (names or patterns; None: found from the forward). ``timing``: ``measure`` (cpu/cuda),
     ``estimate`` (from FLOPs and bytes on the hardware spec, any device), ``auto`` (measure
-    where the device can).
+    where the device can). ``compute_threads``: torch's intra-op threads while times are
+    measured on a CPU device (None: ``default_compute_threads()``); the profile records it and
+    a plan's runtime computes with as many (docs/runtime.md, "Compute threads on a CPU host").
     """
     if optimizer not in OPTIMIZERS:
         raise UserError(f"--optimizer {optimizer!r}: use {', '.join(OPTIMIZERS)}")
@@ -69,11 +74,15 @@ def profile_module(model, inputs, *, name: str, hardware: HardwareSpec, dtype: s
             torch.manual_seed(0)
             blockset = _user_code(who, "forward", detect_blocks, model,
                                   lambda: _call(model, inputs), blocks_path, meta=on_meta)
+        threads = 0
+        if measure and device.type == "cpu":
+            threads = check_compute_threads(compute_threads)
         settings = Settings(name=name, who=who, hardware=hardware, dtype=dtype,
                             optimizer=optimizer, repeats=repeats, config=config, batch=batch,
                             seq=seq, progress=progress, device=device, measure=measure,
-                            target=target)
-        prof = _profile(model, inputs, blockset, settings)
+                            target=target, compute_threads=threads)
+        with torch_threads(threads):
+            prof = _profile(model, inputs, blockset, settings)
         for w in prof.model["warnings"]:
             warnings.warn(f"{WARNING_PREFIX}{w}", stacklevel=2)
         return prof
@@ -171,9 +180,57 @@ def _time_units(step: Step) -> None:
     step.quality["other_load_cpus"] = meter.other_cpus()
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def default_compute_threads() -> int:
+    """Intra-op threads a CPU profile is timed with by default: every core this process may
+    use but one, left to the runtime's transfer thread, and never more than torch uses now (a
+    lower ``OMP_NUM_THREADS`` or ``torch.set_num_threads`` of the user's is kept). On a 2-core
+    host a pass at 2 threads ran 1.5x slower beside one reader thread at a quarter of its
+    time, 2x at half and 27x when the reader never paused; at 1 thread it did not slow at all
+    (docs/runtime.md, "Compute threads on a CPU host")."""
+    return max(1, min(torch.get_num_threads(), usable_cores() - 1))
+
+
+def check_compute_threads(n) -> int:
+    """``--compute-threads``: a positive count, at most the usable cores; None: the default."""
+    if n is None:
+        return default_compute_threads()
+    cores = usable_cores()
+    if isinstance(n, str) and n == "all":
+        return cores
+    try:
+        k = int(n)
+    except (TypeError, ValueError):
+        k = 0
+    if k < 1 or k > cores or str(n).strip() != str(k):
+        raise UserError(f"--compute-threads {n!r}: give a count from 1 to {cores} (this "
+                        "process's cores) or 'all'")
+    return k
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op threads at ``n`` inside (0: unchanged), as they were after."""
+    was = torch.get_num_threads()
+    if n and n != was:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n and torch.get_num_threads() != was:
+            torch.set_num_threads(was)
+
+
 def profile_model(model_spec: str, batch: int, seq: int, *, dtype=None, device="meta",
                   hardware: HardwareSpec, optimizer="adamw", blocks_path=None, repeats=5,
-                  progress=None, timing="auto") -> Profile:
+                  progress=None, timing="auto", compute_threads=None) -> Profile:
     """Profile MODEL (built-in name, model YAML or ``package.module:function``) at one shape."""
     batch = _positive_int(batch, "batch")
     seq = _positive_int(seq, "seq")
@@ -184,9 +241,11 @@ def profile_model(model_spec: str, batch: int, seq: int, *, dtype=None, device="
     if timing == "measure" and device == "meta":
         raise UserError("--timing measure needs --device cpu or cuda (a meta profile has no "
                         "values to time); use --timing estimate or another --device")
+    if device == "cpu" and compute_threads is not None:   # before the model is built
+        check_compute_threads(compute_threads)
     model, inputs, name, config, dtype = resolve_model(model_spec, batch, seq, dtype, device)
     return profile_module(model, inputs, name=name, hardware=hardware, dtype=dtype,
                           optimizer=optimizer, blocks_path=blocks_path, repeats=int(repeats),
                           config=config, batch=batch, seq=seq, progress=progress,
-                          timing=timing)
+                          timing=timing, compute_threads=compute_threads)
 

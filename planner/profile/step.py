@@ -39,6 +39,7 @@ class Settings:
     device: torch.device       # where the model's parameters are
     measure: bool              # times are measured (else estimated from the spec)
     target: str                # "cuda" or "cpu": the target's device type
+    compute_threads: int = 0   # torch's intra-op threads while timing on a CPU (0: not set)
 
 
 @dataclasses.dataclass
