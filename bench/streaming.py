@@ -23,14 +23,15 @@ said):
                   loop's: docs/runtime.md, "Layer-major plans"), so its plan is solved on
                   the profile of the model with dropout off (a copy of the model file with
                   its rates at 0, or NODROP's factory)
-  overlap-none    --optimizer-overlap auto --clip none: a unit's step may run beside the
+  overlap-none    --optimizer-overlap on --clip none: a unit's step may run beside the
                   backward of the units before it; the loop does not clip (neither does plain)
-  overlap-global  --optimizer-overlap auto --clip global: only state reads move into the
+  overlap-global  --optimizer-overlap on --clip global: only state reads move into the
                   backward; the loop clips
 
-The solver labels a plan overlapped only where that is faster (docs/streaming.md); the
-"sched" column shows what the plan file says, so a row whose plan came out after-backward says
-so rather than passing for the family.
+With ``on`` the plan runs the overlapped schedule even where it is not the fastest (``auto``
+labels a plan overlapped only where that is faster: docs/streaming.md); where the overlapped
+schedule of no plan found fits the budget, plan solve exits 3 and the row says so. The
+"sched" column shows what the plan file says.
 
 Per model: ``plan profile`` (device cpu, spec cpu-host), ``plan solve --gpu-mem static/RATIO
 --micro-batches K``, then two fresh processes train STEPS optimizer steps of K micro-batches
@@ -91,8 +92,8 @@ FAMILIES = {
     "batch-major": (["--optimizer-overlap", "off"], True, False),
     "layer-major": (["--micro-batch-order", "layer-major", "--optimizer-overlap", "off"],
                     True, True),
-    "overlap-none": (["--optimizer-overlap", "auto", "--clip", "none"], False, False),
-    "overlap-global": (["--optimizer-overlap", "auto", "--clip", "global"], True, False),
+    "overlap-none": (["--optimizer-overlap", "on", "--clip", "none"], False, False),
+    "overlap-global": (["--optimizer-overlap", "on", "--clip", "global"], True, False),
 }
 
 

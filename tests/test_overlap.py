@@ -368,3 +368,37 @@ def test_on_a_cpu_only_spec_the_step_needs_the_compute_idle_time():
     assert loads["compute"] == pytest.approx(steps)      # no step hid in the busy cores
     assert moved > 0 and loads["nvme"] < disk
     assert dur == pytest.approx(serial - (disk - loads["nvme"]), rel=1e-9)
+
+
+@pytest.mark.slow
+def test_optimizer_overlap_on_writes_the_overlapped_schedule_or_exits_3(tmp_path, capsys):
+    """--optimizer-overlap on: where the overlapped schedule of a plan found fits, the plan
+    runs it (simulator-checked, the prediction its own) though it is no faster than auto's;
+    where none fits, exit 3 in one line naming the option; with layer-major, exit 2."""
+    from pathlib import Path
+    from planner.cli import main
+    spec = str(Path(__file__).resolve().parents[1] / "bench/models/gpt-stream.yaml")
+    prof = tmp_path / "p.json"
+    assert main(["profile", spec, "--batch", "2", "--seq", "64", "--dtype", "fp32",
+                 "-o", str(prof)]) == 0
+    common = [str(prof), "--nvme-mem", "10G", "--micro-batches", "2", "--clip", "none"]
+    on, auto = tmp_path / "on.json", tmp_path / "auto.json"
+    assert main(["solve", *common, "--gpu-mem", "80000000", "--optimizer-overlap", "on",
+                 "-o", str(on)]) == 0
+    assert main(["solve", *common, "--gpu-mem", "80000000", "-o", str(auto)]) == 0
+    p_on, p_auto = Plan.from_dict(json.loads(on.read_text())), \
+        Plan.from_dict(json.loads(auto.read_text()))
+    assert p_on.optimizer_overlap == "overlapped" and p_on.clip == "none"
+    r = simulate(p_on)
+    assert r.fits and r.overlapped_s > 0
+    assert r.step_s == pytest.approx(p_on.predicted.step_s, rel=1e-9)
+    assert p_on.predicted.step_s >= p_auto.predicted.step_s * (1 - 1e-6)
+    capsys.readouterr()
+    assert main(["solve", *common, "--gpu-mem", "38000000", "--optimizer-overlap", "on",
+                 "-o", str(tmp_path / "tight.json")]) == 3
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--optimizer-overlap on" in err and "gpu" in err
+    assert not (tmp_path / "tight.json").exists()
+    assert main(["solve", *common, "--gpu-mem", "80000000", "--optimizer-overlap", "on",
+                 "--micro-batch-order", "layer-major", "-o", str(tmp_path / "lm.json")]) == 2
+    assert "not run together" in capsys.readouterr().err

@@ -59,8 +59,11 @@ def make_plan(profile: Profile, profile_path: str | None, hw: HardwareSpec, budg
 def plan_and_sim(profile: Profile, profile_path: str | None, hw: HardwareSpec, budgets,
                  policy: str, layers, shares: dict | None = None,
                  solver: SolverRecord | None = None, nvme_dir: str | None = None,
-                 micro_batches: int = 1, cm: CostModel | None = None) -> tuple[Plan, object]:
-    """``make_plan`` and the simulation that filled its prediction: ``(plan, SimResult)``."""
+                 micro_batches: int = 1, cm: CostModel | None = None,
+                 keep_overlap: bool = False) -> tuple[Plan, object]:
+    """``make_plan`` and the simulation that filled its prediction: ``(plan, SimResult)``.
+    An overlapped ``cm`` gives an overlapped plan only where that is faster than the same
+    decisions after the backward, unless ``keep_overlap`` (``--optimizer-overlap on``)."""
     # the judge; imported here to keep the import graph flat
     from planner.plans.simulate import executor_of, simulate
 
@@ -85,7 +88,7 @@ def plan_and_sim(profile: Profile, profile_path: str | None, hw: HardwareSpec, b
         optimizer_prefetch_bytes=int(cm.prefetch_bytes) if cm.overlapped else 0,
         micro_batch_order=cm.micro_batch_order)
     r = simulate(plan)
-    if cm.overlapped:
+    if cm.overlapped and not keep_overlap:
         # the plan is overlapped only where that is faster than the same decisions after the
         # backward (what today's runtime executes, and never more memory)
         after = plan_and_sim(profile, profile_path, hw, budgets, policy, layers, shares, solver,

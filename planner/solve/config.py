@@ -19,7 +19,7 @@ from planner.formats import CLIPS, Budgets, HardwareSpec, Policy, Profile
 from planner.plans import cost_model
 
 STREAM_MODES = ("auto", "on", "off")
-OVERLAP_MODES = ("auto", "off")
+OVERLAP_MODES = ("auto", "on", "off")
 ORDER_MODES = ("batch-major", "layer-major", "auto")
 # The MILP's rows bound memory in GB with the solvers' feasibility tolerance (1e-6 on the row,
 # i.e. a kilobyte) and bytes are rounded to whole numbers when written: solve against the
@@ -74,7 +74,9 @@ class SolveConfig:
     update starts before the whole backward; ``none``: it does not (``--clip``)."""
     optimizer_overlap: str = "auto"
     """``auto``: units' optimizer work may run beside the backward where it pays (the plan says
-    ``overlapped`` only if some does); ``off``: after the backward (``--optimizer-overlap``)."""
+    ``overlapped`` only if some does); ``on``: the fastest plan's decisions written with the
+    overlapped schedule even where it is no faster (``search._overlapped``); ``off``: after the
+    backward (``--optimizer-overlap``)."""
     shard_homes: str = "runnable"
     """Under ``--engine fsdp2``: ``runnable`` (homes the runtime executes: a block's whole shard
     on the host, stepped on the CPU) or ``all`` (also NVMe and split homes: priced, not yet
@@ -109,6 +111,10 @@ class SolveConfig:
             raise UserError(f"--shard-homes {shard_homes!r}: use runnable, all")
         if int(micro_batches) == 1:
             micro_batch_order = "batch-major"      # one micro-batch: the orders are one
+        if optimizer_overlap == "on" and micro_batch_order != "batch-major":
+            raise UserError(f"--optimizer-overlap on with --micro-batch-order "
+                            f"{micro_batch_order}: the two are not run together yet; use "
+                            "--micro-batch-order batch-major or --optimizer-overlap auto")
         ranks = rank_options(world_size, ranks_per_node, engine)
         if ranks["engine"] != "none" and micro_batch_order != "batch-major":
             raise UserError(f"--micro-batch-order {micro_batch_order}: only batch-major is "

@@ -122,6 +122,8 @@ def _solve_order(profile: Profile, profile_path, cfg: SolveConfig, seeds: tuple 
         warn(f"the --time-limit left out {', '.join(clock.skipped)} on this "
              f"{cm.U}-unit model; the plan is the best of the rest (raise --time-limit to try "
              "them)")
+    if cfg.optimizer_overlap == "on" and best.plan.optimizer_overlap != "overlapped":
+        best = _overlapped(profile, profile_path, cfg, models.main, cands)
     plan = best.plan
     if not best.origin.startswith("milp"):
         rec = dataclasses.replace(plan.solver, status=f"{plan.solver.status}: fastest candidate",
@@ -130,6 +132,43 @@ def _solve_order(profile: Profile, profile_path, cfg: SolveConfig, seeds: tuple 
     plan = dataclasses.replace(plan, policy=cfg.policy)
     milp_obj = best.plan.solver.objective if best.origin.startswith("milp") else None
     return SolveOutcome(plan, best.sim, tried, milp_obj)
+
+
+def _overlapped(profile, profile_path, cfg: SolveConfig, main: CostModel,
+                cands: list[Candidate]) -> Candidate:
+    """``--optimizer-overlap on``: the fastest candidate whose decisions and transfer shares
+    fit with the optimizer overlapped with the backward, priced by the simulator as that
+    schedule (a unit's step, or under ``--clip global`` its state reads, may start once its
+    last gradient is complete; a step in flight holds its bytes during the backward, so the
+    fastest plan after the backward may not fit so). Under ``--clip global`` the state of every
+    unit stepped off NVMe is first allowed ahead, then none. NoFitError (exit 3) where none
+    fits or no unit's work can start before the backward ends."""
+    from planner.costmodel.schedule import shares_of
+    why = "no unit's optimizer work can start before the backward ends"
+    tried = 0
+    for c in sorted((c for c in cands if c.sim.fits), key=lambda c: c.sim.step_s):
+        plan = c.plan
+        if plan.optimizer_overlap == "overlapped":
+            return c
+        tried += 1
+        cm = dataclasses.replace(main, optimizer_overlap="overlapped",
+                                 optimizer_depth=plan.optimizer_depth)
+        shares = shares_of(cm, plan.layers, [e for evs in plan.schedule.values() for e in evs])
+        ahead = sum(u.optimizer_bytes for u, d in zip(plan.units, plan.layers)
+                    if d.home.optimizer.value == "nvme")
+        for pre in dict.fromkeys([ahead, 0] if cfg.clip == "global" else [0]):
+            got, r = plan_and_sim(profile, profile_path, cm.hw, cfg.budgets, plan.policy,
+                                  plan.layers, shares=shares, solver=plan.solver,
+                                  nvme_dir=cfg.nvme_dir,
+                                  cm=dataclasses.replace(cm, prefetch_bytes=pre),
+                                  keep_overlap=True)
+            if not r.fits:
+                why = r.budget_violations[0]
+            elif r.overlapped_s > 0:
+                return Candidate(got, r, c.origin)
+    raise NoFitError(f"--optimizer-overlap on: none of the {tried} plan(s) found runs "
+                     f"overlapped within the budgets (the last: {why}); raise that budget or use "
+                     "--optimizer-overlap auto", budget=why.split(":")[0])
 
 
 def _baseline_policy(profile, profile_path, cfg: SolveConfig, cm: CostModel) -> SolveOutcome:
