@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import statistics
 import os
 import signal
 import subprocess
@@ -539,7 +540,17 @@ def test_report_counts_and_saves(tmp_path):
     back = load_report(path)
     assert back.measured.steps == 2 and back.predicted_moved["nvme_write"] > 0
     assert json.loads(path.read_text())["schema"] == "tierplan.report/1"
-    assert "peak RSS rise" in str(rep)
+    text = str(rep)
+    assert "peak RSS rise" in text
+    # where the time went: the passes and the phase after them add up to the step, beside
+    # the plan's figures, and each disk link's busy time with its rate
+    rows = [ln.strip() for ln in text.splitlines()]
+    assert any(r.startswith("passes (to the last backward)") for r in rows)
+    assert any(r.startswith("optimizer phase (after it)") for r in rows)
+    after = back.after_backward_s()
+    passes = statistics.median(s.step_s - s.after_backward_s for s in rep.steps[1:])
+    assert after is not None and after + passes == pytest.approx(back.measured.step_s, rel=0.2)
+    assert any(ln.strip().startswith("busy nvme_write per step (") for ln in text.splitlines())
 
 
 def test_keep_runs_unhooked_and_counts_the_plans_bytes():

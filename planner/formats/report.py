@@ -217,6 +217,27 @@ class Report:
                 "compute_threads": self.compute_threads,
                 "measured_units": self.unit_times(), "measured_links": self.link_rates()}
 
+    def _time_rows(self) -> tuple[list, list]:
+        """Where the step's time went, as table rows: the passes (to the last backward's end)
+        and the optimizer phase after it, beside the plan's figures; and each disk link's busy
+        seconds per step with its rate (the link busy longest is the one the run waited on,
+        where it waited). Empty where the steps have no such timings."""
+        after, p = self.after_backward_s(), self.predicted
+        passes = [s.step_s - s.after_backward_s for s in self._use()
+                  if s.after_backward_s is not None]
+        phases = []
+        if after is not None and passes and p.get("optimizer_s") is not None:
+            phases = [("  passes (to the last backward)",
+                       fmt_seconds(statistics.median(passes)),
+                       fmt_seconds(p["step_s"] - p["optimizer_s"])),
+                      ("  optimizer phase (after it)", fmt_seconds(after),
+                       fmt_seconds(p["optimizer_s"]))]
+        n = max(1, len(self._use()))
+        links = [(f"busy {k} per step ({v['bytes_per_s'] / 1e9:.2f} GB/s)",
+                  fmt_seconds(v["busy_s"] / n), "")
+                 for k, v in sorted(self.link_rates().items()) if v["bytes_per_s"]]
+        return phases, links
+
     def save(self, path) -> Path:
         return write_json_atomic(path, self.to_dict())
 
@@ -245,6 +266,9 @@ class Report:
             rows.append((f"moved {link}", fmt_bytes(med.moved[link]),
                          fmt_bytes(self.predicted_moved.get(link, 0))))
         rows.append(("waited on transfers", fmt_seconds(med.stall_s), ""))
+        phases, links = self._time_rows()
+        rows[2:2] = phases
+        rows += links
         w = [max(len(r[i]) for r in rows) for i in range(3)]
         lines = [head, f"  median of {med.steps} step(s)" +
                  (" (the first step is left out)" if len(self.steps) > 1 else "")]
