@@ -643,3 +643,22 @@ def test_a_profile_leaves_nothing_of_its_step_alive():
             assert not alive, f"{len(alive)} profile step(s) alive after timing={timing}"
     finally:
         gc.enable()
+
+
+def test_block_times_are_scaled_to_a_whole_step_where_it_fits(monkeypatch):
+    """A measured profile times each block alone, then the whole step, and scales the blocks'
+    times per direction by what the step took beyond the embedding, head and prologues
+    (``timing_quality.in_step_scale``); where a plain step's activations would not fit the
+    memory available, no step is run and nothing is scaled."""
+    import planner.profile.step as stepmod
+    prof = profile_model("gpt-tiny", 2, 32, dtype="fp32", device="cpu", hardware=CPU,
+                         repeats=2)
+    scale = prof.model["timing_quality"]["in_step_scale"]
+    lo, hi = stepmod.IN_STEP_SCALE_RANGE
+    assert isinstance(scale, list) and len(scale) == 2 and all(lo <= f <= hi for f in scale)
+    monkeypatch.setattr(stepmod, "_available_bytes", lambda device: 1)
+    prof = profile_model("gpt-tiny", 2, 32, dtype="fp32", device="cpu", hardware=CPU,
+                         repeats=2)
+    assert prof.model["timing_quality"]["in_step_scale"] is None
+    meta = profile_model("gpt-tiny", 2, 32, dtype="fp32", device="meta", hardware=CPU)
+    assert "timing_quality" not in meta.model

@@ -185,6 +185,7 @@ def _assemble(step) -> Profile:
     if settings.measure:
         model_section["timing_quality"] = _timing_quality(
             records, spreads, ratios, settings.repeats, step.quality.get("other_load_cpus"))
+        model_section["timing_quality"]["in_step_scale"] = step.quality.get("in_step_scale")
     if settings.compute_threads:
         model_section["compute_threads"] = int(settings.compute_threads)
     model_section["warnings"] = _unit_warnings(records, step.units, step.rep_of, block_names)

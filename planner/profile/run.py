@@ -20,7 +20,7 @@ from planner.profile.calling import _call, _loss_of, _tensor_bytes, _user_code
 from planner.profile.isolated import _time_block
 from planner.profile.load import _DTYPE_NAMES, _positive_int, resolve_model
 from planner.profile.optimizer_bytes import OPTIMIZERS
-from planner.profile.step import Settings, Step, _time_ends
+from planner.profile.step import Settings, Step, _time_ends, _time_in_step
 from planner.profile.timing import _LoadMeter
 from planner.profile.tracker import EMBEDDING, HEAD
 
@@ -124,6 +124,10 @@ def _profile(model, inputs, blockset, settings: Settings) -> Profile:
         for p, flag in grad_flags:
             p.grad = None
             p.requires_grad_(flag)
+    if settings.measure:
+        # the blocks as the model runs them, cold caches and all (their forwards are the
+        # model's own again)
+        _time_in_step(step, model, step.inputs)
     return _assemble(step)
 
 
