@@ -399,6 +399,14 @@ def test_optimizer_overlap_on_writes_the_overlapped_schedule_or_exits_3(tmp_path
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--optimizer-overlap on" in err and "gpu" in err
     assert not (tmp_path / "tight.json").exists()
+    # on a unified-memory host every unit steps on the device: under --clip global nothing
+    # may move into the backward (only host-stepped units' state reads do), at any budget
+    glob = [str(prof), "--nvme-mem", "10G", "--micro-batches", "2", "--clip", "global"]
+    assert main(["solve", *glob, "--gpu-mem", "80000000", "--optimizer-overlap", "on",
+                 "-o", str(tmp_path / "glob.json")]) == 3
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "stepped on the host" in err
+    assert "raise that budget" not in err
     assert main(["solve", *common, "--gpu-mem", "80000000", "--optimizer-overlap", "on",
                  "--micro-batch-order", "layer-major", "-o", str(tmp_path / "lm.json")]) == 2
     assert "not run together" in capsys.readouterr().err

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from planner.costmodel import CostModel
 from planner.costmodel.baselines import baseline_layers
 from planner.errors import NoFitError
-from planner.formats import Budgets, Plan, Policy, Profile
+from planner.formats import Budgets, Plan, Policy, Profile, Tier
 from planner.plans import plan_and_sim
 from planner.solve.config import SolveConfig, warn
 from planner.solve.nofit import _min_gpu_candidate, _no_fit, _static_floor
@@ -140,11 +140,11 @@ def _overlapped(profile, profile_path, cfg: SolveConfig, main: CostModel,
     fit with the optimizer overlapped with the backward, priced by the simulator as that
     schedule (a unit's step, or under ``--clip global`` its state reads, may start once its
     last gradient is complete; a step in flight holds its bytes during the backward, so the
-    fastest plan after the backward may not fit so). Under ``--clip global`` the state of every
-    unit stepped off NVMe is first allowed ahead, then none. NoFitError (exit 3) where none
-    fits or no unit's work can start before the backward ends."""
+    fastest plan after the backward may not fit so). Under ``--clip global`` only state read
+    ahead moves: as much of the NVMe-homed state as the tier holding it has room for.
+    NoFitError (exit 3) naming why the fastest candidate cannot run so, where none can."""
     from planner.costmodel.schedule import shares_of
-    why = "no unit's optimizer work can start before the backward ends"
+    first = None
     tried = 0
     for c in sorted((c for c in cands if c.sim.fits), key=lambda c: c.sim.step_s):
         plan = c.plan
@@ -154,21 +154,39 @@ def _overlapped(profile, profile_path, cfg: SolveConfig, main: CostModel,
         cm = dataclasses.replace(main, optimizer_overlap="overlapped",
                                  optimizer_depth=plan.optimizer_depth)
         shares = shares_of(cm, plan.layers, [e for evs in plan.schedule.values() for e in evs])
-        ahead = sum(u.optimizer_bytes for u, d in zip(plan.units, plan.layers)
-                    if d.home.optimizer.value == "nvme")
-        for pre in dict.fromkeys([ahead, 0] if cfg.clip == "global" else [0]):
-            got, r = plan_and_sim(profile, profile_path, cm.hw, cfg.budgets, plan.policy,
-                                  plan.layers, shares=shares, solver=plan.solver,
-                                  nvme_dir=cfg.nvme_dir,
-                                  cm=dataclasses.replace(cm, prefetch_bytes=pre),
-                                  keep_overlap=True)
-            if not r.fits:
-                why = r.budget_violations[0]
-            elif r.overlapped_s > 0:
-                return Candidate(got, r, c.origin)
+
+        def sim(pre):
+            return plan_and_sim(profile, profile_path, cm.hw, cfg.budgets, plan.policy,
+                                plan.layers, shares=shares, solver=plan.solver,
+                                nvme_dir=cfg.nvme_dir,
+                                cm=dataclasses.replace(cm, prefetch_bytes=pre),
+                                keep_overlap=True)
+        got, r = sim(0)
+        why = r.budget_violations[0] if not r.fits else \
+            "no unit's optimizer work can start before the backward ends"
+        if r.fits and r.overlapped_s <= 0 and cfg.clip == "global" and not any(
+                d.home.step is Tier.CPU for d in plan.layers):
+            why = ("under --clip global only the state reads of units stepped on the host "
+                   "move into the backward, and this plan steps none there")
+        elif r.fits and r.overlapped_s <= 0 and cfg.clip == "global":
+            ahead = sum(u.optimizer_bytes for u, d in zip(plan.units, plan.layers)
+                        if d.home.optimizer is Tier.NVME)
+            tier = cm.prefetch_tier()
+            room = int(cm.budget[tier] - (r.peak_gpu_bytes if tier == "gpu" else r.peak_cpu_bytes))
+            if min(ahead, room) > 0:
+                got, r = sim(min(ahead, room))
+            else:
+                why = (f"no room on the {tier} tier to read state ahead" if ahead else
+                       "no unit's optimizer state lives on NVMe, so none can be read ahead")
+        if r.fits and r.overlapped_s > 0:
+            return Candidate(got, r, c.origin)
+        first = first or (c.origin, why, not r.fits)
+    origin, why, short = first or ("", "no plan fits", False)
     raise NoFitError(f"--optimizer-overlap on: none of the {tried} plan(s) found runs "
-                     f"overlapped within the budgets (the last: {why}); raise that budget or use "
-                     "--optimizer-overlap auto", budget=why.split(":")[0])
+                     f"overlapped within the budgets (the fastest, {origin}: {why}); "
+                     + ("raise that budget or " if short else "")
+                     + "use --optimizer-overlap auto",
+                     budget=why.split(":")[0] if short else "")
 
 
 def _baseline_policy(profile, profile_path, cfg: SolveConfig, cm: CostModel) -> SolveOutcome:
