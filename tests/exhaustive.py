@@ -70,13 +70,15 @@ def _solve_each(m: Model, cm, value):
 
 
 def _models(prof, hw, budgets, stream, micro_batches):
-    """One cost model per optimizer depth the planner may choose (1 matters only where a
-    unit's home can leave the device)."""
+    """One cost model per optimizer depth and schedule the planner may choose (depth 1 and
+    the optimizer overlapped with the backward, under its default --clip global, matter only
+    where a unit's home can leave the device)."""
     cm = cost_model(prof, hw, budgets, micro_batches, allow_streaming=stream != "off")
     yield cm
     if any(len(h) > 1 for h in cm.homes):
-        yield cost_model(prof, hw, budgets, micro_batches, allow_streaming=stream != "off",
-                         optimizer_depth=1)
+        for depth, overlap in ((1, "after-backward"), (3, "overlapped"), (1, "overlapped")):
+            yield cost_model(prof, hw, budgets, micro_batches, allow_streaming=stream != "off",
+                             optimizer_depth=depth, optimizer_overlap=overlap)
 
 
 def best_plan(prof: Profile, hw, budgets: Budgets, stream: str = "on",
