@@ -6,9 +6,9 @@ head and the prologues between blocks.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-import statistics
 import time
 
 import torch
@@ -19,7 +19,7 @@ from planner.formats import HardwareSpec
 from planner.profile.calling import _block_kind, _call, _loss_of, _sig, _tensor_bytes
 from planner.profile.isolated import _profile_isolated
 from planner.profile.sdpa import _TargetAttention
-from planner.profile.timing import _Repeats, _sync
+from planner.profile.timing import _Repeats, _median, _sync
 from planner.profile.tracker import EMBEDDING, HEAD, _Bridge, _Paused, _storage_key, _Tracker, _Unit
 
 
@@ -288,13 +288,10 @@ def _available_bytes(device) -> int | None:
     """Memory a plain step could take on ``device`` (CPU: MemAvailable; CUDA: free)."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     return None
 
 
@@ -345,15 +342,12 @@ def _time_in_step(step: Step, model, inputs) -> None:
     finally:
         for p in model.parameters():
             p.grad = None
-
-    def med(xs):
-        return statistics.median(xs) if xs else 0.0
     ends = [k for k in step.timing if k in (EMBEDDING, HEAD) or
             (isinstance(k, tuple) and k[0] == "prologue")]
     scale = []
-    for d, measured in ((0, med(fwd)), (1, med(bwd))):
-        blocks = sum(med(step.timing[r][d]) for r in reps)
-        rest = sum(med(step.timing[k][d]) for k in ends)
+    for d, measured in ((0, _median(fwd)), (1, _median(bwd))):
+        blocks = sum(_median(step.timing[r][d]) for r in reps)
+        rest = sum(_median(step.timing[k][d]) for k in ends)
         f = (measured - rest) / blocks if blocks > 0 else 0.0
         if not IN_STEP_SCALE_RANGE[0] <= f <= IN_STEP_SCALE_RANGE[1]:
             return
