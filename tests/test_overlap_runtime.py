@@ -80,6 +80,22 @@ def _solve(prof, hw, nvme, clip):
 _PLANS: dict = {}
 
 
+@pytest.fixture(autouse=True)
+def one_compute_thread():
+    """Every run here at one intra-op thread, the reference included. Plain PyTorch itself is
+    not bitwise reproducible from process to process at two threads on a 2-core host: the
+    reference loop alone (no tierplan) ended at 3 different weight sums in 12 processes; after
+    one AdamW step, 32,745 of the 65,536 elements of ``tok_emb.weight`` (one thread's half)
+    differed in 1 process of 10, on identical gradients. At one thread, 10 of 10 agreed. These
+    tests compare bits, so they take what is reproducible."""
+    was = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(was)
+
+
 def _setup(name, clip, nvme):
     """The model, its data and the solver's plan. At the smallest budget that fits, the plan
     that wins steps one unit at a time (``optimizer_depth`` 1: three units in flight need more
