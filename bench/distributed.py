@@ -164,10 +164,13 @@ def markdown(rows) -> str:
 
 # ----------------------------------------------------------------------------- fidelity
 
+FIDELITY_PLANS = ("keep-all", "recompute-all", "offload-all", "optimal", "nvme-homes")
+
 def fidelity_child(a) -> None:
     """In a child with the fixed mmap threshold: plans, then 2 ranks per engine."""
     import dist_harness as H
-    from planner.formats import Budgets
+    import dataclasses
+    from planner.formats import Budgets, Home, Tier
     from planner.hardware import load_hardware
     from planner.plans import cost_model, make_plan, save_plan
     from planner.costmodel.baselines import baseline_layers
@@ -191,9 +194,19 @@ def fidelity_child(a) -> None:
         loose = Budgets(hw.memory_bytes, 0, 8 * GIB)
         cm = cost_model(prof, hw, loose, **ranks)
         cases, peaks = [], {}
-        for pol in ("keep-all", "recompute-all", "offload-all", "optimal"):
+        for pol in a.plans:
             nvme = str(out / f"nvme-{engine}-{pol}")
-            if pol == "optimal":
+            if pol == "nvme-homes":
+                if engine != "fsdp2":
+                    continue
+                # keep-all, every block's weight and optimizer-state shards on NVMe (the
+                # gradient shards on the device): runtime/sharded.py NvmeShards
+                home = Home(Tier.NVME, Tier.GPU, Tier.NVME, Tier.GPU)
+                layers = [dataclasses.replace(d, home=home) if u.kind == "block" else d
+                          for d, u in zip(baseline_layers("keep-all", prof.layers, hw),
+                                          prof.layers)]
+                plan = make_plan(prof, None, hw, loose, "optimal", layers, nvme_dir=nvme, cm=cm)
+            elif pol == "optimal":
                 low = min(peaks.values())
                 tight = Budgets(int(low + 0.4 * (peaks["keep-all"] - low)), 0, 8 * GIB)
                 # activations only, as measured in docs/distributed.md ("Fidelity")
@@ -231,7 +244,8 @@ def fidelity(a) -> None:
     out.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, __file__, "--part", "fidelity-child", "--out", str(out),
             "--d-model", str(a.d_model), "--layers", str(a.layers), "--batch", str(a.batch),
-            "--seq", str(a.seq), "--steps", str(a.steps), "--engines", *a.engines]
+            "--seq", str(a.seq), "--steps", str(a.steps), "--engines", *a.engines,
+            "--plans", *a.plans]
     t0 = time.perf_counter()
     subprocess.run(argv, env=env, check=True)
     rows = json.loads((out / "fidelity.json").read_text())
@@ -264,6 +278,10 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--engines", nargs="+", default=["fsdp2", "ddp"])
+    ap.add_argument("--plans", nargs="+", default=list(FIDELITY_PLANS), choices=FIDELITY_PLANS,
+                    help="fidelity: the plans measured (optimal after the three baselines; "
+                         "nvme-homes: keep-all with every block's weight and optimizer-state "
+                         "shards on NVMe, fsdp2 only)")
     a = ap.parse_args()
     if a.part == "table":
         table(a)

@@ -283,6 +283,7 @@ class _Runner:
         p0 = next(model.parameters(), None)
         self.device = p0.device if p0 is not None else torch.device("cpu")
         self.counters = Counters()
+        self.shards = None               # runtime/sharded.py NvmeShards, under fsdp2
         self.mover = Mover(self.device, nvme_dir, self.counters, _pinned_bytes(plan))
         self.param_ids = {id(p) for p in model.parameters()}
         self.static_ptrs: set = set()
@@ -312,8 +313,14 @@ class _Runner:
         for i in range(self.U):
             self.by_stage_unit[1 + i] = i
             self.by_stage_unit[2 * self.U - i] = i
-        self.driver = StageDriver(plan_actions(plan, bool(plan.hardware.get("unified_memory"))),
-                                  2 * self.U, self._run_action, self._barrier, self._on_stage)
+        actions = plan_actions(plan, bool(plan.hardware.get("unified_memory")))
+        # the weights and gradients of a unit whose home the runtime does not hold are moved
+        # by others (FSDP2's CPUOffloadPolicy, sharded.NvmeShards): the plan's stages for them
+        # carry nothing to move here
+        actions = {st: [a for a in acts if a.cls not in (TensorClass.WEIGHT, TensorClass.GRAD)
+                        or a.unit in self.statics] for st, acts in actions.items()}
+        self.driver = StageDriver(actions, 2 * self.U, self._run_action, self._barrier,
+                                  self._on_stage)
         self.phase = None
         if optimizer is not None and self.statics:
             self.phase = OptimizerPhase(optimizer, list(self.statics.values()), self.param_ids,
@@ -695,7 +702,8 @@ class _Runner:
                 add(engines.local(prm.grad))
         # the handle's optimizer under a streaming plan ends the step itself, so it is never
         # among the optimizers seen stepping: its state on the device counts all the same
-        opts = list(self.optimizers) + ([self.phase.opt] if self.phase is not None else [])
+        opts = list(self.optimizers) + ([self.phase.opt] if self.phase is not None else []) \
+            + ([self.shards.opt] if self.shards is not None else [])
         for opt in opts:
             for state in opt.state.values():
                 for v in state.values():
@@ -735,6 +743,13 @@ class _Runner:
     def before_optimizer_step(self, opt, args, kwargs):
         """Another optimizer stepping parameters the plan keeps off the device would step
         placeholders (a Trainer given no ``optimizers=`` makes its own): refused first."""
+        if self.shards is not None and opt is not self.shards.opt and not self.shards.in_step \
+                and any(id(q) in self.shards.homed for g in opt.param_groups
+                        for q in g["params"]):
+            raise PlanMismatchError(
+                f"{type(opt).__name__} is not the optimizer given to apply_plan, but it steps "
+                "shards the plan homes on NVMe; step the one given to "
+                "apply_plan(model, plan, optimizer=opt)")
         if self.phase is None or opt is self.phase.opt or id(opt) in self.sub_optimizers:
             return
         if any(id(q) in self.phase.streamed for g in opt.param_groups for q in g["params"]):
@@ -749,6 +764,8 @@ class _Runner:
             return
         if self.phase is not None and opt is self.phase.opt:
             return      # the handle's own step ends the step (after the streamed units)
+        if self.shards is not None and (opt is self.shards.opt or self.shards.in_step):
+            return      # sharded.NvmeShards ends the step after the homed blocks' steps
         if opt not in self.optimizers:
             if not any(id(q) in self.param_ids for g in opt.param_groups for q in g["params"]):
                 return
@@ -967,6 +984,9 @@ class Handle:
         r.unwrap()
         for undo in reversed(self._undo):
             undo()
+        if r.shards is not None:               # FSDP2 shards homed on NVMe, resident again
+            err = r.shards.remove()
+            first = first or err
         # Every unit is brought home and every file deleted even when one unit fails (a
         # corrupted weight, a read-only directory); then the first error is raised.
         for s in r.statics.values():
@@ -1279,10 +1299,12 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
     if streams and plan.engine == "ddp":
         raise PlanMismatchError(f"{src} keeps tensors off the device under ddp, which is not "
                                 "supported; solve it with --engine fsdp2 (or homes on the device)")
+    homed = plan
     if streams and plan.engine == "fsdp2":
-        # engines.check has matched each block's CPUOffloadPolicy to its host home (NVMe homes
-        # refused there): FSDP2 moves those shards and the user's optimizer steps them on the
-        # CPU, so the runtime streams nothing itself (runtime/sharded.py)
+        # engines.check has matched each block's CPUOffloadPolicy to its host home: FSDP2
+        # moves those shards and the user's optimizer steps them on the CPU. NVMe homes are
+        # sharded.NvmeShards' own, around FSDP2's machinery; the single-process streaming
+        # path runs nothing (runtime/sharded.py)
         plan, streams = sharded.engine_view(plan), False
     if streams and optimizer is None:
         raise PlanMismatchError(f"{src} keeps weights, gradients or optimizer state off the "
@@ -1323,6 +1345,19 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
     finally:
         if ck is not None:
             ck.close()
+    shards = None
+    if engine == "fsdp2" and any(Tier.NVME in (d.home.weights, d.home.optimizer)
+                                 for d in homed.layers):
+        try:
+            shards = sharded.NvmeShards(model, homed, blocks, runner.mover.nvme_store(),
+                                        runner.counters, optimizer, src)
+            shards.install(runner.end_step)
+        except BaseException:
+            if shards is not None:
+                shards.remove()
+            runner.close()
+            raise
+    runner.shards = shards
     runner.wrap()
     undo = []
     if runner.phase is not None:

@@ -9,8 +9,10 @@ and the user's optimizer steps them on the CPU. It moves a group's three tensor 
 together, so a block's host home is all three on the host with the step on the CPU; any other
 mix is refused in one line. On a CPU device host memory is the device: no policy.
 
-NVMe homes for shards (the local shard's bytes in a file between uses) are not executed by
-this runtime yet: ``policy_for`` refuses them in one line, naming the fix.
+NVMe homes for a block's weight and optimizer-state shards (each or both, with the gradient
+shard and the step on the device, on a CPU device) are this runtime's: ``NvmeShards`` keeps
+their bytes in files between uses around FSDP2's own machinery. Other NVMe homes are refused
+by ``policy_for`` in one line, naming the fix.
 
     plan = load_plan("plans/rank.json")
     shard_for_plan(model, plan)                 # the blocks, then the root
@@ -21,6 +23,7 @@ A user who wraps by hand gets each block's policy checked by ``apply_plan``
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -33,6 +36,7 @@ from .engines import EngineError
 
 HOST = "host"        # CPUOffloadPolicy
 DEVICE = "device"    # no offload policy
+NVME = "nvme"        # no offload policy: the shard's files are this runtime's (NvmeShards)
 
 
 def _unified(device_type: str) -> bool:
@@ -40,14 +44,15 @@ def _unified(device_type: str) -> bool:
 
 
 def policy_for(name: str, home, device_type: str, src: str) -> str:
-    """``"host"`` (``CPUOffloadPolicy``) or ``"device"`` (none) for a unit's home under FSDP2,
-    or one ``EngineError`` line for a home this runtime does not execute under FSDP2."""
+    """``"host"`` (``CPUOffloadPolicy``), ``"device"`` (none) or ``"nvme"`` (none: this
+    runtime keeps the shard's weights and optimizer state in files, ``NvmeShards``) for a
+    unit's home under FSDP2, or one ``EngineError`` line for a home it does not execute."""
     tiers = (home.weights, home.grads, home.optimizer)
     if Tier.NVME in tiers:
-        raise EngineError(f"{src}: {name} has home {home.label()}: shards homed on NVMe under "
-                          "fsdp2 are not executed by this runtime yet; re-solve with the "
-                          "shards on the device or the host (no --nvme homes under "
-                          "--engine fsdp2)")
+        why = _nvme_refusal(home, device_type)
+        if why:
+            raise EngineError(f"{src}: {name} has home {home.label()}: {why}")
+        return NVME
     if home.resident:
         return DEVICE
     if all(t is Tier.CPU for t in tiers) and home.step is Tier.CPU:
@@ -59,6 +64,21 @@ def policy_for(name: str, home, device_type: str, src: str) -> str:
                       "weights, gradients and optimizer state together (CPUOffloadPolicy): "
                       "re-solve so each block's shard is all on the device or all on the host "
                       "with the step on the CPU")
+
+
+def _nvme_refusal(home, device_type: str) -> str | None:
+    """Why this runtime does not execute an NVMe shard home (None: it does). It executes the
+    shard's weights and optimizer state on NVMe, each or both, with the gradient shard on the
+    device and the step there, on a CPU device (gloo ranks)."""
+    if home.grads is not Tier.GPU or home.step is not Tier.GPU or Tier.CPU in (
+            home.weights, home.optimizer):
+        return ("under fsdp2 this runtime executes weights and optimizer state homed on NVMe "
+                "with the gradient shard and the step on the device; re-solve with such homes "
+                "or with the shards on the device or the host")
+    if not _unified(device_type):
+        return (f"shards homed on NVMe are executed on a CPU device only so far, not on "
+                f"{device_type}; re-solve with the shards on the device or the host")
+    return None
 
 
 def _root_policy(plan: Plan, device_type: str, src: str) -> str:
@@ -135,6 +155,7 @@ def check_policies(plan: Plan, root: torch.nn.Module, blocks, src: str) -> None:
     for name, b in [("the root", root)] + list(blocks):
         want = _root_policy(plan, dev, src) if b is root else policy_for(name, homes[name], dev,
                                                                          src)
+        want = DEVICE if want == NVME else want
         got = _actual(b)
         if got is not None and got != want:
             where = "the root" if b is root else f"block {name}"
@@ -149,3 +170,368 @@ def engine_view(plan: Plan) -> Plan:
     layers = [d if d.home.resident else dataclasses.replace(d, home=RESIDENT)
               for d in plan.layers]
     return dataclasses.replace(plan, layers=layers)
+
+
+# ----------------------------------------------------------------------------- NVMe shard homes
+
+class _Shard:
+    """One block's FSDP2 shard whose weights, optimizer state or both live in files between
+    uses. The weights are each ``FSDPParam``'s padded local shard (``_sharded_param_data``,
+    the tensor FSDP2's all-gather copies in; the parameter's local tensor is a view of it);
+    the state is each tensor of the optimizer's state whose local shape is the parameter's (a
+    0-dim step count stays). A released tensor keeps its object, shape and dtype; its storage
+    is resized to nothing, and back to its size when the bytes are read home."""
+
+    def __init__(self, name: str, group, home, store, counters):
+        from .files import Sums
+        self.name, self.group, self.store, self.c = name, group, store, counters
+        self.fsdp_params = list(group.fsdp_params)
+        self.params = [fp.sharded_param for fp in self.fsdp_params]
+        self.w_out = home.weights is Tier.NVME
+        self.o_out = home.optimizer is Tier.NVME
+        self.w_out_now = False            # the weight shards released (their bytes in the file)
+        self.s_out: list = []             # (local tensor, offset, bytes) released to the file
+        self.w_fd = self.s_fd = None
+        self.w_size = self.s_size = 0     # bytes in each file
+        if self.w_out:
+            self.w_fd, path = store.open(f"shard-{name}-weights")
+            self.w_sums = Sums(path, f"{name}'s weight shard")
+        if self.o_out:
+            self.s_fd, path = store.open(f"shard-{name}-state")
+            self.s_sums = Sums(path, f"{name}'s optimizer state shard")
+
+    # -- the bytes ---------------------------------------------------------------------------
+    def _datas(self) -> list:
+        return [fp._sharded_param_data for fp in self.fsdp_params]
+
+    def _write(self, fd, sums, items) -> None:
+        """Write each (tensor, offset) home and release its storage (I/O thread)."""
+        from .files import byte_view, pwrite_all
+        from .offload import as_bytes
+        for t, off in items:
+            mv = byte_view(as_bytes(t))
+            pwrite_all(fd, mv, off, sums)
+            self.c.moved_add("nvme_write", len(mv))
+        for t, _ in items:
+            t.untyped_storage().resize_(0)
+
+    def _read(self, fd, sums, items) -> None:
+        """Give each (tensor, offset, bytes) its storage back and read its bytes (verified)."""
+        from .files import byte_view, pread_all
+        from .offload import as_bytes
+        for t, off, n in items:
+            t.untyped_storage().resize_(n)
+            mv = byte_view(as_bytes(t))
+            pread_all(fd, mv, off, sums)
+            sums.verify(off, mv, fd)
+            self.c.moved_add("nvme_read", n)
+
+    def _io(self, fn, *args) -> None:
+        self.store.submit(fn, *args).result()
+
+    def _weight_items(self, check: bool = True) -> list:
+        """(shard, offset in the file, bytes) of each non-empty weight shard; ``check``: each
+        is its whole contiguous storage (not once released: the storage is empty then)."""
+        out, off = [], 0
+        for d in self._datas():
+            n = d.numel() * d.element_size()
+            if n:
+                if check and (not d.is_contiguous() or d.untyped_storage().nbytes() != n):
+                    raise EngineError(f"{self.name}: an FSDP2 shard that is not a whole "
+                                      "contiguous storage cannot be homed on NVMe")
+                out.append((d, off, n))
+                off += n
+        return out
+
+    def release_weights(self) -> None:
+        """The current weight shards to the file, their storage freed."""
+        if self.w_out and not self.w_out_now:
+            items = self._weight_items()
+            self._io(self._write, self.w_fd, self.w_sums, [(d, off) for d, off, _ in items])
+            self._grown("w_size", sum(n for _, _, n in items))
+            self.w_out_now = True
+
+    def _grown(self, attr: str, size: int) -> None:
+        """The runtime's count of bytes in its files (``peak nvme`` of the report)."""
+        if size > getattr(self, attr):
+            self.c.add("nvme", size - getattr(self, attr))
+            setattr(self, attr, size)
+
+    def drop_weights(self) -> None:
+        """The weight shards freed, unchanged since they were read (the file holds them)."""
+        if self.w_out and not self.w_out_now:
+            for d, _, _ in self._weight_items():
+                d.untyped_storage().resize_(0)
+            self.w_out_now = True
+
+    def load_weights(self) -> None:
+        if self.w_out_now:
+            self._io(self._read, self.w_fd, self.w_sums, self._weight_items(check=False))
+            self.w_out_now = False
+
+    def _state_items(self, state) -> list:
+        from torch.distributed.tensor import DTensor
+        out = []
+        for p in self.params:
+            local = p._local_tensor if isinstance(p, DTensor) else p
+            for key in sorted(state.get(p, {}), key=str):
+                v = state[p][key]
+                loc = v._local_tensor if isinstance(v, DTensor) else v
+                # a moment of the parameter's shape that is its whole storage (a 0-dim step
+                # count, or a view into something larger, stays resident)
+                if (isinstance(loc, torch.Tensor) and loc.dim() > 0 and loc.numel() > 0
+                        and loc.numel() == local.numel() and loc.is_contiguous()
+                        and loc.untyped_storage().nbytes() == loc.numel() * loc.element_size()):
+                    out.append(loc)
+        return out
+
+    def release_state(self, state) -> None:
+        """The optimizer state that is resident to the file, its storage freed."""
+        if not self.o_out or self.s_out:
+            return
+        items, off = [], 0
+        for loc in self._state_items(state):
+            n = loc.numel() * loc.element_size()
+            items.append((loc, off, n))
+            off += n
+        self._io(self._write, self.s_fd, self.s_sums, [(t, o) for t, o, _ in items])
+        self._grown("s_size", off)
+        self.s_out = items
+
+    def load_state(self) -> None:
+        if self.s_out:
+            items, self.s_out = self.s_out, []
+            self._io(self._read, self.s_fd, self.s_sums, items)
+
+    def forget_state(self) -> None:
+        """``opt.load_state_dict`` replaced the state: what was released is no one's now."""
+        self.s_out = []
+
+
+class NvmeShards:
+    """FSDP2 shards whose weights or optimizer state live on NVMe (``layers[i].home`` of a
+    per-rank plan: ``w:nvme`` and/or ``o:nvme`` with ``g:gpu s:gpu``), executed around FSDP2's
+    own machinery on a CPU device (gloo ranks); docs/distributed.md, "Shards on NVMe".
+
+    - A weight shard is read home just before its group's all-gather (``unshard``, which
+      copies it into the all-gather buffer) and freed right after: the file already holds
+      those bytes. Between uses the rank holds only the gathered weights FSDP2 keeps.
+    - ``opt.step()``: the user's optimizer steps everything else (the homed shards' gradients
+      hidden from it), then each homed block in turn is read home (weights, state), stepped
+      by an optimizer of the user's class with each group's hyper-parameters as they are now
+      over the same state dict, and written home. An elementwise optimizer's step of one
+      parameter does not depend on the others, so the bits are the user's optimizer's.
+    - ``model.state_dict()`` / ``opt.state_dict()``: the homed tensors are read, cloned into
+      the returned dict and freed again; ``load_state_dict`` (either) writes what it loaded
+      home. ``remove()`` leaves every tensor resident.
+    - Gradients stay where FSDP2 puts them (the device), so clipping, ``zero_grad`` and
+      ``model.zero_grad()`` are the user's as ever."""
+
+    def __init__(self, root, plan, blocks, store, counters, optimizer, src: str):
+        from .streaming import ELEMENTWISE
+        homes = {u.name: d.home for u, d in zip(plan.units, plan.layers)}
+        wanted = [(n, b) for n, b in blocks
+                  if Tier.NVME in (homes[n].weights, homes[n].optimizer)]
+        if optimizer is None:
+            raise EngineError(f"{src} homes shards on NVMe, so the optimizer step goes through "
+                              "the plan: pass apply_plan(model, plan, optimizer=opt)")
+        if type(optimizer) not in ELEMENTWISE:
+            raise EngineError(f"{src} homes shards on NVMe, which this runtime steps one block "
+                              f"at a time; {type(optimizer).__name__} is not one of the "
+                              "elementwise optimizers it steps that way (Adam, AdamW, SGD, ...)")
+        state = root._get_fsdp_state()
+        # FSDP2's lazy initialisation re-pads a sharded parameter whose storage it finds
+        # empty: it runs now, before any storage is released
+        state._lazy_init()
+        self.opt = optimizer
+        self.units = []
+        groups = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        try:
+            for name, b in wanted:
+                group = b._get_fsdp_state()._fsdp_param_group
+                if group is None:
+                    raise EngineError(f"{src}: block {name} is not fully_shard-ed; wrap it "
+                                      "(runtime.shard_for_plan) before apply_plan")
+                pg = group._all_gather_process_group
+                if pg.size() < 2:
+                    raise EngineError(f"{src}: block {name} is sharded over 1 rank, where FSDP2 "
+                                      "gathers nothing (its weights are the shard itself), so "
+                                      "its shard cannot leave between uses; run the "
+                                      "single-process plan (plan solve without --world-size, "
+                                      "engine none) on one rank")
+                u = _Shard(name, group, homes[name], store, counters)
+                missing = [p for p in u.params if id(p) not in groups]
+                if missing:
+                    raise EngineError(f"{src}: a parameter of block {name} is not in the "
+                                      "optimizer passed to apply_plan; pass the optimizer that "
+                                      "steps the whole model")
+                u.groups = [groups[id(p)] for p in u.params]
+                self.units.append(u)
+        except BaseException:
+            self.units = []
+            raise
+        self.homed = {id(p) for u in self.units for p in u.params}
+        self.undo: list = []
+        self.in_step = False
+        self.end_step = lambda: None
+
+    # -- install ------------------------------------------------------------------------------
+    def install(self, end_step) -> None:
+        """Hook the groups, the blocks' state dicts and the optimizer; ``end_step``: the
+        runtime's end of a training step (after the homed blocks' steps)."""
+        import types
+        self.end_step = end_step
+        for u in self.units:
+            self._wrap_unshard(u)
+            u.release_weights()
+            for m in u.group.modules:
+                self._hook_module(u, m)
+        opt = self.opt
+        orig_step, orig_sd, orig_load = opt.step, opt.state_dict, opt.load_state_dict
+        shards = self
+
+        def step(_opt, closure=None):
+            if closure is not None:
+                raise EngineError("opt.step(closure) re-runs the forward, which a plan with "
+                                  "shards on NVMe does not support; call loss.backward() and "
+                                  "then opt.step()")
+            out = shards.step(orig_step)
+            shards.end_step()
+            return out
+        if hasattr(orig_step, "_wrapped_by_lr_sched"):
+            step._wrapped_by_lr_sched = True
+
+        def state_dict(_opt):
+            return shards.opt_state_dict(orig_sd)
+
+        def load_state_dict(_opt, sd):
+            shards.load_all_state()
+            try:
+                return orig_load(sd)
+            finally:
+                for u in shards.units:
+                    u.forget_state()
+                    u.release_state(opt.state)
+
+        for name, fn in (("step", step), ("state_dict", state_dict),
+                         ("load_state_dict", load_state_dict)):
+            had = name in opt.__dict__
+            prev = opt.__dict__.get(name)
+            setattr(opt, name, types.MethodType(fn, opt))
+            self.undo.append(lambda n=name, h=had, pv=prev:
+                             setattr(opt, n, pv) if h else delattr(opt, n))
+
+    def _wrap_unshard(self, u: _Shard) -> None:
+        group = u.group
+        orig = group.unshard
+
+        def unshard(async_op: bool = False):
+            need = (u.w_out_now and group.is_sharded and group._all_gather_result is None)
+            if need:
+                u.load_weights()
+            try:
+                return orig(async_op)
+            finally:
+                if need:
+                    # FSDP2 copied the shard into its all-gather buffer (on a CPU device,
+                    # before unshard returns): the file holds these bytes
+                    u.drop_weights()
+        group.unshard = unshard
+        self.undo.append(lambda: group.__dict__.pop("unshard", None))
+
+    def _hook_module(self, u: _Shard, m) -> None:
+        def sd_pre(module, prefix, keep_vars):
+            u.load_weights()
+
+        names = {n for n, _ in m.named_parameters()}
+
+        def sd_post(module, sd, prefix, local_metadata):
+            # the entries share the shards' storage (detached views): cloned before it is freed
+            for n in names:
+                v = sd.get(prefix + n)
+                if isinstance(v, torch.Tensor):
+                    sd[prefix + n] = v.clone()
+            u.drop_weights()
+
+        def load_pre(*args, **kwargs):
+            u.load_weights()
+
+        def load_post(module, incompatible):
+            u.release_weights()          # what was loaded, home
+
+        hs = [m.register_state_dict_pre_hook(sd_pre),
+              m.register_state_dict_post_hook(sd_post),
+              m._register_load_state_dict_pre_hook(load_pre),
+              m.register_load_state_dict_post_hook(load_post)]
+        self.undo.append(lambda: [h.remove() for h in hs])
+
+    # -- the optimizer ------------------------------------------------------------------------
+    def step(self, orig_step):
+        self.in_step = True
+        try:
+            return self._step(orig_step)
+        finally:
+            self.in_step = False
+
+    def _step(self, orig_step):
+        hidden = []
+        for u in self.units:
+            for p in u.params:
+                if p.grad is not None:
+                    hidden.append((p, p.grad))
+                    p.grad = None
+        try:
+            loss = orig_step()
+        finally:
+            for p, g in hidden:
+                p.grad = g
+        opt = self.opt
+        for u in self.units:
+            u.load_weights()
+            u.load_state()
+            try:
+                for gi in sorted(set(u.groups)):
+                    ps = [p for p, g in zip(u.params, u.groups) if g == gi and p.grad is not None]
+                    if not ps:
+                        continue
+                    hyper = {k: v for k, v in opt.param_groups[gi].items() if k != "params"}
+                    sub = type(opt)([dict(hyper, params=ps)])
+                    sub.state = opt.state
+                    sub.step()
+            finally:
+                u.release_weights()
+                u.release_state(opt.state)
+        return loss
+
+    def load_all_state(self) -> None:
+        for u in self.units:
+            u.load_state()
+
+    def opt_state_dict(self, orig_sd):
+        self.load_all_state()
+        try:
+            sd = orig_sd()
+            # the returned dict's tensors are the state's own: cloned before it is freed
+            sd["state"] = {i: {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                               for k, v in st.items()} for i, st in sd["state"].items()}
+            return sd
+        finally:
+            for u in self.units:
+                u.release_state(self.opt.state)
+
+    # -- remove -------------------------------------------------------------------------------
+    def remove(self) -> BaseException | None:
+        """Every homed tensor resident again, every hook undone; the first error (after all of
+        it has run)."""
+        first = None
+        for u in self.units:
+            for fn in (u.load_weights, u.load_state):
+                try:
+                    fn()
+                except BaseException as e:   # noqa: BLE001 -- raised after the clean-up
+                    first = first or e
+        for undo in reversed(self.undo):
+            with contextlib.suppress(Exception):
+                undo()
+        self.undo = []
+        return first

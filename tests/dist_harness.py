@@ -176,7 +176,6 @@ def _train(name: str, engine: str, plan, nvme_dir, rank: int, steps: int):
         grads.append([_local(p.grad).clone() for p in wrapped.parameters()])
         opt.step()
         opt.zero_grad()
-    weights = [_local(p).detach().clone() for p in wrapped.parameters()]
     report = None
     if handle is not None:
         report = handle.report().to_dict()
@@ -184,6 +183,8 @@ def _train(name: str, engine: str, plan, nvme_dir, rank: int, steps: int):
         if rank == 0:
             report["gathered_ranks"] = [r.rank for r in gathered]
         handle.remove()
+    # after remove(): a shard homed on NVMe (runtime/sharded.py) has no storage between uses
+    weights = [_local(p).detach().clone() for p in wrapped.parameters()]
     return grads, weights, report
 
 

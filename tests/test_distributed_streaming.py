@@ -53,14 +53,21 @@ def _relabelled(home, nvme, engine="fsdp2", unit="blocks") -> Plan:
 
 def test_policy_for_each_home():
     from runtime.engines import EngineError
-    from runtime.sharded import DEVICE, HOST as HOST_KIND, policy_for
+    from runtime.sharded import DEVICE, HOST as HOST_KIND, NVME as NVME_KIND, policy_for
     assert policy_for("b", Home(), "cuda", "p") == DEVICE
     assert policy_for("b", HOST, "cuda", "p") == HOST_KIND
     assert policy_for("b", Home(), "cpu", "p") == DEVICE
+    # weights and/or optimizer state on NVMe, the gradient shard and the step on the device:
+    # no FSDP2 policy, the files are the runtime's (NvmeShards)
+    for home in (Home(T.NVME, T.GPU, T.NVME, T.GPU), Home(T.NVME, T.GPU, T.GPU, T.GPU),
+                 Home(T.GPU, T.GPU, T.NVME, T.GPU)):
+        assert policy_for("b", home, "cpu", "p") == NVME_KIND
     for home, dev, want in [
             (HOST, "cpu", "is the device itself"),
-            (Home(T.NVME, T.GPU, T.GPU, T.GPU), "cuda", "on NVMe under fsdp2 are not executed"),
-            (Home(T.GPU, T.GPU, T.NVME, T.CPU), "cpu", "on NVMe under fsdp2 are not executed"),
+            (Home(T.NVME, T.GPU, T.GPU, T.GPU), "cuda", "on a CPU device only so far"),
+            (Home(T.GPU, T.GPU, T.NVME, T.CPU), "cpu", "with the gradient shard and the step"),
+            (Home(T.NVME, T.NVME, T.NVME, T.GPU), "cpu", "with the gradient shard and the step"),
+            (Home(T.NVME, T.GPU, T.CPU, T.GPU), "cpu", "with the gradient shard and the step"),
             (Home(T.CPU, T.GPU, T.CPU, T.CPU), "cuda", "moves a group's weights, gradients"),
             (Home(T.GPU, T.GPU, T.CPU, T.CPU), "cuda", "moves a group's weights, gradients")]:
         with pytest.raises(EngineError) as e:
@@ -68,8 +75,8 @@ def test_policy_for_each_home():
         assert want in _line(e) and "blocks.0" in _line(e) and "p.json" in _line(e)
 
 
-def test_nvme_shards_are_refused_before_anything_is_wrapped_or_written(one_rank_group,
-                                                                       tmp_path):
+def test_nvme_shards_it_does_not_execute_are_refused_before_anything_is_wrapped_or_written(
+        one_rank_group, tmp_path):
     from runtime import apply_plan, shard_for_plan
     from runtime.engines import EngineError, is_fsdp2
     nvme = tmp_path / "nvme"
@@ -77,13 +84,26 @@ def test_nvme_shards_are_refused_before_anything_is_wrapped_or_written(one_rank_
     model = _model()
     with pytest.raises(EngineError) as e:
         shard_for_plan(model, plan)
-    assert "NVMe under fsdp2 are not executed by this runtime yet" in _line(e)
+    assert "with the gradient shard and the step on the device" in _line(e)
     assert not any(is_fsdp2(m) for m in model.modules())      # refused before any wrap
     H.wrap(model, "fsdp2")
     with pytest.raises(UserError) as e:
         apply_plan(model, plan, optimizer=torch.optim.AdamW(model.parameters()))
-    assert "NVMe under fsdp2" in _line(e)
+    assert "with the gradient shard and the step on the device" in _line(e)
     assert not nvme.exists()
+    # an executable NVMe home, but an optimizer that is not elementwise: refused, no file left
+    plan = _relabelled(Home(T.NVME, T.GPU, T.NVME, T.GPU), nvme)
+    with pytest.raises(UserError) as e:
+        apply_plan(model, plan, optimizer=torch.optim.LBFGS(model.parameters()))
+    assert "LBFGS is not one of the elementwise optimizers" in _line(e)
+    with pytest.raises(UserError) as e:
+        apply_plan(model, plan)
+    assert "pass apply_plan(model, plan, optimizer=opt)" in _line(e)
+    # on one rank FSDP2 gathers nothing (its unsharded weights are the shard itself)
+    with pytest.raises(UserError) as e:
+        apply_plan(model, plan, optimizer=torch.optim.AdamW(model.parameters()))
+    assert "over 1 rank" in _line(e) and "engine none" in _line(e)
+    assert not any(nvme.rglob("*.bin"))
 
 
 def test_ddp_keeps_the_refusal(one_rank_group, tmp_path):
@@ -208,3 +228,121 @@ def test_engine_view_leaves_the_homes_to_fsdp2(tmp_path):
     assert any(not d.home.resident for d in plan.layers)
     assert all(d.home.resident for d in view.layers)
     assert [d.activation for d in view.layers] == [d.activation for d in plan.layers]
+
+
+# ----------------------------------------------------------------------------- NVMe shards
+
+NVME_HOME = Home(T.NVME, T.GPU, T.NVME, T.GPU)
+
+
+def _nvme_plan(tmp_path) -> tuple[str, Path]:
+    """A 2-rank FSDP2 plan of gpt-tiny: keep-all, every block but the first with its weight
+    and optimizer-state shards on NVMe, priced by the planner's per-rank cost model."""
+    import dataclasses
+    from planner.costmodel.baselines import baseline_layers
+    from planner.formats import Budgets
+    from planner.hardware import load_hardware
+    from planner.plans import cost_model, make_plan, save_plan
+    hw, prof = load_hardware("cpu-host"), H.profile("gpt-tiny")
+    b = Budgets(hw.memory_bytes, 0, 1 << 30)
+    cm = cost_model(prof, hw, b, world_size=2, ranks_per_node=2, engine="fsdp2")
+    blocks = [u.name for u in prof.layers if u.kind == "block"]
+    layers = [dataclasses.replace(d, home=NVME_HOME) if d.name in blocks[1:] else d
+              for d in baseline_layers("keep-all", prof.layers, hw)]
+    nvme = tmp_path / "nvme"
+    plan = make_plan(prof, None, hw, b, "optimal", layers, nvme_dir=str(nvme), cm=cm)
+    path = str(tmp_path / "fsdp2-nvme.json")
+    save_plan(plan, path)
+    return path, nvme
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _nvme_worker(rank, world, port, plan, out_dir):
+    import os
+    import torch.distributed as dist
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            init_method=f"tcp://127.0.0.1:{port}")
+    out = {}
+    try:
+        from runtime import apply_plan, shard_for_plan
+        got = {}
+        for how in ("plain", "plan"):
+            model, batches = H.build("gpt-tiny", rank)
+            if how == "plain":
+                H.wrap(model, "fsdp2")
+            else:
+                shard_for_plan(model, plan)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+            sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+            handle = apply_plan(model, plan, optimizer=opt) if how == "plan" else None
+            torch.manual_seed(1234 + rank)
+            for k in range(STEPS):
+                model(**batches[k % 2]).loss.backward()
+                opt.step()
+                sched.step()
+                (opt.zero_grad if k % 2 == 0 else model.zero_grad)()
+            # the state dicts while the plan is applied: the real values
+            sd = {k: _full(v).detach().clone() for k, v in model.state_dict().items()}
+            osd = opt.state_dict()["state"]
+            state = {i: {k: _full(v).clone() for k, v in st.items()} for i, st in osd.items()}
+            if handle is not None:
+                rep = handle.report()
+                out["moved"] = {k: [rep.measured.moved[k], rep.predicted_moved[k]]
+                                for k in ("nvme_read", "nvme_write")}
+                handle.remove()
+            full = [_full(p).detach().clone() for p in model.parameters()]
+            got[how] = (sd, state, full)
+        (sd0, st0, w0), (sd1, st1, w1) = got["plain"], got["plan"]
+        out["weights"] = max((a - b).abs().max().item() for a, b in zip(w0, w1))
+        out["state_dict"] = max((sd0[k] - sd1[k]).abs().max().item() for k in sd0)
+        out["state_keys"] = sorted(sd0) == sorted(sd1)
+        out["opt_state"] = max((st0[i][k] - st1[i][k]).abs().max().item()
+                               for i in st0 for k in st0[i])
+        out["trained"] = max((a - b).abs().max().item() for a, b in
+                             zip(w1, [p.detach() for p in H.build("gpt-tiny", rank)[0]
+                                      .parameters()]))
+    except BaseException:
+        import traceback
+        out["error"] = traceback.format_exc()
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_with_shards_on_nvme_equal_plain_fsdp2(tmp_path):
+    """Two gloo ranks, blocks 1 and 2 with their weight and optimizer-state shards on NVMe:
+    3 AdamW steps (weight decay, a StepLR scheduler, both zero_grad idioms) give every full
+    weight, every state-dict entry and every optimizer state of plain FSDP2 (<= 1e-6); the
+    bytes moved are the plan's; no file is left."""
+    import torch.multiprocessing as mp
+    plan, nvme = _nvme_plan(tmp_path)
+    mp.spawn(_nvme_worker, args=(2, H.free_port(), plan, str(tmp_path)), nprocs=2, join=True)
+    for r in range(2):
+        x = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert "error" not in x, x.get("error")
+        assert x["weights"] <= 1e-6 and x["state_dict"] <= 1e-6 and x["opt_state"] <= 1e-6, x
+        assert x["state_keys"]
+        assert x["trained"] > 1e-4          # the steps changed the weights (the test can fail)
+        for link, (measured, predicted) in x["moved"].items():
+            assert measured == predicted > 0, (link, measured, predicted)
+    assert not any(nvme.rglob("*.bin")), list(nvme.rglob("*"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["exception", "sigint"])
+def test_no_shard_file_left_when_one_rank_fails(fault, tmp_path):
+    """Rank 0 fails in the last block's forward of its second step (an exception, or SIGINT
+    to itself) with its shards' files on disk; rank 1 is left in a collective and terminated.
+    No file or directory is left."""
+    plan, nvme = _nvme_plan(tmp_path)
+    with pytest.raises(Exception):
+        H.run_fault("fsdp2", plan, str(nvme), fault, tmp_path)
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert seen["files"] > 0, "no shard file existed when the fault came"
+    assert not nvme.exists(), list(nvme.rglob("*"))
