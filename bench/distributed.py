@@ -226,9 +226,15 @@ def fidelity_child(a) -> None:
                 rise = [s["peak_gpu_bytes"] for s in rep["steps"][1:]]
                 pred = rep["predicted_gpu_rise_bytes"]
                 med = statistics.median(rise)
+                # the whole per-rank peak: the static state resident before the step (what
+                # homes on NVMe take away) plus the rise over it
+                static = statistics.median(s["static_bytes"] for s in rep["steps"][1:])
+                static_pred = rep["predicted_static_bytes"]
                 rows.append({"engine": engine, "rank": rank, "plan": key.split("/")[1],
                              "measured": med, "predicted": pred, "err": med / pred - 1,
                              "steps": len(rise), "spread": max(rise) - min(rise),
+                             "static": static, "static_pred": static_pred,
+                             "peak": static + med, "peak_pred": static_pred + pred,
                              "what": _summary_from(rep, path)})
     (out / "fidelity.json").write_text(json.dumps(rows, indent=1))
 
@@ -252,12 +258,16 @@ def fidelity(a) -> None:
     print(f"# 2 ranks, gloo, MALLOC_MMAP_THRESHOLD_=65536, gpt d={a.d_model} x {a.layers} "
           f"blocks, batch {a.batch} per rank, seq {a.seq}, fp32; median of steps 2-{a.steps} "
           f"({time.perf_counter() - t0:.0f} s)")
-    print("| engine | rank | plan | measured RSS rise | predicted | error | spread over steps |")
-    print("|---|---|---|---|---|---|---|")
+    print("| engine | rank | plan | measured RSS rise | predicted | error | spread over steps | "
+          "static state before the step (measured / predicted) | peak = static + rise "
+          "(measured / predicted) | error |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['engine']} | {r['rank']} | {r['plan']} | {fmt_bytes(r['measured'])} | "
               f"{fmt_bytes(r['predicted'])} | {r['err'] * 100:+.1f}% | "
-              f"{fmt_bytes(r['spread'])} |")
+              f"{fmt_bytes(r['spread'])} | {fmt_bytes(r['static'])} / "
+              f"{fmt_bytes(r['static_pred'])} | {fmt_bytes(r['peak'])} / "
+              f"{fmt_bytes(r['peak_pred'])} | {(r['peak'] / r['peak_pred'] - 1) * 100:+.1f}% |")
 
 
 def main():
