@@ -281,11 +281,33 @@ def _nvme_worker(rank, world, port, plan, out_dir):
             sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
             handle = apply_plan(model, plan, optimizer=opt) if how == "plan" else None
             torch.manual_seed(1234 + rank)
-            for k in range(STEPS):
+
+            def step(k):
                 model(**batches[k % 2]).loss.backward()
                 opt.step()
                 sched.step()
                 (opt.zero_grad if k % 2 == 0 else model.zero_grad)()
+            for k in range(STEPS - 1):
+                step(k)
+            # a checkpoint taken and loaded back mid-run: the last step, run twice from it,
+            # gives the same weights both times (what load_state_dict wrote went home)
+            saved_sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            o = opt.state_dict()
+            saved_osd = {"state": {i: {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                                       for k, v in st.items()} for i, st in o["state"].items()},
+                         "param_groups": copy.deepcopy(o["param_groups"])}
+            rng = torch.get_rng_state()
+            step(STEPS - 1)
+            # (read through the state dict: a shard on NVMe has no storage between uses)
+            first = [_full(v).detach().clone() for v in model.state_dict().values()]
+            model.load_state_dict(saved_sd)
+            opt.load_state_dict(saved_osd)
+            sched.last_epoch -= 1
+            torch.set_rng_state(rng)
+            step(STEPS - 1)
+            again = [_full(v).detach().clone() for v in model.state_dict().values()]
+            out.setdefault("reloaded", {})[how] = max((a - b).abs().max().item()
+                                                      for a, b in zip(first, again))
             # the state dicts while the plan is applied: the real values
             sd = {k: _full(v).detach().clone() for k, v in model.state_dict().items()}
             osd = opt.state_dict()["state"]
@@ -318,8 +340,10 @@ def _nvme_worker(rank, world, port, plan, out_dir):
 def test_two_ranks_with_shards_on_nvme_equal_plain_fsdp2(tmp_path):
     """Two gloo ranks, blocks 1 and 2 with their weight and optimizer-state shards on NVMe:
     3 AdamW steps (weight decay, a StepLR scheduler, both zero_grad idioms) give every full
-    weight, every state-dict entry and every optimizer state of plain FSDP2 (<= 1e-6); the
-    bytes moved are the plan's; no file is left."""
+    weight, every state-dict entry and every optimizer state of plain FSDP2 (<= 1e-6); a
+    checkpoint taken mid-run and loaded back (``model.load_state_dict``,
+    ``opt.load_state_dict``) replays the last step to the same weights; the bytes moved are
+    the plan's; no file is left."""
     import torch.multiprocessing as mp
     plan, nvme = _nvme_plan(tmp_path)
     mp.spawn(_nvme_worker, args=(2, H.free_port(), plan, str(tmp_path)), nprocs=2, join=True)
@@ -328,6 +352,7 @@ def test_two_ranks_with_shards_on_nvme_equal_plain_fsdp2(tmp_path):
         assert "error" not in x, x.get("error")
         assert x["weights"] <= 1e-6 and x["state_dict"] <= 1e-6 and x["opt_state"] <= 1e-6, x
         assert x["state_keys"]
+        assert x["reloaded"]["plain"] == 0.0 and x["reloaded"]["plan"] <= 1e-6, x["reloaded"]
         assert x["trained"] > 1e-4          # the steps changed the weights (the test can fail)
         for link, (measured, predicted) in x["moved"].items():
             assert measured == predicted > 0, (link, measured, predicted)
