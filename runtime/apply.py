@@ -717,11 +717,12 @@ class _Runner:
                 tensors.extend(v for v in state.values()
                                if isinstance(v, torch.Tensor) and v.device == self.device)
         seen, n = set(), 0
-        local = engines.local
         for t in tensors:
-            if isinstance(t, OffloadedGrad):
+            # a DTensor's local tensor as it is (to_local() would read a placeholder's values)
+            t = getattr(t, "_local_tensor", t)
+            if isinstance(t, OffloadedGrad):     # a gradient whose home is NVMe: no storage
                 continue
-            st = local(t).untyped_storage()
+            st = t.untyped_storage()
             ptr = st.data_ptr()
             if ptr and ptr not in seen:
                 seen.add(ptr)
@@ -1364,7 +1365,7 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
         if ck is not None:
             ck.close()
     shards = None
-    if engine == "fsdp2" and any(Tier.NVME in (d.home.weights, d.home.optimizer)
+    if engine == "fsdp2" and any(Tier.NVME in (d.home.weights, d.home.grads, d.home.optimizer)
                                  for d in homed.layers):
         try:
             shards = sharded.NvmeShards(model, homed, blocks, runner.mover.nvme_store(),
@@ -1376,15 +1377,30 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
             runner.close()
             raise
     runner.shards = shards
-    runner.wrap()
     undo = []
-    if runner.phase is not None:
-        undo += _install_optimizer(runner, optimizer)
-    undo += _install_state_dict_hooks(runner)
-    hook = register_optimizer_step_post_hook(runner.on_optimizer_step)
-    pre_hook = register_optimizer_step_pre_hook(runner.before_optimizer_step)
-    undo.append(pre_hook.remove)
-    undo += _compute_threads(runner, executor)
-    handle = Handle(runner, hook, undo)
+    hook = None
+    try:
+        runner.wrap()
+        if runner.phase is not None:
+            undo += _install_optimizer(runner, optimizer)
+        undo += _install_state_dict_hooks(runner)
+        hook = register_optimizer_step_post_hook(runner.on_optimizer_step)
+        pre_hook = register_optimizer_step_pre_hook(runner.before_optimizer_step)
+        undo.append(pre_hook.remove)
+        undo += _compute_threads(runner, executor)
+        handle = Handle(runner, hook, undo)
+    except BaseException:
+        # (Ctrl-C included) the model as it came: its shards resident, nothing hooked
+        if hook is not None:
+            hook.remove()
+        for u in reversed(undo):
+            with contextlib.suppress(Exception):
+                u()
+        with contextlib.suppress(Exception):
+            runner.unwrap()
+        if shards is not None:
+            shards.remove()
+        runner.close()
+        raise
     _ACTIVE[model] = handle
     return handle

@@ -68,13 +68,12 @@ def policy_for(name: str, home, device_type: str, src: str) -> str:
 
 def _nvme_refusal(home, device_type: str) -> str | None:
     """Why this runtime does not execute an NVMe shard home (None: it does). It executes the
-    shard's weights and optimizer state on NVMe, each or both, with the gradient shard on the
-    device and the step there, on a CPU device (gloo ranks)."""
-    if home.grads is not Tier.GPU or home.step is not Tier.GPU or Tier.CPU in (
-            home.weights, home.optimizer):
-        return ("under fsdp2 this runtime executes weights and optimizer state homed on NVMe "
-                "with the gradient shard and the step on the device; re-solve with such homes "
-                "or with the shards on the device or the host")
+    shard's weights, gradients and optimizer state each on NVMe or on the device, with the
+    step on the device, on a CPU device (gloo ranks)."""
+    if home.step is not Tier.GPU or Tier.CPU in (home.weights, home.grads, home.optimizer):
+        return ("under fsdp2 this runtime executes shards homed on NVMe or on the device, "
+                "with the step on the device, not mixed with host memory; re-solve with such "
+                "homes or with the whole shard on the host")
     if not _unified(device_type):
         return (f"shards homed on NVMe are executed on a CPU device only so far, not on "
                 f"{device_type}; re-solve with the shards on the device or the host")
@@ -85,6 +84,10 @@ def _root_policy(plan: Plan, device_type: str, src: str) -> str:
     """The root group holds every unit that is not a block: one policy for all of them."""
     got = {policy_for(u.name, d.home, device_type, src)
            for u, d in zip(plan.units, plan.layers) if u.kind != UnitKind.BLOCK.value}
+    if NVME in got:
+        raise EngineError(f"{src}: a unit outside the blocks has a home on NVMe, which this "
+                          "runtime does not execute under fsdp2 (FSDP2's root group holds them "
+                          "all); re-solve with those units on the device or the host")
     if len(got) > 1:
         raise EngineError(f"{src}: the units outside the blocks have different homes, but "
                           "FSDP2's root group holds them all under one offload policy; re-solve "
@@ -199,21 +202,44 @@ class _Shard:
         if self.o_out:
             self.s_fd, path = store.open(f"shard-{name}-state")
             self.s_sums = Sums(path, f"{name}'s optimizer state shard")
+        # gradient shards on NVMe: each parameter's accumulated local gradient at an offset
+        # of the file; between uses its ``.grad`` is a placeholder (``OffloadedGrad`` as the
+        # DTensor's local tensor) on which zeroing and scaling are recorded and any other
+        # read brings the values home
+        self.home = home
+        self.sd_depth = 0                 # state_dict() calls of this block's modules open
+        self.g_out = home.grads is Tier.NVME
+        self.g_fd = None
+        self.g_size = 0
+        self.g_has: dict = {}             # k -> the file holds parameter k's gradient
+        self.g_zero: dict = {}            # k -> zeroed since it was written (zero_)
+        self.g_scales: dict = {}          # k -> scales recorded since (mul_), in order
+        self.placeholders: dict = {}      # k -> the DTensor .grad standing for it
+        if self.g_out:
+            self.g_fd, path = store.open(f"shard-{name}-grads")
+            self.g_sums = Sums(path, f"{name}'s gradient shard")
+            off = 0
+            self.g_off = []
+            for fp in self.fsdp_params:
+                n = fp.sharded_param._local_tensor.numel() * fp.sharded_param.element_size()
+                self.g_off.append((off, n))
+                off += n
 
     # -- the bytes ---------------------------------------------------------------------------
     def _datas(self) -> list:
         return [fp._sharded_param_data for fp in self.fsdp_params]
 
-    def _write(self, fd, sums, items) -> None:
-        """Write each (tensor, offset) home and release its storage (I/O thread)."""
+    def _write(self, fd, sums, items, free: bool = True) -> None:
+        """Write each (tensor, offset) home and (``free``) release its storage (I/O thread)."""
         from .files import byte_view, pwrite_all
         from .offload import as_bytes
         for t, off in items:
             mv = byte_view(as_bytes(t))
             pwrite_all(fd, mv, off, sums)
             self.c.moved_add("nvme_write", len(mv))
-        for t, _ in items:
-            t.untyped_storage().resize_(0)
+        if free:
+            for t, _ in items:
+                t.untyped_storage().resize_(0)
 
     def _read(self, fd, sums, items) -> None:
         """Give each (tensor, offset, bytes) its storage back and read its bytes (verified)."""
@@ -227,7 +253,16 @@ class _Shard:
             self.c.moved_add("nvme_read", n)
 
     def _io(self, fn, *args) -> None:
-        self.store.submit(fn, *args).result()
+        """``fn`` on the store's I/O thread, waited for. Interrupted (Ctrl-C) while it runs,
+        it is still waited for before the interrupt goes on, so what the caller records of
+        the storages afterwards is what they are."""
+        import concurrent.futures
+        fut = self.store.submit(fn, *args)
+        try:
+            fut.result()
+        except BaseException:
+            concurrent.futures.wait([fut])
+            raise
 
     def _weight_items(self, check: bool = True) -> list:
         """(shard, offset in the file, bytes) of each non-empty weight shard; ``check``: each
@@ -247,9 +282,11 @@ class _Shard:
         """The current weight shards to the file, their storage freed."""
         if self.w_out and not self.w_out_now:
             items = self._weight_items()
-            self._io(self._write, self.w_fd, self.w_sums, [(d, off) for d, off, _ in items])
-            self._grown("w_size", sum(n for _, _, n in items))
-            self.w_out_now = True
+            try:
+                self._io(self._write, self.w_fd, self.w_sums, [(d, off) for d, off, _ in items])
+                self._grown("w_size", sum(n for _, _, n in items))
+            finally:
+                self.w_out_now = self._freed(items)
 
     def _grown(self, attr: str, size: int) -> None:
         """The runtime's count of bytes in its files (``peak nvme`` of the report)."""
@@ -266,8 +303,17 @@ class _Shard:
 
     def load_weights(self) -> None:
         if self.w_out_now:
-            self._io(self._read, self.w_fd, self.w_sums, self._weight_items(check=False))
-            self.w_out_now = False
+            items = self._weight_items(check=False)
+            try:
+                self._io(self._read, self.w_fd, self.w_sums, items)
+            finally:
+                # a read that failed part way is read again whole next time
+                self.w_out_now = self._freed(items, any_of=True)
+
+    @staticmethod
+    def _freed(items, any_of: bool = False) -> bool:
+        empty = [t.untyped_storage().nbytes() == 0 for t, *_ in items]
+        return bool(empty) and (any(empty) if any_of else all(empty))
 
     def _state_items(self, state) -> list:
         from torch.distributed.tensor import DTensor
@@ -294,24 +340,112 @@ class _Shard:
             n = loc.numel() * loc.element_size()
             items.append((loc, off, n))
             off += n
-        self._io(self._write, self.s_fd, self.s_sums, [(t, o) for t, o, _ in items])
-        self._grown("s_size", off)
-        self.s_out = items
+        try:
+            self._io(self._write, self.s_fd, self.s_sums, [(t, o) for t, o, _ in items])
+            self._grown("s_size", off)
+        finally:
+            self.s_out = [it for it in items if it[0].untyped_storage().nbytes() == 0]
 
     def load_state(self) -> None:
         if self.s_out:
-            items, self.s_out = self.s_out, []
-            self._io(self._read, self.s_fd, self.s_sums, items)
+            items = self.s_out
+            try:
+                self._io(self._read, self.s_fd, self.s_sums, items)
+            finally:
+                self.s_out = [it for it in items if it[0].untyped_storage().nbytes() == 0] \
+                    if any(it[0].untyped_storage().nbytes() == 0 for it in items) else []
 
     def forget_state(self) -> None:
         """``opt.load_state_dict`` replaced the state: what was released is no one's now."""
         self.s_out = []
 
+    # -- gradient shards on NVMe -------------------------------------------------------------
+    def _local_like(self, k: int) -> torch.Tensor:
+        t = self.params[k]._local_tensor
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+    def grad_value(self, k: int) -> torch.Tensor:
+        """Parameter k's gradient shard as a tensor of its own: read from the file (verified),
+        then the zeroing and scales recorded on its placeholder, in order."""
+        out = self._local_like(k)
+        if self.g_zero.get(k):
+            return out.zero_()
+        off, n = self.g_off[k]
+        if n:
+            self._io(self._read_into, self.g_fd, self.g_sums, out, off)
+        for f in self.g_scales.get(k, ()):
+            out.mul_(f)
+        return out
+
+    def _read_into(self, fd, sums, t, off) -> None:
+        from .files import byte_view, pread_all
+        from .offload import as_bytes
+        mv = byte_view(as_bytes(t))
+        pread_all(fd, mv, off, sums)
+        sums.verify(off, mv, fd)
+        self.c.moved_add("nvme_read", len(mv))
+
+    def grad_zeroed(self, k: int) -> None:
+        self.g_zero[k] = True
+        self.g_scales[k] = []
+
+    def grad_scaled(self, k: int, f) -> None:
+        if not self.g_zero.get(k):
+            self.g_scales.setdefault(k, []).append(f.clone() if isinstance(f, torch.Tensor)
+                                                   else f)
+
+    def grad_norm(self, k: int, *args, **kwargs):
+        return None      # taken from the values (OffloadedGrad reads them)
+
+    def has_placeholder(self, k: int) -> bool:
+        ph = self.placeholders.get(k)
+        return ph is not None and self.params[k].grad is ph
+
+    def grads_home(self, carried: dict) -> None:
+        """After FSDP2's reduce-scatter of this group: each gradient shard it left goes to the
+        file (added to what the file carried, in FSDP2's order: ``old += new``) and its
+        ``.grad`` becomes the placeholder; ``carried``: k -> the placeholder taken off before."""
+        from .streaming import OffloadedGrad
+        for k, (fp, p) in enumerate(zip(self.fsdp_params, self.params)):
+            g = p.grad
+            if g is None:
+                if carried.get(k):                # FSDP2 reduced nothing (no sync): as it was
+                    p.grad = self.placeholders[k]
+                continue
+            new = g._local_tensor
+            if carried.get(k) and self.g_has.get(k):
+                value = self.grad_value(k)
+                value += new
+            else:
+                value = new
+            off, n = self.g_off[k]
+            if n:
+                self._io(self._write, self.g_fd, self.g_sums, [(value.contiguous(), off)],
+                         False)
+            self._grown("g_size", off + n)
+            self.g_has[k] = True
+            self.g_zero[k] = False
+            self.g_scales[k] = []
+            ph = fp.to_sharded_dtensor(OffloadedGrad(new, self, k))
+            self.placeholders[k] = ph
+            p.grad = ph
+
+    def real_grads(self) -> list:
+        """For the step: each placeholder ``.grad`` replaced by the values; (k, placeholder)
+        to put back."""
+        back = []
+        for k, (fp, p) in enumerate(zip(self.fsdp_params, self.params)):
+            if self.has_placeholder(k):
+                back.append((k, p.grad))
+                p.grad = fp.to_sharded_dtensor(self.grad_value(k))
+        return back
+
 
 class NvmeShards:
     """FSDP2 shards whose weights or optimizer state live on NVMe (``layers[i].home`` of a
     per-rank plan: ``w:nvme`` and/or ``o:nvme`` with ``g:gpu s:gpu``), executed around FSDP2's
-    own machinery on a CPU device (gloo ranks); docs/distributed.md, "Shards on NVMe".
+    own machinery on a CPU device (gloo ranks); docs/distributed.md, "Shards on host or NVMe
+    (runtime)".
 
     - A weight shard is read home just before its group's all-gather (``unshard``, which
       copies it into the all-gather buffer) and freed right after: the file already holds
@@ -331,7 +465,7 @@ class NvmeShards:
         from .streaming import ELEMENTWISE
         homes = {u.name: d.home for u, d in zip(plan.units, plan.layers)}
         wanted = [(n, b) for n, b in blocks
-                  if Tier.NVME in (homes[n].weights, homes[n].optimizer)]
+                  if Tier.NVME in (homes[n].weights, homes[n].grads, homes[n].optimizer)]
         if optimizer is None:
             raise EngineError(f"{src} homes shards on NVMe, so the optimizer step goes through "
                               "the plan: pass apply_plan(model, plan, optimizer=opt)")
@@ -383,9 +517,17 @@ class NvmeShards:
         self.end_step = end_step
         for u in self.units:
             self._wrap_unshard(u)
+            if u.g_out:
+                self._wrap_post_backward(u)
             u.release_weights()
-            for m in u.group.modules:
-                self._hook_module(u, m)
+            homed = {id(p) for p in u.params}
+            for blk in u.group.modules:
+                self._wrap_apply(u, blk)
+                for m in blk.modules():
+                    # every module holding a homed parameter: a submodule's own state_dict()
+                    # reads them too
+                    if any(id(q) in homed for q in m.parameters()):
+                        self._hook_module(u, m)
         opt = self.opt
         orig_step, orig_sd, orig_load = opt.step, opt.state_dict, opt.load_state_dict
         shards = self
@@ -395,22 +537,43 @@ class NvmeShards:
                 raise EngineError("opt.step(closure) re-runs the forward, which a plan with "
                                   "shards on NVMe does not support; call loss.backward() and "
                                   "then opt.step()")
-            out = shards.step(orig_step)
+            # the optimizer's own step hooks run around the whole step (the homed blocks
+            # included), not inside the user's step of the rest
+            pre, post = dict(_opt._optimizer_step_pre_hooks), dict(_opt._optimizer_step_post_hooks)
+            for hook in pre.values():
+                hook(_opt, (), {})
+            _opt._optimizer_step_pre_hooks.clear()
+            _opt._optimizer_step_post_hooks.clear()
+            try:
+                out = shards.step(orig_step)
+            finally:
+                _opt._optimizer_step_pre_hooks.update(pre)
+                _opt._optimizer_step_post_hooks.update(post)
+            for hook in post.values():
+                hook(_opt, (), {})
             shards.end_step()
             return out
         if hasattr(orig_step, "_wrapped_by_lr_sched"):
             step._wrapped_by_lr_sched = True
 
-        def state_dict(_opt):
-            return shards.opt_state_dict(orig_sd)
+        def state_dict(_opt, *args, **kwargs):
+            return shards.opt_state_dict(lambda: orig_sd(*args, **kwargs))
 
-        def load_state_dict(_opt, sd):
+        def load_state_dict(_opt, *args, **kwargs):
             shards.load_all_state()
             try:
-                return orig_load(sd)
+                return orig_load(*args, **kwargs)
             finally:
                 for u in shards.units:
                     u.forget_state()
+                    # torch's load keeps the caller's tensors where no cast is needed: the
+                    # homed ones are copied before their storage goes, so the caller's dict
+                    # stays as it was
+                    for p in u.params:
+                        st = opt.state.get(p)
+                        for key, v in list((st or {}).items()):
+                            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                                st[key] = v.clone()
                     u.release_state(opt.state)
 
         for name, fn in (("step", step), ("state_dict", state_dict),
@@ -420,6 +583,25 @@ class NvmeShards:
             setattr(opt, name, types.MethodType(fn, opt))
             self.undo.append(lambda n=name, h=had, pv=prev:
                              setattr(opt, n, pv) if h else delattr(opt, n))
+
+    def _wrap_post_backward(self, u: _Shard) -> None:
+        group = u.group
+        orig = group.post_backward
+
+        def post_backward(*args, **kwargs):
+            carried = {}
+            for k, p in enumerate(u.params):
+                if u.has_placeholder(k):
+                    carried[k] = True
+                    p.grad = None            # FSDP2 assigns the new shard; grads_home adds
+                elif p.grad is None:
+                    u.g_has[k] = False       # set to None by the user: nothing carried
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                u.grads_home(carried)
+        group.post_backward = post_backward
+        self.undo.append(lambda: group.__dict__.pop("post_backward", None))
 
     def _wrap_unshard(self, u: _Shard) -> None:
         group = u.group
@@ -439,13 +621,31 @@ class NvmeShards:
         group.unshard = unshard
         self.undo.append(lambda: group.__dict__.pop("unshard", None))
 
+    def _wrap_apply(self, u: _Shard, blk) -> None:
+        """``model.to()``, ``.float()``: FSDP2's ``_apply`` re-pads a shard it finds empty, so
+        the weights are home around it (and written back: a cast changes them)."""
+        orig = blk._apply
+
+        def _apply(*args, **kwargs):
+            u.load_weights()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                u.release_weights()
+        blk._apply = _apply
+        self.undo.append(lambda: blk.__dict__.pop("_apply", None))
+
     def _hook_module(self, u: _Shard, m) -> None:
         def sd_pre(module, prefix, keep_vars):
+            u.sd_depth += 1
             u.load_weights()
 
         names = {n for n, _ in m.named_parameters()}
 
         def sd_post(module, sd, prefix, local_metadata):
+            u.sd_depth -= 1
+            if u.sd_depth:
+                return                   # inside an outer state_dict() of the same block
             # the entries share the shards' storage (detached views): cloned before it is freed
             for n in names:
                 v = sd.get(prefix + n)
@@ -489,6 +689,7 @@ class NvmeShards:
         for u in self.units:
             u.load_weights()
             u.load_state()
+            back = u.real_grads() if u.g_out else []
             try:
                 for gi in sorted(set(u.groups)):
                     ps = [p for p, g in zip(u.params, u.groups) if g == gi and p.grad is not None]
@@ -497,8 +698,16 @@ class NvmeShards:
                     hyper = {k: v for k, v in opt.param_groups[gi].items() if k != "params"}
                     sub = type(opt)([dict(hyper, params=ps)])
                     sub.state = opt.state
+                    sub.defaults = opt.defaults
+                    # what torch's GradScaler puts on the optimizer it steps (a fused step
+                    # unscales with it and skips on inf)
+                    for a in ("grad_scale", "found_inf"):
+                        if hasattr(opt, a):
+                            setattr(sub, a, getattr(opt, a))
                     sub.step()
             finally:
+                for k, ph in back:
+                    u.params[k].grad = ph        # the file still holds the gradient
                 u.release_weights()
                 u.release_state(opt.state)
         return loss
@@ -511,9 +720,13 @@ class NvmeShards:
         self.load_all_state()
         try:
             sd = orig_sd()
-            # the returned dict's tensors are the state's own: cloned before it is freed
-            sd["state"] = {i: {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
-                               for k, v in st.items()} for i, st in sd["state"].items()}
+            # the returned dict's tensors are the state's own: the homed ones cloned before
+            # their storage is freed
+            order = [p for g in self.opt.param_groups for p in g["params"]]
+            for i, st in sd["state"].items():
+                if isinstance(i, int) and i < len(order) and id(order[i]) in self.homed:
+                    sd["state"][i] = {k: (v.detach().clone() if isinstance(v, torch.Tensor)
+                                          else v) for k, v in st.items()}
             return sd
         finally:
             for u in self.units:
@@ -525,7 +738,7 @@ class NvmeShards:
         it has run)."""
         first = None
         for u in self.units:
-            for fn in (u.load_weights, u.load_state):
+            for fn in (u.load_weights, u.load_state, u.real_grads):
                 try:
                     fn()
                 except BaseException as e:   # noqa: BLE001 -- raised after the clean-up

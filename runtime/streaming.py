@@ -66,7 +66,7 @@ class OffloadedGrad(torch.Tensor):
                     t.owner.grad_zeroed(t.k)
                 else:
                     t.zero_()
-            return first
+            return None if name.startswith("_foreach") else first   # foreach in-place: None
         if name in ("mul_", "_foreach_mul_") and len(args) == 2 and not kwargs:
             many = isinstance(first, (list, tuple))
             ts = first if many else [first]
@@ -77,7 +77,7 @@ class OffloadedGrad(torch.Tensor):
                         t.owner.grad_scaled(t.k, f)
                     else:
                         t.mul_(f)
-                return first
+                return None if many else first
         if name == "linalg_vector_norm" and isinstance(first, OffloadedGrad):
             n = first.owner.grad_norm(first.k, *args[1:], **kwargs)
             if n is not None:

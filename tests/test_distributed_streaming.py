@@ -57,17 +57,18 @@ def test_policy_for_each_home():
     assert policy_for("b", Home(), "cuda", "p") == DEVICE
     assert policy_for("b", HOST, "cuda", "p") == HOST_KIND
     assert policy_for("b", Home(), "cpu", "p") == DEVICE
-    # weights and/or optimizer state on NVMe, the gradient shard and the step on the device:
-    # no FSDP2 policy, the files are the runtime's (NvmeShards)
+    # any of the three classes on NVMe (the rest on the device), the step on the device: no
+    # FSDP2 policy, the files are the runtime's (NvmeShards)
     for home in (Home(T.NVME, T.GPU, T.NVME, T.GPU), Home(T.NVME, T.GPU, T.GPU, T.GPU),
-                 Home(T.GPU, T.GPU, T.NVME, T.GPU)):
+                 Home(T.GPU, T.GPU, T.NVME, T.GPU), Home(T.NVME, T.NVME, T.NVME, T.GPU),
+                 Home(T.GPU, T.NVME, T.GPU, T.GPU)):
         assert policy_for("b", home, "cpu", "p") == NVME_KIND
     for home, dev, want in [
             (HOST, "cpu", "is the device itself"),
             (Home(T.NVME, T.GPU, T.GPU, T.GPU), "cuda", "on a CPU device only so far"),
-            (Home(T.GPU, T.GPU, T.NVME, T.CPU), "cpu", "with the gradient shard and the step"),
-            (Home(T.NVME, T.NVME, T.NVME, T.GPU), "cpu", "with the gradient shard and the step"),
-            (Home(T.NVME, T.GPU, T.CPU, T.GPU), "cpu", "with the gradient shard and the step"),
+            (Home(T.GPU, T.GPU, T.NVME, T.CPU), "cpu", "with the step on the device"),
+            (Home(T.NVME, T.NVME, T.NVME, T.CPU), "cpu", "with the step on the device"),
+            (Home(T.NVME, T.GPU, T.CPU, T.GPU), "cpu", "not mixed with host memory"),
             (Home(T.CPU, T.GPU, T.CPU, T.CPU), "cuda", "moves a group's weights, gradients"),
             (Home(T.GPU, T.GPU, T.CPU, T.CPU), "cuda", "moves a group's weights, gradients")]:
         with pytest.raises(EngineError) as e:
@@ -80,16 +81,17 @@ def test_nvme_shards_it_does_not_execute_are_refused_before_anything_is_wrapped_
     from runtime import apply_plan, shard_for_plan
     from runtime.engines import EngineError, is_fsdp2
     nvme = tmp_path / "nvme"
-    plan = _relabelled(Home(T.NVME, T.NVME, T.NVME, T.GPU), nvme)
+    # a unit outside the blocks homed on NVMe: FSDP2's root group holds them all
+    plan = _relabelled(Home(T.GPU, T.GPU, T.NVME, T.GPU), nvme, unit="embedding")
     model = _model()
     with pytest.raises(EngineError) as e:
         shard_for_plan(model, plan)
-    assert "with the gradient shard and the step on the device" in _line(e)
+    assert "a unit outside the blocks has a home on NVMe" in _line(e)
     assert not any(is_fsdp2(m) for m in model.modules())      # refused before any wrap
     H.wrap(model, "fsdp2")
     with pytest.raises(UserError) as e:
         apply_plan(model, plan, optimizer=torch.optim.AdamW(model.parameters()))
-    assert "with the gradient shard and the step on the device" in _line(e)
+    assert "a unit outside the blocks has a home on NVMe" in _line(e)
     assert not nvme.exists()
     # an executable NVMe home, but an optimizer that is not elementwise: refused, no file left
     plan = _relabelled(Home(T.NVME, T.GPU, T.NVME, T.GPU), nvme)
@@ -233,11 +235,12 @@ def test_engine_view_leaves_the_homes_to_fsdp2(tmp_path):
 # ----------------------------------------------------------------------------- NVMe shards
 
 NVME_HOME = Home(T.NVME, T.GPU, T.NVME, T.GPU)
+ALL_NVME = Home(T.NVME, T.NVME, T.NVME, T.GPU)
 
 
-def _nvme_plan(tmp_path) -> tuple[str, Path]:
-    """A 2-rank FSDP2 plan of gpt-tiny: keep-all, every block but the first with its weight
-    and optimizer-state shards on NVMe, priced by the planner's per-rank cost model."""
+def _nvme_plan(tmp_path, home=NVME_HOME, micro_batches=1) -> tuple[str, Path]:
+    """A 2-rank FSDP2 plan of gpt-tiny: keep-all, every block but the first with ``home``,
+    priced by the planner's per-rank cost model."""
     import dataclasses
     from planner.costmodel.baselines import baseline_layers
     from planner.formats import Budgets
@@ -245,12 +248,14 @@ def _nvme_plan(tmp_path) -> tuple[str, Path]:
     from planner.plans import cost_model, make_plan, save_plan
     hw, prof = load_hardware("cpu-host"), H.profile("gpt-tiny")
     b = Budgets(hw.memory_bytes, 0, 1 << 30)
-    cm = cost_model(prof, hw, b, world_size=2, ranks_per_node=2, engine="fsdp2")
+    cm = cost_model(prof, hw, b, world_size=2, ranks_per_node=2, engine="fsdp2",
+                    micro_batches=micro_batches)
     blocks = [u.name for u in prof.layers if u.kind == "block"]
-    layers = [dataclasses.replace(d, home=NVME_HOME) if d.name in blocks[1:] else d
+    layers = [dataclasses.replace(d, home=home) if d.name in blocks[1:] else d
               for d in baseline_layers("keep-all", prof.layers, hw)]
     nvme = tmp_path / "nvme"
-    plan = make_plan(prof, None, hw, b, "optimal", layers, nvme_dir=str(nvme), cm=cm)
+    plan = make_plan(prof, None, hw, b, "optimal", layers, nvme_dir=str(nvme), cm=cm,
+                     micro_batches=micro_batches)
     path = str(tmp_path / "fsdp2-nvme.json")
     save_plan(plan, path)
     return path, nvme
@@ -260,7 +265,7 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _nvme_worker(rank, world, port, plan, out_dir):
+def _nvme_worker(rank, world, port, plan, out_dir, K=1, clip=False):
     import os
     import torch.distributed as dist
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -281,9 +286,19 @@ def _nvme_worker(rank, world, port, plan, out_dir):
             sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
             handle = apply_plan(model, plan, optimizer=opt) if how == "plan" else None
             torch.manual_seed(1234 + rank)
+            # an optimizer step hook sees the step whole: the homed blocks stepped too (with
+            # the clip case only: its reads are not the plan's)
+            seen = []
+            if clip:
+                opt.register_step_post_hook(lambda *a: seen.append(
+                    sum(_full(v).double().sum().item() for v in model.state_dict().values())))
+            model.float()              # a cast after apply_plan (FSDP2 re-pads in _apply)
 
             def step(k):
-                model(**batches[k % 2]).loss.backward()
+                for j in range(K):
+                    (model(**batches[(k + j) % 2]).loss / K).backward()
+                if clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
                 opt.step()
                 sched.step()
                 (opt.zero_grad if k % 2 == 0 else model.zero_grad)()
@@ -301,15 +316,26 @@ def _nvme_worker(rank, world, port, plan, out_dir):
             # (read through the state dict: a shard on NVMe has no storage between uses)
             first = [_full(v).detach().clone() for v in model.state_dict().values()]
             model.load_state_dict(saved_sd)
-            opt.load_state_dict(saved_osd)
+            opt.load_state_dict(state_dict=saved_osd)      # by keyword, as DCP calls it
+            # the caller's dict is left as it was (torch keeps its tensors where no cast is
+            # needed; the plan frees the state it homes)
+            out.setdefault("osd_intact", {})[how] = all(
+                getattr(v, "_local_tensor", v).untyped_storage().nbytes() > 0
+                for st in saved_osd["state"].values() for v in st.values()
+                if isinstance(v, torch.Tensor))
             sched.last_epoch -= 1
             torch.set_rng_state(rng)
             step(STEPS - 1)
             again = [_full(v).detach().clone() for v in model.state_dict().values()]
             out.setdefault("reloaded", {})[how] = max((a - b).abs().max().item()
                                                       for a, b in zip(first, again))
-            # the state dicts while the plan is applied: the real values
+            # the state dicts while the plan is applied: the real values (a submodule of a
+            # homed block's own too)
             sd = {k: _full(v).detach().clone() for k, v in model.state_dict().items()}
+            sub = H.blocks_of(model)[-1].norm1
+            sd.update({"sub." + k: _full(v).detach().clone()
+                       for k, v in sub.state_dict().items()})
+            out.setdefault("hooked", {})[how] = seen
             osd = opt.state_dict()["state"]
             state = {i: {k: _full(v).clone() for k, v in st.items()} for i, st in osd.items()}
             if handle is not None:
@@ -323,6 +349,9 @@ def _nvme_worker(rank, world, port, plan, out_dir):
         out["weights"] = max((a - b).abs().max().item() for a, b in zip(w0, w1))
         out["state_dict"] = max((sd0[k] - sd1[k]).abs().max().item() for k in sd0)
         out["state_keys"] = sorted(sd0) == sorted(sd1)
+        out["hook_sums"] = max((abs(a - b) for a, b in zip(out["hooked"]["plain"],
+                                                           out["hooked"]["plan"])), default=0.0)
+        out["hook_steps"] = len(out["hooked"]["plan"])
         out["opt_state"] = max((st0[i][k] - st1[i][k]).abs().max().item()
                                for i in st0 for k in st0[i])
         out["trained"] = max((a - b).abs().max().item() for a, b in
@@ -337,26 +366,85 @@ def _nvme_worker(rank, world, port, plan, out_dir):
 
 
 @pytest.mark.slow
-def test_two_ranks_with_shards_on_nvme_equal_plain_fsdp2(tmp_path):
-    """Two gloo ranks, blocks 1 and 2 with their weight and optimizer-state shards on NVMe:
+@pytest.mark.parametrize("case", ["weights+state", "all-three+accumulation+clip"])
+def test_two_ranks_with_shards_on_nvme_equal_plain_fsdp2(case, tmp_path):
+    """Two gloo ranks, blocks 1 and 2 with their shards on NVMe: the weights and optimizer
+    state (one micro-batch a step), or all three classes (two micro-batches a step, clipped
+    by torch's own ``clip_grad_norm_``, which reads and scales the gradient placeholders).
     3 AdamW steps (weight decay, a StepLR scheduler, both zero_grad idioms) give every full
     weight, every state-dict entry and every optimizer state of plain FSDP2 (<= 1e-6); a
     checkpoint taken mid-run and loaded back (``model.load_state_dict``,
-    ``opt.load_state_dict``) replays the last step to the same weights; the bytes moved are
-    the plan's; no file is left."""
+    ``opt.load_state_dict``) replays the last step to the same weights; without a clip (which
+    reads the gradients once more) the bytes moved are the plan's; no file is left."""
     import torch.multiprocessing as mp
-    plan, nvme = _nvme_plan(tmp_path)
-    mp.spawn(_nvme_worker, args=(2, H.free_port(), plan, str(tmp_path)), nprocs=2, join=True)
+    home, K, clip = (NVME_HOME, 1, False) if case == "weights+state" else (ALL_NVME, 2, True)
+    plan, nvme = _nvme_plan(tmp_path, home, micro_batches=K)
+    mp.spawn(_nvme_worker, args=(2, H.free_port(), plan, str(tmp_path), K, clip), nprocs=2,
+             join=True)
     for r in range(2):
         x = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert "error" not in x, x.get("error")
         assert x["weights"] <= 1e-6 and x["state_dict"] <= 1e-6 and x["opt_state"] <= 1e-6, x
         assert x["state_keys"]
         assert x["reloaded"]["plain"] == 0.0 and x["reloaded"]["plan"] <= 1e-6, x["reloaded"]
+        assert x["osd_intact"] == {"plain": True, "plan": True}
+        assert x["hook_steps"] == (STEPS + 1 if clip else 0) and x["hook_sums"] <= 1e-4, x
+
         assert x["trained"] > 1e-4          # the steps changed the weights (the test can fail)
         for link, (measured, predicted) in x["moved"].items():
-            assert measured == predicted > 0, (link, measured, predicted)
+            assert measured >= predicted > 0, (link, measured, predicted)
+            if not clip:
+                assert measured == predicted, (link, measured, predicted)
     assert not any(nvme.rglob("*.bin")), list(nvme.rglob("*"))
+
+
+def _scaler_worker(rank, world, port, plan, out_dir):
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            init_method=f"tcp://127.0.0.1:{port}")
+    out = {}
+    try:
+        from runtime import apply_plan, shard_for_plan
+        got = {}
+        for how in ("plain", "plan"):
+            model, batches = H.build("gpt-tiny", rank)
+            model.eval()                      # no dropout: both runs draw nothing
+            H.wrap(model, "fsdp2") if how == "plain" else shard_for_plan(model, plan)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+            handle = apply_plan(model, plan, optimizer=opt) if how == "plan" else None
+            for k in range(2):
+                scaler.scale(model(**batches[k]).loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+            got[how] = {k: _full(v).detach().clone() for k, v in model.state_dict().items()}
+            if handle is not None:
+                handle.remove()
+        out["diff"] = max((got["plain"][k] - got["plan"][k]).abs().max().item()
+                          for k in got["plain"])
+    except BaseException:
+        import traceback
+        out["error"] = traceback.format_exc()
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_fused_adamw_under_grad_scaler_equal_plain_fsdp2(tmp_path):
+    """A fused AdamW stepped by torch's GradScaler: the scaler's ``grad_scale`` and
+    ``found_inf`` reach the homed blocks' steps too, so they unscale as plain FSDP2 does
+    (weights and state on NVMe; a scaler's unscaling writes into the gradients, which a
+    gradient shard on NVMe refuses in one line, as in one process)."""
+    import torch.multiprocessing as mp
+    plan, _ = _nvme_plan(tmp_path, NVME_HOME)
+    mp.spawn(_scaler_worker, args=(2, H.free_port(), plan, str(tmp_path)), nprocs=2, join=True)
+    for r in range(2):
+        x = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert "error" not in x, x.get("error")
+        assert x["diff"] <= 1e-6, x
 
 
 @pytest.mark.slow
@@ -365,7 +453,7 @@ def test_no_shard_file_left_when_one_rank_fails(fault, tmp_path):
     """Rank 0 fails in the last block's forward of its second step (an exception, or SIGINT
     to itself) with its shards' files on disk; rank 1 is left in a collective and terminated.
     No file or directory is left."""
-    plan, nvme = _nvme_plan(tmp_path)
+    plan, nvme = _nvme_plan(tmp_path, ALL_NVME)
     with pytest.raises(Exception):
         H.run_fault("fsdp2", plan, str(nvme), fault, tmp_path)
     seen = json.loads((tmp_path / "seen.json").read_text())

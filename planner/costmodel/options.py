@@ -50,15 +50,16 @@ class OptionRules:
         G_, C_, N_ = Tier.GPU, Tier.CPU, Tier.NVME
         if self.engine == "fsdp2" and self.shard_homes == "runnable":
             # what the runtime executes under FSDP2 today (runtime/sharded.py): on a unified
-            # device (gloo ranks on a CPU host) the weight and/or optimizer-state shards on
-            # NVMe with the gradient shard and the step on the device (NvmeShards); on a
-            # discrete one the whole shard in pinned host memory with the step on the CPU
-            # (FSDP2's CPUOffloadPolicy)
+            # device (gloo ranks on a CPU host) each tensor class's shard on NVMe or on the
+            # device with the step on the device (NvmeShards); on a discrete one the whole
+            # shard in pinned host memory with the step on the CPU (FSDP2's CPUOffloadPolicy)
             if self.unified:
                 if not self.has_nvme:
                     return [R]
-                return [R] + [Home(w, G_, o, G_) for w in (G_, N_) for o in (G_, N_)
-                              if (w, o) != (G_, G_) and not (tied and w is N_)]
+                return [R] + [Home(w, g, o, G_) for w in (G_, N_) for g in (G_, N_)
+                              for o in (G_, N_)
+                              if N_ in (w, g, o) and not (tied and N_ in (w, g))
+                              and not (g is N_ and not grads_ok)]
             if not self.has_cpu or self.hw.cpu_adam_params_per_s <= 0 or tied or not grads_ok:
                 return [R]
             return [R, Home(C_, C_, C_, C_)]
