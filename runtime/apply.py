@@ -1399,7 +1399,10 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
         with contextlib.suppress(Exception):
             runner.unwrap()
         if shards is not None:
-            shards.remove()
+            err = shards.remove()
+            if err is not None:          # a shard that could not come home: said, not lost
+                warnings.warn(f"tierplan: bringing the shards home after the error failed: "
+                              f"{err}", stacklevel=2)
         runner.close()
         raise
     _ACTIVE[model] = handle

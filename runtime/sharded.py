@@ -215,6 +215,7 @@ class _Shard:
         self.g_zero: dict = {}            # k -> zeroed since it was written (zero_)
         self.g_scales: dict = {}          # k -> scales recorded since (mul_), in order
         self.placeholders: dict = {}      # k -> the DTensor .grad standing for it
+        self.g_norms: dict = {}           # k -> its 2-norm as written
         if self.g_out:
             self.g_fd, path = store.open(f"shard-{name}-grads")
             self.g_sums = Sums(path, f"{name}'s gradient shard")
@@ -369,11 +370,12 @@ class _Shard:
         then the zeroing and scales recorded on its placeholder, in order."""
         out = self._local_like(k)
         if self.g_zero.get(k):
-            return out.zero_()
-        off, n = self.g_off[k]
-        if n:
-            self._io(self._read_into, self.g_fd, self.g_sums, out, off)
-        for f in self.g_scales.get(k, ()):
+            out.zero_()
+        else:
+            off, n = self.g_off[k]
+            if n:
+                self._io(self._read_into, self.g_fd, self.g_sums, out, off)
+        for f in self.g_scales.get(k, ()):      # after a zero too (-0.0, NaN as plain gives)
             out.mul_(f)
         return out
 
@@ -390,12 +392,18 @@ class _Shard:
         self.g_scales[k] = []
 
     def grad_scaled(self, k: int, f) -> None:
-        if not self.g_zero.get(k):
-            self.g_scales.setdefault(k, []).append(f.clone() if isinstance(f, torch.Tensor)
-                                                   else f)
+        self.g_scales.setdefault(k, []).append(f.clone() if isinstance(f, torch.Tensor) else f)
 
     def grad_norm(self, k: int, *args, **kwargs):
-        return None      # taken from the values (OffloadedGrad reads them)
+        """The 2-norm taken as the gradient was written (what ``clip_grad_norm_`` asks first),
+        without reading it back; None (the values are read) for any other norm, or once
+        zeroed or scaled."""
+        n = self.g_norms.get(k)
+        default = (not args or args[0] == 2) and not kwargs.get("dim") and \
+            not kwargs.get("keepdim") and kwargs.get("dtype") is None and len(args) <= 1
+        if n is None or not default or self.g_zero.get(k) or self.g_scales.get(k):
+            return None
+        return n.clone()
 
     def has_placeholder(self, k: int) -> bool:
         ph = self.placeholders.get(k)
@@ -426,6 +434,7 @@ class _Shard:
             self.g_has[k] = True
             self.g_zero[k] = False
             self.g_scales[k] = []
+            self.g_norms[k] = torch.linalg.vector_norm(value)
             ph = fp.to_sharded_dtensor(OffloadedGrad(new, self, k))
             self.placeholders[k] = ph
             p.grad = ph
@@ -486,6 +495,12 @@ class NvmeShards:
                 if group is None:
                     raise EngineError(f"{src}: block {name} is not fully_shard-ed; wrap it "
                                       "(runtime.shard_for_plan) before apply_plan")
+                from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
+                if isinstance(group.mesh_info, HSDPMeshInfo):
+                    raise EngineError(f"{src}: block {name} is sharded on a 2-D mesh (HSDP), "
+                                      "whose gradients FSDP2 holds until the backward ends; "
+                                      "shards on NVMe run on a 1-D mesh only: fully_shard "
+                                      "over one dimension")
                 pg = group._all_gather_process_group
                 if pg.size() < 2:
                     raise EngineError(f"{src}: block {name} is sharded over 1 rank, where FSDP2 "
@@ -513,7 +528,10 @@ class NvmeShards:
     def install(self, end_step) -> None:
         """Hook the groups, the blocks' state dicts and the optimizer; ``end_step``: the
         runtime's end of a training step (after the homed blocks' steps)."""
+        import itertools
         import types
+
+        import torch.optim.optimizer as optim_mod
         self.end_step = end_step
         for u in self.units:
             self._wrap_unshard(u)
@@ -537,23 +555,27 @@ class NvmeShards:
                 raise EngineError("opt.step(closure) re-runs the forward, which a plan with "
                                   "shards on NVMe does not support; call loss.backward() and "
                                   "then opt.step()")
-            # the optimizer's own step hooks run around the whole step (the homed blocks
-            # included), not inside the user's step of the rest
-            pre, post = dict(_opt._optimizer_step_pre_hooks), dict(_opt._optimizer_step_post_hooks)
-            for hook in pre.values():
-                hook(_opt, (), {})
-            _opt._optimizer_step_pre_hooks.clear()
-            _opt._optimizer_step_post_hooks.clear()
-            try:
+            if raw_step is None:                 # (a torch without the hook wrapper)
                 out = shards.step(orig_step)
-            finally:
-                _opt._optimizer_step_pre_hooks.update(pre)
-                _opt._optimizer_step_post_hooks.update(post)
-            for hook in post.values():
-                hook(_opt, (), {})
+            else:
+                # the step hooks (the optimizer's and the global ones, in torch's order) run
+                # once, around the whole step with the homed blocks in it, not inside the
+                # user's step of the rest
+                for hook in itertools.chain(optim_mod._global_optimizer_pre_hooks.values(),
+                                            _opt._optimizer_step_pre_hooks.values()):
+                    hook(_opt, (), {})
+                out = shards.step(lambda: raw_step(_opt))
+                for hook in itertools.chain(_opt._optimizer_step_post_hooks.values(),
+                                            optim_mod._global_optimizer_post_hooks.values()):
+                    hook(_opt, (), {})
+                if sched_wrapped:
+                    _opt._opt_called = True      # what the scheduler's own wrapper records
             shards.end_step()
             return out
-        if hasattr(orig_step, "_wrapped_by_lr_sched"):
+        # torch's step hook wrapper around the optimizer class's own step
+        raw_step = getattr(type(opt).step, "__wrapped__", None)
+        sched_wrapped = hasattr(orig_step, "_wrapped_by_lr_sched")
+        if sched_wrapped:
             step._wrapped_by_lr_sched = True
 
         def state_dict(_opt, *args, **kwargs):
@@ -608,6 +630,7 @@ class NvmeShards:
         orig = group.unshard
 
         def unshard(async_op: bool = False):
+            u.sd_depth = 0               # no state_dict() of this block is open in a pass
             need = (u.w_out_now and group.is_sharded and group._all_gather_result is None)
             if need:
                 u.load_weights()
@@ -643,7 +666,7 @@ class NvmeShards:
         names = {n for n, _ in m.named_parameters()}
 
         def sd_post(module, sd, prefix, local_metadata):
-            u.sd_depth -= 1
+            u.sd_depth = max(0, u.sd_depth - 1)
             if u.sd_depth:
                 return                   # inside an outer state_dict() of the same block
             # the entries share the shards' storage (detached views): cloned before it is freed
@@ -651,7 +674,8 @@ class NvmeShards:
                 v = sd.get(prefix + n)
                 if isinstance(v, torch.Tensor):
                     sd[prefix + n] = v.clone()
-            u.drop_weights()
+            if not self.in_step:         # (a hook inside the step: the step writes them home)
+                u.drop_weights()
 
         def load_pre(*args, **kwargs):
             u.load_weights()
@@ -687,10 +711,13 @@ class NvmeShards:
                 p.grad = g
         opt = self.opt
         for u in self.units:
-            u.load_weights()
-            u.load_state()
-            back = u.real_grads() if u.g_out else []
+            back = []
             try:
+                u.sd_depth = 0
+                u.load_weights()
+                u.load_state()
+                if u.g_out:
+                    back = u.real_grads()
                 for gi in sorted(set(u.groups)):
                     ps = [p for p, g in zip(u.params, u.groups) if g == gi and p.grad is not None]
                     if not ps:
@@ -704,7 +731,13 @@ class NvmeShards:
                     for a in ("grad_scale", "found_inf"):
                         if hasattr(opt, a):
                             setattr(sub, a, getattr(opt, a))
-                    sub.step()
+                    # the step itself, without torch's hook wrapper: the optimizer hooks
+                    # (global ones too) run once a step, not once per homed block
+                    raw = getattr(type(sub).step, "__wrapped__", None)
+                    if raw is not None:
+                        raw(sub)
+                    else:
+                        sub.step()
             finally:
                 for k, ph in back:
                     u.params[k].grad = ph        # the file still holds the gradient

@@ -78,6 +78,14 @@ class OffloadedGrad(torch.Tensor):
                     else:
                         t.mul_(f)
                 return None if many else first
+        if isinstance(first, OffloadedGrad) and (
+                name in ("detach", "alias") or (name in ("view", "_unsafe_view", "view_as")
+                                                and tuple(_shape_of(args[1])) ==
+                                                tuple(first.shape))):
+            # an alias of the placeholder is a placeholder of the same gradient: what is done
+            # to it (``p.grad.data.mul_``, ``.detach().zero_()``) reaches the home, as it
+            # would reach the tensor it stands for
+            return OffloadedGrad(first, first.owner, first.k)
         if name == "linalg_vector_norm" and isinstance(first, OffloadedGrad):
             n = first.owner.grad_norm(first.k, *args[1:], **kwargs)
             if n is not None:
@@ -97,6 +105,11 @@ class OffloadedGrad(torch.Tensor):
 
     def __repr__(self):
         return f"OffloadedGrad(unit={self.unit}, shape={tuple(self.shape)})"
+
+
+def _shape_of(x) -> tuple:
+    """A view's target: a shape (list of ints) or, for ``view_as``, a tensor."""
+    return tuple(x.shape) if isinstance(x, torch.Tensor) else tuple(x)
 
 
 def _scalar(f) -> bool:
