@@ -698,17 +698,8 @@ class NvmeShards:
             self.in_step = False
 
     def _step(self, orig_step):
-        hidden = []
-        for u in self.units:
-            for p in u.params:
-                if p.grad is not None:
-                    hidden.append((p, p.grad))
-                    p.grad = None
-        try:
-            loss = orig_step()
-        finally:
-            for p, g in hidden:
-                p.grad = g
+        from .streaming import step_with_grads_hidden
+        loss = step_with_grads_hidden([p for u in self.units for p in u.params], orig_step)
         opt = self.opt
         for u in self.units:
             back = []

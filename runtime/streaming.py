@@ -107,6 +107,20 @@ class OffloadedGrad(torch.Tensor):
         return f"OffloadedGrad(unit={self.unit}, shape={tuple(self.shape)})"
 
 
+def step_with_grads_hidden(params, step):
+    """``step()`` with the gradients of ``params`` set aside, so that the user's optimizer
+    skips them (the plan steps those parameters itself); they are back after it, also when it
+    raises. Its result."""
+    hidden = [(p, p.grad) for p in params if p.grad is not None]
+    for p, _ in hidden:
+        p.grad = None
+    try:
+        return step()
+    finally:
+        for p, g in hidden:
+            p.grad = g
+
+
 def _shape_of(x) -> tuple:
     """A view's target: a shape (list of ints) or, for ``view_as``, a tensor."""
     return tuple(x.shape) if isinstance(x, torch.Tensor) else tuple(x)
@@ -959,17 +973,9 @@ class OptimizerPhase:
         if closure is not None:
             raise UserError("opt.step(closure) re-runs the forward, which a streaming plan does "
                             "not support; call loss.backward() and then opt.step()")
-        hidden = []
-        for g in self.opt.param_groups:
-            for p in g["params"]:
-                if id(p) in self.streamed and p.grad is not None:
-                    hidden.append((p, p.grad))
-                    p.grad = None
-        try:
-            loss = original_step()
-        finally:
-            for p, g in hidden:
-                p.grad = g
+        loss = step_with_grads_hidden(
+            [p for g in self.opt.param_groups for p in g["params"] if id(p) in self.streamed],
+            original_step)
         todo = [(u, subs) for u, subs in self.subs if u not in done]
         if self.depth > 1 and not any(getattr(u, "steps_on_host", False) for u, _ in todo):
             self._pipelined(todo)

@@ -13,6 +13,7 @@ homes under test.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from pathlib import Path
@@ -152,7 +153,11 @@ def test_shard_for_plan_refuses_the_settings_it_owns(one_rank_group, tmp_path):
 STEPS = 3
 
 
-def _two_rank_worker(rank, world, port, plan, out_dir):
+@contextlib.contextmanager
+def _rank(rank, world, port, out_dir):
+    """One gloo rank of a test: its process group, then ``out`` (what the body records),
+    written to ``rank<N>.json`` with the traceback of any error the body raised (the parent
+    reads it), and the group destroyed."""
     import os
     import torch.distributed as dist
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -161,6 +166,17 @@ def _two_rank_worker(rank, world, port, plan, out_dir):
                             init_method=f"tcp://127.0.0.1:{port}")
     out = {}
     try:
+        yield out
+    except BaseException:
+        import traceback
+        out["error"] = traceback.format_exc()
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+        dist.destroy_process_group()
+
+
+def _two_rank_worker(rank, world, port, plan, out_dir):
+    with _rank(rank, world, port, out_dir) as out:
         from runtime import apply_plan, shard_for_plan
         from runtime.sharded import _actual
         full = {}
@@ -189,12 +205,6 @@ def _two_rank_worker(rank, world, port, plan, out_dir):
                            for a, b in zip(full["plan"], [p.detach() for p in
                                                           H.build("gpt-tiny", rank)[0]
                                                           .parameters()]))
-    except BaseException:
-        import traceback
-        out["error"] = traceback.format_exc()
-    finally:
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -266,14 +276,7 @@ def _full(t):
 
 
 def _nvme_worker(rank, world, port, plan, out_dir, K=1, clip=False):
-    import os
-    import torch.distributed as dist
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            init_method=f"tcp://127.0.0.1:{port}")
-    out = {}
-    try:
+    with _rank(rank, world, port, out_dir) as out:
         from runtime import apply_plan, shard_for_plan
         got = {}
         for how in ("plain", "plan"):
@@ -368,12 +371,6 @@ def _nvme_worker(rank, world, port, plan, out_dir, K=1, clip=False):
         out["trained"] = max((a - b).abs().max().item() for a, b in
                              zip(w1, [p.detach() for p in H.build("gpt-tiny", rank)[0]
                                       .parameters()]))
-    except BaseException:
-        import traceback
-        out["error"] = traceback.format_exc()
-    finally:
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -410,12 +407,7 @@ def test_two_ranks_with_shards_on_nvme_equal_plain_fsdp2(case, tmp_path):
 
 
 def _scaler_worker(rank, world, port, plan, out_dir):
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            init_method=f"tcp://127.0.0.1:{port}")
-    out = {}
-    try:
+    with _rank(rank, world, port, out_dir) as out:
         from runtime import apply_plan, shard_for_plan
         got = {}
         for how in ("plain", "plan"):
@@ -435,12 +427,6 @@ def _scaler_worker(rank, world, port, plan, out_dir):
                 handle.remove()
         out["diff"] = max((got["plain"][k] - got["plan"][k]).abs().max().item()
                           for k in got["plain"])
-    except BaseException:
-        import traceback
-        out["error"] = traceback.format_exc()
-    finally:
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
