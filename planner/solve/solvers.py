@@ -80,12 +80,6 @@ def solve(model: Model, solver: str = "highs", time_limit: float | None = 60.0,
     big = len(model.prob.variables()) >= IPM_MIN_COLUMNS
     bound, start, obj = _dive(model, solver, left(0.8 if big else 0.3), gap, incumbent,
                               polish_limit=left(0.5))
-    if start is not None and bound is not None and obj < bound - 1e-6 * max(abs(bound), 1e-9):
-        # a plan below the relaxation's proven bound: its objective was not read right (the
-        # polish reported 0.0016 GB against a bound of 0.0085 when minimising the GPU budget,
-        # and the exit-3 line then named 10.79 MiB where a plan fits 9 MiB); the dive's plan
-        # proves nothing, and HiGHS's own search decides from it
-        obj = math.inf
     if start is not None and bound is not None and rel_gap(obj, bound) <= gap:
         for v in model.prob.variables():
             v.varValue = start.get(v.name, v.varValue)
@@ -119,7 +113,7 @@ def solve(model: Model, solver: str = "highs", time_limit: float | None = 60.0,
             for v in model.prob.variables():
                 v.varValue = start.get(v.name, v.varValue)
             status = "feasible"
-            g = rel_gap(obj, bound) if bound is not None and math.isfinite(obj) else None
+            g = rel_gap(obj, bound) if bound is not None else None
         else:
             status = "optimal" if st == pulp.LpSolutionOptimal else "feasible"
             if bound is not None and g is not None:
