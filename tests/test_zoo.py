@@ -57,6 +57,7 @@ EXPECTED = {
     "raw_mlp": (3, "blocks.0", "blocks.2"),
     "inplace": (3, "blocks.0", "blocks.2"),
     "tied": (3, "layers.0", "layers.2"),
+    "cached": (4, "layers.0", "layers.3"),
     "convnet": (4, "layer1.0", "layer2.1"),
 }
 
@@ -110,7 +111,10 @@ def make_plans(prof, nvme_dir):
 
     hw = prof.hardware_spec
     roomy = {"gpu_bytes": hw.memory_bytes, "cpu_bytes": 0, "nvme_bytes": 1 << 30}
-    plans = {p: make_plan(prof, None, hw, roomy, p, baseline_layers(p, prof.layers, hw),
+    # blocks the profile found unreplayable (a cache written in place) are kept by
+    # recompute-all, as the planner's own baselines keep them
+    kept = prof.model.get("not_replayable")
+    plans = {p: make_plan(prof, None, hw, roomy, p, baseline_layers(p, prof.layers, hw, kept=kept),
                           nvme_dir=str(nvme_dir))
              for p in POLICIES[:3]}
     # Tight: half of the blocks' activations less than keep-all's peak, but no less than
@@ -200,6 +204,12 @@ def test_zoo_profiles_and_trains_like_plain_pytorch(name, tmp_path):
 
 # Bytes of workspace a meta profile counts beyond the CPU's, per model and unit (see below).
 META_WORKSPACE_SLACK = {"recurrent_gemma": {"model.layers.2": 8}}
+# Model fields a meta profile may record otherwise, because the model itself behaves otherwise
+# there: transformers 5.25's Jamba cache makes its per-layer token counter on the CPU and moves
+# it to the input's device inside the forward (``.to``). On the CPU that is the same tensor,
+# written in place (``add_``), so no block can run again as it first ran; on meta (and CUDA)
+# the forward writes a new tensor and the old one is left as it was.
+META_MODEL_DIFFERS = {"jamba": {"not_replayable"}}
 
 
 @pytest.mark.parametrize("name", [n for n in MODELS if n != "resnet18"])
@@ -230,8 +240,10 @@ def test_meta_and_cpu_profiles_agree_on_every_byte(name):
         # scalar, 8 bytes of workspace on meta only.
         slack = META_WORKSPACE_SLACK.get(name, {}).get(a.name, 0)
         assert a.workspace_bytes - b.workspace_bytes == slack, (a.name, "workspace_bytes")
-    for k in ("blocks", "params", "inputs", "identity", "chain_breaks", "inplace_input"):
-        assert got.model[k] == cpu.model[k], k
+    for k in ("blocks", "params", "inputs", "identity", "chain_breaks", "inplace_input",
+              "not_replayable"):
+        if k not in META_MODEL_DIFFERS.get(name, ()):
+            assert got.model[k] == cpu.model[k], k
 
 
 @pytest.mark.parametrize("name", [n for n in MODELS if n != "resnet18"])
@@ -279,6 +291,45 @@ def test_plan_profile_cli_on_every_hugging_face_model(name, tmp_path, capsys):
     count, first, last = EXPECTED[name]
     assert f"blocks: {count} in " in text and f"({first} .. {last})" in text
     assert text.strip().endswith(str(out))
+
+
+def test_blocks_that_write_their_cache_in_place_are_never_recomputed(tmp_path):
+    """``cached``: its mixers write the cache they are given in place (as transformers 5.25's
+    linear-attention cache is written), its MLP blocks never see it. The profile names the
+    mixers; no plan the planner makes recomputes them, a crafted one is refused in one line
+    when it is made and when a plan file that does is applied."""
+    import dataclasses
+
+    from planner.costmodel.baselines import baseline_layers
+    from planner.errors import UserError
+    from planner.formats import Activation, LayerDecision, Tier
+    from planner.plans import make_plan
+    from runtime import apply_plan
+    prof = profile("cached")
+    assert prof.model["not_replayable"] == ["layers.0", "layers.2"]
+    plans = make_plans(prof, tmp_path / "nvme")
+    acts = {p: {d.name: d.activation for d in plan.layers} for p, plan in plans.items()}
+    for p in plans:
+        assert acts[p]["layers.0"] is not Activation.RECOMPUTE, p
+        assert acts[p]["layers.2"] is not Activation.RECOMPUTE, p
+    assert acts["recompute-all"]["layers.1"] is Activation.RECOMPUTE
+    assert acts["recompute-all"]["layers.0"] is Activation.KEEP
+    hw = prof.hardware_spec
+    roomy = {"gpu_bytes": hw.memory_bytes, "cpu_bytes": 0, "nvme_bytes": 0}
+    crafted = [LayerDecision(d.name, Activation.RECOMPUTE, Tier.GPU) if d.name == "layers.2"
+               else d for d in baseline_layers("keep-all", prof.layers, hw)]
+    with pytest.raises(UserError) as e:
+        make_plan(prof, None, hw, roomy, "crafted", crafted)
+    assert "'layers.2'" in str(e.value) and "\n" not in str(e.value)
+    # the same decision in a plan file (edited by hand): refused before the model is touched
+    plan = plans["recompute-all"]
+    edited = dataclasses.replace(plan, layers=[
+        LayerDecision(d.name, Activation.RECOMPUTE, Tier.GPU) if d.name == "layers.0" else d
+        for d in plan.layers])
+    model, _ = factory("cached")(B, S)
+    with pytest.raises(UserError) as e:
+        apply_plan(model, edited)
+    assert "layers.0" in str(e.value) and "not_replayable" in str(e.value)
 
 
 def main():

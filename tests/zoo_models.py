@@ -181,6 +181,61 @@ def inplace(batch, seq):
                                      "target": torch.randn(batch, seq)})
 
 
+class StateCache:
+    """A per-forward state object as transformers 5.25's ``LinearAttentionLayer`` is: its
+    tensors allocated up front and written in place (``copy_``, ``add_``) by the layers that
+    use it, a counter shared by all of them."""
+
+    def __init__(self, batch, n, device, k=3):
+        self.seen = torch.zeros((), dtype=torch.long, device=device)
+        self.conv = [torch.zeros(batch, D, k, device=device) for _ in range(n)]
+
+
+class CacheMixer(nn.Module):
+    """A short causal convolution over time that starts from its cached state (zeros in a
+    first forward) and leaves its last inputs there, in place."""
+
+    def __init__(self, idx, k=3):
+        super().__init__()
+        self.idx, self.k = idx, k
+        self.norm = nn.LayerNorm(D)
+        self.conv = nn.Conv1d(D, D, k, groups=D)
+        self.proj = nn.Linear(D, D)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x, cache):
+        h = self.norm(x).transpose(1, 2)                        # b, D, s
+        full = torch.cat([cache.conv[self.idx], h], dim=-1)
+        y = self.conv(full)[..., -h.shape[-1]:].transpose(1, 2)
+        with torch.no_grad():
+            cache.conv[self.idx].copy_(full[..., -self.k:])
+            cache.seen.add_(h.shape[-1])
+        return x + self.drop(self.proj(F.silu(y)))
+
+
+class CachedLM(nn.Module):
+    """Mixers that write the cache in place, with plain MLP blocks (which never see the
+    cache) between them: only the mixers cannot be run again as they first ran."""
+
+    def __init__(self, n=4):
+        super().__init__()
+        self.tok = nn.Embedding(V, D)
+        self.layers = nn.ModuleList([CacheMixer(i) if i % 2 == 0 else Block() for i in range(n)])
+        self.lm_head = nn.Linear(D, V)
+
+    def forward(self, ids, labels=None):
+        x = self.tok(ids)
+        cache = StateCache(ids.shape[0], len(self.layers), ids.device)
+        for layer in self.layers:
+            x = layer(x, cache) if isinstance(layer, CacheMixer) else layer(x)
+        logits = self.lm_head(x)
+        return Out(loss=_lm_loss(logits, labels), logits=logits, cache=cache)
+
+
+def cached(batch, seq):
+    return _seeded(CachedLM, _ids(batch, seq))
+
+
 class TiedLM(nn.Module):
     """Token embedding tied to the output projection, learned positions, 3 blocks."""
 

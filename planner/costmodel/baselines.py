@@ -26,10 +26,12 @@ def offload_tier(hw: HardwareSpec) -> Activation:
 
 
 def baseline_layers(policy, units: list[UnitRecord], hw: HardwareSpec,
-                    chain_breaks=None) -> list[LayerDecision]:
+                    chain_breaks=None, kept=None) -> list[LayerDecision]:
     """Decisions of the baseline ``policy`` (keep-all, recompute-all, sqrt, offload-all).
     ``chain_breaks`` (the profile's ``model.chain_breaks``): blocks whose input is not the
-    previous block's output, where sqrt starts a segment (no checkpoint 'none' there)."""
+    previous block's output, where sqrt starts a segment (no checkpoint 'none' there).
+    ``kept`` (the profile's ``model.not_replayable``): blocks that cannot be recomputed, which
+    recompute-all and sqrt keep; sqrt starts a segment after each."""
     try:
         policy = Policy(policy)
     except ValueError:
@@ -41,11 +43,14 @@ def baseline_layers(policy, units: list[UnitRecord], hw: HardwareSpec,
     blocks = [i for i, u in enumerate(units) if u.kind == UnitKind.BLOCK.value]
     stride = sqrt_stride(len(blocks))
     position = {i: b for b, i in enumerate(blocks)}   # not blocks.index: O(U^2) at 10,000 units
-    breaks = set(chain_breaks or ())
+    breaks, kept = set(chain_breaks or ()), set(kept or ())
     start = 0                                         # where the current run of segments began
     out = []
     for i, u in enumerate(units):
-        if u.kind != UnitKind.BLOCK.value or policy is Policy.KEEP_ALL:
+        if u.kind != UnitKind.BLOCK.value or policy is Policy.KEEP_ALL or \
+                (u.name in kept and policy is not Policy.OFFLOAD_ALL):
+            if u.name in kept and policy is Policy.SQRT:
+                start = position[i] + 1
             out.append(LayerDecision(u.name, Activation.KEEP))
         elif policy is Policy.RECOMPUTE_ALL:
             out.append(LayerDecision(u.name, Activation.RECOMPUTE, Tier.GPU))

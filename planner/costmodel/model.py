@@ -82,6 +82,7 @@ class CostModel(OptionRules, MemoryRules, TimeRules, OverlapRules, RankRules, Ob
     engine: str = "none"              # none, fsdp2 or ddp
     shard_homes: str = "all"          # fsdp2: "runnable" (what the runtime executes) or "all"
     chain_breaks: frozenset = frozenset()  # blocks whose input is not the previous block's output
+    not_replayable: frozenset = frozenset()  # blocks that cannot be recomputed (a cache written)
     margin_bytes: int = 0             # kept free below the device budget besides the reserve
     optimizer_overlap: str = "after-backward"  # or "overlapped" (``OverlapRules``)
     clip: str = "global"              # the loop clips by the global norm ("global") or not
@@ -93,10 +94,11 @@ class CostModel(OptionRules, MemoryRules, TimeRules, OverlapRules, RankRules, Ob
         hw, cpu_bytes, nvme_bytes = self.hw, self.cpu_bytes, self.nvme_bytes
         allow_streaming, optimizer_depth = self.allow_streaming, self.optimizer_depth
         put("units", list(self.units))
-        # blocks whose input is not the previous block's output (the profile's
-        # model.chain_breaks: another stack starts, a U-Net's skip is concatenated): no
-        # segment can continue into them, so they take no checkpoint 'none'
+        # the profile's model.chain_breaks (blocks whose input is not the previous block's
+        # output: no segment continues into them, no checkpoint 'none') and not_replayable
+        # (a cache tensor written in place: never recomputed, no segment through them)
         put("chain_breaks", frozenset(self.chain_breaks or ()))
+        put("not_replayable", frozenset(self.not_replayable or ()))
         put("U", len(self.units))
         put("L", Layout(self.U))
         put("K", max(1, int(self.micro_batches)))

@@ -100,10 +100,12 @@ class OptionRules:
         x = self.units[i]
         if x.kind != UnitKind.BLOCK.value:
             return ["keep"]
-        out = ["keep", "rg"]
+        replayable = x.name not in self.not_replayable
+        out = ["keep", "rg"] if replayable else ["keep"]
         # FSDP2: no segment recompute (``_ranks``); every unit is recomputed in its own backward
-        if i > 0 and self.units[i - 1].kind == UnitKind.BLOCK.value and self.engine != "fsdp2" \
-                and x.name not in self.chain_breaks:
+        if replayable and i > 0 and self.units[i - 1].kind == UnitKind.BLOCK.value \
+                and self.engine != "fsdp2" and x.name not in self.chain_breaks \
+                and self.units[i - 1].name not in self.not_replayable:
             out.append("rz")
         if not self.allow_offload:
             return out
@@ -114,7 +116,7 @@ class OptionRules:
             if self.window("o" + c[0], i) and self.window("p" + c[0], i):
                 out.append(c)
             # an offloaded checkpoint leaves in stage fwd(i)+1 and is back by bwd(i)-1
-            if L.bwd(i) - 1 > L.fwd(i) + 1:
+            if replayable and L.bwd(i) - 1 > L.fwd(i) + 1:
                 out.append(rc)
         return out
 

@@ -45,6 +45,11 @@ def validate_layers(cm: CostModel, layers: list[LayerDecision]) -> None:
         if u.kind != UnitKind.BLOCK.value and d.activation is not Activation.KEEP:
             raise UserError(f"layer {d.name!r} ({u.kind}) must be 'keep' in this version, "
                             f"got {d.activation.value!r}")
+        if d.activation is Activation.RECOMPUTE and u.name in cm.not_replayable:
+            raise UserError(f"layer {d.name!r}: it cannot be recomputed: a tensor in its cache "
+                            "argument is written in place after it runs (model.not_replayable), "
+                            "so its forward cannot be run again as it first ran; keep or "
+                            "offload it (or profile the model with use_cache=False)")
         if d.activation is Activation.RECOMPUTE and _ckpt(d) is Tier.NONE:
             if u.name in cm.chain_breaks:
                 raise UserError(f"layer {d.name!r}: checkpoint 'none' but its input is not the "

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from planner.errors import UserError
 from planner.formats.decisions import LayerDecision
 from planner.formats.enums import (CLIPS, ENGINES, MICRO_BATCH_ORDERS, OPTIMIZER_OVERLAPS,
-                                   PLAN_SCHEMA, PLAN_SCHEMA_V1, PLAN_SCHEMA_V2, Tier)
+                                   PLAN_SCHEMA, Activation, PLAN_SCHEMA_V1, PLAN_SCHEMA_V2, Tier)
 from planner.formats.executor import Executor
 from planner.formats.events import Event, Op, Passes, Stream, TensorClass
 from planner.formats.fileio import read_json
@@ -309,9 +309,11 @@ def check_homes(plan: Plan, where: str = "the plan") -> None:
     gradients or optimizer state at home on NVMe (weights and gradients on the host) have their
     transfers; a unit whose parameters another unit uses (``tied_to``, or
     ``outside_params``) keeps its weights and gradients on the device. Transfers of a sharded
-    engine's collectives (the ``net`` stream) are the engine's and not counted. One
-    ``UserError`` line naming the unit, the class and the fix."""
+    engine's collectives (the ``net`` stream) are the engine's and not counted; no unit the
+    profile found unreplayable (``model.not_replayable``) is recomputed. One ``UserError``
+    line naming the unit, the class and the fix."""
     fix = FIX["plan"]
+    unreplayable = set(plan.model.get("not_replayable") or ())
     moved: dict = {}
     for s, evs in plan.schedule.items():
         if s == Stream.NET.value:
@@ -321,6 +323,10 @@ def check_homes(plan: Plan, where: str = "the plan") -> None:
                 for u in e.units:
                     moved.setdefault((u, e.cls), e.id)
     for u, d in zip(plan.units, plan.layers):
+        if u.name in unreplayable and d.activation is Activation.RECOMPUTE:
+            raise UserError(f"{where}: unit {u.name} is recomputed, but its forward cannot be "
+                            "run again as it first ran (a tensor in its cache argument is "
+                            f"written in place: model.not_replayable); {fix}")
         if (u.tied_to or u.outside_params) and (d.home.weights is not Tier.GPU
                                                 or d.home.grads is not Tier.GPU):
             raise UserError(f"{where}: unit {u.name}: home {d.home.label()!r} is not possible "

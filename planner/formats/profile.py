@@ -173,7 +173,8 @@ _MODEL_FIELDS = {"name": "name", "batch": "count", "seq": "count", "param_count"
                  "dtype": "str?", "structure_hash": "str?", "blocks_path": "str?",
                  "blocks": "strs?", "attention": "str?", "optimizer": "str?",
                  "bytes_per_param": "count", "unique_blocks": "count", "state_bytes": "bytes?",
-                 "chain_breaks": "strs?", "inplace_input": "strs?", "identity": "str?",
+                 "chain_breaks": "strs?", "inplace_input": "strs?", "not_replayable": "strs?",
+                 "identity": "str?",
                  "config": "dict?", "params": "dict?", "timing_quality": "dict?",
                  "compute_threads": "count?"}
 

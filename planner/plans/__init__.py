@@ -31,7 +31,8 @@ def cost_model(profile: Profile, hw: HardwareSpec, budgets, micro_batches: int =
                      optimizer_s=profile.optimizer_s,
                      optimizer_workspace_bytes=profile.optimizer_workspace_bytes,
                      cache_bytes=int(profile.model.get("state_bytes") or 0),
-                     chain_breaks=profile.model.get("chain_breaks") or (), **kw)
+                     chain_breaks=profile.model.get("chain_breaks") or (),
+                     not_replayable=profile.model.get("not_replayable") or (), **kw)
 
 
 def baseline_record(policy: str) -> SolverRecord:
@@ -110,7 +111,8 @@ def baseline_plan(profile: Profile, profile_path: str | None, hw: HardwareSpec, 
                   policy: str, nvme_dir: str | None = None, micro_batches: int = 1) -> Plan:
     """A baseline policy's plan (keep-all, recompute-all, sqrt, offload-all)."""
     from planner.costmodel.baselines import baseline_layers
-    layers = baseline_layers(policy, profile.layers, hw, profile.model.get("chain_breaks"))
+    layers = baseline_layers(policy, profile.layers, hw, profile.model.get("chain_breaks"),
+                             kept=profile.model.get("not_replayable"))
     return make_plan(profile, profile_path, hw, budgets, policy, layers, nvme_dir=nvme_dir,
                      micro_batches=micro_batches)
 

@@ -148,6 +148,7 @@ def cost_model_of(plan: Plan) -> CostModel:
                      optimizer_depth=plan.optimizer_depth,
                      cache_bytes=int(plan.model.get("state_bytes") or 0),
                      chain_breaks=plan.model.get("chain_breaks") or (),
+                     not_replayable=plan.model.get("not_replayable") or (),
                      world_size=plan.world_size, ranks_per_node=plan.ranks_per_node,
                      engine=plan.engine, optimizer_overlap=plan.optimizer_overlap,
                      clip=plan.clip, prefetch_bytes=plan.optimizer_prefetch_bytes,

@@ -209,6 +209,7 @@ def _model_section(step, owner: dict, n_params: int, bpp: int) -> dict:
         "params": param_table(step.model, owner),
         "inputs": input_table(step.model.forward, args, kwargs),
         "chain_breaks": step.chain_breaks, "inplace_input": step.inplace,
+        "not_replayable": step.not_replayable,
         "state_bytes": int(step.quality.get("state_bytes", 0)),
         "attention": "+".join(kernels) if kernels else "none (no scaled_dot_product_attention call)",
         "optimizer": s.optimizer, "bytes_per_param": int(bpp),

@@ -145,6 +145,12 @@ def _forward_backward(step: Step) -> None:
         loss = _loss_of(out, who)
         tracker.set(None)
     step.last_out = None
+    # A block whose state arguments (a cache: Jamba's per-layer counters and convolution
+    # states in transformers 5.25) hold a tensor written in place since it ran, by itself or
+    # a later block, cannot be run again as it first ran: the runtime refuses to recompute it
+    # (``runtime.calls.CallState.replay``, the same test), so the plan must keep or offload it.
+    step.not_replayable = [n for n, snap in step.state_snaps if snap.changed_in_place()]
+    step.state_snaps = []
     # A key/value cache the blocks filled (use_cache at its Hugging Face default) holds a copy
     # of every block's keys and values until the output is dropped: bytes no unit saves, which
     # the plan does not count.

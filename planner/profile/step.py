@@ -69,6 +69,10 @@ class Step:
     jobs: list = dataclasses.field(default_factory=list)    # representative blocks to time
     chain_breaks: list = dataclasses.field(default_factory=list)  # hidden state not the last's
     inplace: list = dataclasses.field(default_factory=list)  # write their hidden state in place
+    # (block, the state objects among its arguments as it found them): a tensor in them
+    # written in place before the backward makes the block's forward unreplayable
+    state_snaps: list = dataclasses.field(default_factory=list)
+    not_replayable: list = dataclasses.field(default_factory=list)
     runs: dict = dataclasses.field(default_factory=dict)    # block -> runs in the forward
     last_out: object = None    # the previous block's output hidden state, as the model got it
     last_call: object = None   # the last block's arguments (to weigh the cache they carry)
@@ -126,6 +130,7 @@ class Step:
         if not timing_pass:
             self.runs[bname] = self.runs.get(bname, 0) + 1
             self.last_call = (args, kwargs)
+            self.state_snaps.append((bname, StateSnapshot(args, kwargs, module=block)))
             if index and not same_tensor(main_in, self.last_out):
                 self.chain_breaks.append(bname)
         key = (_block_kind(block), _sig((args, kwargs)))

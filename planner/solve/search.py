@@ -192,7 +192,8 @@ def _overlapped(profile, profile_path, cfg: SolveConfig, main: CostModel,
 def _baseline_policy(profile, profile_path, cfg: SolveConfig, cm: CostModel) -> SolveOutcome:
     """``--policy`` a baseline: its plan on ``cm``, or NoFitError naming the budget it exceeds."""
     policy = cfg.policy
-    layers = baseline_layers(policy, profile.layers, cm.hw, profile.model.get("chain_breaks"))
+    layers = baseline_layers(policy, profile.layers, cm.hw, profile.model.get("chain_breaks"),
+                             profile.model.get("not_replayable"))
     plan, r = plan_and_sim(profile, profile_path, cm.hw, cfg.budgets, policy, layers,
                            nvme_dir=cfg.nvme_dir, cm=cm)
     if not r.fits:

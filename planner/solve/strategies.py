@@ -109,6 +109,7 @@ def baselines(profile, path, budgets, cm: CostModel, nvme_dir, clock=None,
     out = []
     est = [BASELINE_S_PER_UNIT * cm.U]
     breaks = profile.model.get("chain_breaks")
+    kept = profile.model.get("not_replayable")
 
     def room(name) -> bool:
         left = clock.left() if clock is not None else None
@@ -131,7 +132,7 @@ def baselines(profile, path, budgets, cm: CostModel, nvme_dir, clock=None,
         if not room(pol.value):
             continue
         try:
-            layers = baseline_layers(pol, profile.layers, hw, breaks)
+            layers = baseline_layers(pol, profile.layers, hw, breaks, kept)
             plan, r = timed(lambda: plan_and_sim(profile, path, hw, budgets, pol, layers,
                                                  nvme_dir=nvme_dir, cm=cm))
         except UserError:
@@ -139,7 +140,7 @@ def baselines(profile, path, budgets, cm: CostModel, nvme_dir, clock=None,
         out.append(Candidate(plan, r, f"baseline:{pol.value}"))
     streamed, recomputed = [], None
     for pol in (Policy.RECOMPUTE_ALL, Policy.KEEP_ALL):
-        layers = stream_all_layers(cm, baseline_layers(pol, profile.layers, hw, breaks))
+        layers = stream_all_layers(cm, baseline_layers(pol, profile.layers, hw, breaks, kept))
         if layers is None:
             break
         if pol is Policy.RECOMPUTE_ALL:
