@@ -83,6 +83,7 @@ class _HeldLP:
         for v, c in prob.objective.items():
             cost[self.col[v.name]] += c
         self.constant = float(prob.objective.constant or 0.0)
+        self.cost = cost
         h = _quiet_highs()
         h.setOptionValue("output_flag", False)
         h.setOptionValue("threads", 1)
@@ -134,6 +135,11 @@ class _HeldLP:
         if ok and not fixed and self.root_basis is None and h.getNumRow() == self.rows:
             self.root_basis = h.getBasis()
         return self.model.objective_value(obj), values
+
+    def value_of(self, col_value) -> float:
+        """The objective, in its own unit, of the point ``col_value`` (one value per column)."""
+        return self.model.objective_value(float(self.np.dot(self.cost, col_value))
+                                          + self.constant)
 
     def _release(self, names) -> None:
         """Give the binaries ``names`` their own bounds again (no longer fixed)."""

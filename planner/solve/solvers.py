@@ -47,6 +47,14 @@ __all__ = ["SOLVERS", "Infeasible", "NoIncumbent", "NothingBetter", "Outcome", "
 PASS_ROWS_PER_S = 4000
 
 
+def _proven(obj: float, bound: float | None, gap: float) -> bool:
+    """Whether a plan of objective ``obj`` is proven within ``gap`` of the relaxation's
+    ``bound``. One below the bound proves nothing: its objective was misread (a solver's
+    report of a point, not the point's own value), and the search goes on."""
+    return bound is not None and obj >= bound - 1e-4 * max(abs(bound), 1e-9) and \
+        rel_gap(obj, bound) <= gap
+
+
 def solve(model: Model, solver: str = "highs", time_limit: float | None = 60.0,
           gap: float = 0.005, warm=None, progress: bool = False,
           incumbent: float | None = None) -> Outcome:
@@ -80,7 +88,7 @@ def solve(model: Model, solver: str = "highs", time_limit: float | None = 60.0,
     big = len(model.prob.variables()) >= IPM_MIN_COLUMNS
     bound, start, obj = _dive(model, solver, left(0.8 if big else 0.3), gap, incumbent,
                               polish_limit=left(0.5))
-    if start is not None and bound is not None and rel_gap(obj, bound) <= gap:
+    if start is not None and _proven(obj, bound, gap):
         for v in model.prob.variables():
             v.varValue = start.get(v.name, v.varValue)
         status, g = "optimal", rel_gap(obj, bound)
