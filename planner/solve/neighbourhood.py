@@ -131,10 +131,11 @@ class _SubMIP:
         if info.primal_solution_status != 2:
             return None
         # the objective of the point returned, not the one HiGHS reports for it: with the
-        # start set and the search ended at the root, HiGHS 1.x reported 0.0015 GB for a
-        # point worth 0.0104 GB (HiGHS 1.16), below the relaxation's own bound (0.0084),
-        # and the plan passed as proven (gpt-tiny on 2 FSDP2 ranks with NVMe homes: a plan fits 9 MiB, but
-        # exit 3 at 8 MiB named 10.79 MiB)
+        # start set and the search ended at the root, HiGHS 1.16 reported 0.0015 GB for a
+        # point worth 0.0104 GB, below the relaxation's own bound (0.0084), and the plan
+        # passed as proven (gpt-tiny on 2 FSDP2 ranks with NVMe homes: a plan fits 9 MiB,
+        # yet exit 3 at 8 MiB named 10.79 MiB). ``_reached`` still stops on HiGHS's figure:
+        # at worst a search ends early, with the point's own value returned here
         x = h.getSolution().col_value
         return held.value_of(x), dict(zip(held.names, x))
 
