@@ -129,7 +129,10 @@ def test_a_busy_core_makes_the_profile_say_its_timings_are_unreliable(capsys, tm
     """gpt-tiny at batch 8, sequence 128, profiled while other processes keep every core busy:
     the profile is marked unreliable and the CLI says why on stderr (exit 0). One busy loop per
     core, each running before the profile starts: a single loop that was still starting, or that
-    the scheduler starved beside our threads, once left too little load to see (CI, stop 22)."""
+    the scheduler starved beside our threads, once left too little load to see (CI, stop 22).
+    The profile times at every core (``--compute-threads all``): at its default, every core but
+    one, the idle core lets a loop run unseen and the warning needs 1.25 CPUs of load, which
+    two loops beside one thread (4/3 CPUs) missed once (CI, stop 38)."""
     threads = torch.get_num_threads()
     cpus = len(P.usable_cpus())
     torch.set_num_threads(cpus)                # no idle core for the busy loops to use
@@ -139,7 +142,8 @@ def test_a_busy_core_makes_the_profile_say_its_timings_are_unreliable(capsys, tm
         assert all(h.stdout.readline() == "up\n" for h in hogs)
         out = tmp_path / "p.json"
         assert main(["profile", "gpt-tiny", "--batch", "8", "--seq", "128", "--dtype", "fp32",
-                     "--device", "cpu", "--repeats", "2", "-o", str(out)]) == 0
+                     "--device", "cpu", "--repeats", "2", "--compute-threads", "all",
+                     "-o", str(out)]) == 0
     finally:
         for h in hogs:
             h.kill()
