@@ -471,6 +471,46 @@ def test_unit_by_unit_fixing_gives_a_complete_plan_that_fits(tmp_path):
     assert sim.fits and sim.step_s == pytest.approx(obj, rel=1e-4) and sim.step_s <= obj
 
 
+def test_a_dive_out_of_time_part_way_still_completes_its_plan(tmp_path):
+    """The dive's time running out after its first batch (the largest models: the first LP
+    takes most of the dive's share) rounds the rest of the chain as one batch instead of
+    giving up: every choice binary fixed, a plan that fits; out of time before the first
+    batch, it still answers ``_TIME_UP`` without an LP."""
+    pytest.importorskip("highspy")
+    from planner.solve import dive, relaxation, rounding
+    rng = random.Random(7)
+    hw = load_hardware("a100-80g")
+    prof = random_profile(7, hw, n_blocks=8)
+    b = _budgets(prof, hw, rng)
+    m = Model(cost_model(prof, hw, b))
+    held = relaxation._HeldLP(m)
+    _, lp = held.solve(60, {})
+    solves = []
+
+    def relax(f):
+        solves.append(len(f))
+        return held.solve(60, f)
+
+    def over_after(n):            # out of time once n relaxations have run
+        return lambda: len(solves) >= n
+    got = dive._round_chain(m, rounding._Rounder(m, 0.5), 2, lp, held, relax, over_after(1),
+                            late=lambda: False)
+    assert got is not dive._TIME_UP and got is not None
+    fixed, values, obj = got
+    names = {v.name for gs in rounding._groups(m) for _, items in gs for _, v in items}
+    assert set(fixed) == names
+    assert solves[0] < solves[1] == len(fixed)   # one batch, then all the rest at once
+    for v in m.prob.variables():
+        v.varValue = values[v.name]
+    sol = m.solution()
+    _, sim = plan_and_sim(prof, None, hw, b, "optimal", sol.layers, shares=sol.shares)
+    assert sim.fits and sim.step_s == pytest.approx(obj, rel=1e-4)
+    solves.clear()
+    assert dive._round_chain(m, rounding._Rounder(m, 0.5), 2, lp, held, relax,
+                             lambda: True, late=lambda: False) is dive._TIME_UP
+    assert solves == []
+
+
 def test_the_relaxation_charges_a_whole_segment_rebuild():
     """Segments are intervals (``c_segments``): the LP relaxation is a mix of whole
     segmentations, so it cannot take rz a little on every unit and rebuild almost nothing.

@@ -24,6 +24,9 @@ from planner.solve.runner import _big_mip
 DIVE_SOLVES = 64
 # what ``_round_chain`` answers when the dive's time ran out
 _TIME_UP = object()
+# how far past its limit a dive that ran out part-way may go to complete its plan (the rest
+# of the chain as one batch, unit by unit where that does not fit)
+LATE_GRACE = 1.15
 
 
 def _dive(model: Model, solver: str, time_limit, gap: float, incumbent: float | None = None,
@@ -40,8 +43,8 @@ def _dive(model: Model, solver: str, time_limit, gap: float, incumbent: float | 
     objective)."""
     t0 = time.perf_counter()
 
-    def over():
-        return time_limit is not None and time.perf_counter() - t0 > time_limit
+    def over(grace=1.0):
+        return time_limit is not None and time.perf_counter() - t0 > time_limit * grace
 
     held = _HeldLP(model) if solver == "highs" and highs_available() else None
 
@@ -64,7 +67,9 @@ def _dive(model: Model, solver: str, time_limit, gap: float, incumbent: float | 
     batch = _batch_size(model.cm.U, time_limit, first_s)
     for offset in (0.5, 0.0, 0.25, 0.75):
         rounded = _round_chain(model, _Rounder(model, offset), batch, lp, held,
-                               lambda f: relaxation(time_limit, f), over)
+                               lambda f: relaxation(
+                                   time_limit * (LATE_GRACE if over() else 1.0), f), over,
+                               late=lambda: over(LATE_GRACE))
         if rounded is _TIME_UP:
             return bound, None, None
         if rounded is None:
@@ -91,18 +96,27 @@ def _batch_size(U: int, time_limit, first_s: float) -> int:
     return max(1, min(max(4, U // 6), math.ceil(U / max(1.0, affordable))))
 
 
-def _round_chain(model: Model, r: _Rounder, batch: int, lp: dict, held, relax, over):
+def _round_chain(model: Model, r: _Rounder, batch: int, lp: dict, held, relax, over,
+                 late=None):
     """The chain rounded by ``r`` from the relaxation ``lp`` and fixed ``batch`` units at a
     time, the relaxation re-solved (``relax(fixed)``) after each batch: (fixed, values,
     objective) of the last re-solve; None where a batch fits in no way; ``_TIME_UP`` when
-    ``over()``."""
+    ``over()`` before the first batch, or when the rest of the chain, rounded as one batch
+    once ``over()``, is not complete before ``late()``."""
     U = model.cm.U
     fixed, cur = {}, lp
     obj = None
-    for start in range(0, U, batch):
+    start = 0
+    while start < U:
+        end = min(U, start + batch)
         if over():
-            return _TIME_UP
-        units = range(start, min(U, start + batch))
+            if start == 0 or held is None:
+                return _TIME_UP
+            # out of time part-way: the rest in one batch, one re-solve, so that the search
+            # still gets a complete plan (on the largest models the first LP takes most of
+            # the dive's time and HiGHS's own search finds none after it)
+            end = U
+        units = range(start, end)
         state = r.save()
         trial = dict(fixed, **r.round(units, cur))
         obj, values = relax(trial)
@@ -111,10 +125,12 @@ def _round_chain(model: Model, r: _Rounder, batch: int, lp: dict, held, relax, o
             # rounded taking the first of its other choices that does (cheap with the held
             # LP's warm re-solves, and what lets the largest joint models round at all)
             r.restore(state)
-            trial, obj, values = _unit_by_unit(r, units, fixed, cur, relax, over)
+            trial, obj, values = _unit_by_unit(r, units, fixed, cur, relax,
+                                               late if over() and late else over)
         if obj is None:
-            return None
+            return _TIME_UP if over() else None
         fixed, cur = trial, values
+        start = end
     return fixed, cur, obj
 
 

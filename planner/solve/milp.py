@@ -13,7 +13,6 @@ in seconds (``objective_value``, ``solution``).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import pulp
@@ -21,7 +20,7 @@ import pulp
 from planner.costmodel import (CHOICE_DECISION, EPS_S_PER_BYTE, REC, TIERS, CostModel, View,
                                decision_choice)
 from planner.formats import LayerDecision
-from planner.solve.lin import GB, lin
+from planner.solve.lin import GB, lin, time_unit
 from planner.solve.opt_floor import home_groups, opt_floor_int
 from planner.solve.overlap_rows import overlap_rows
 
@@ -338,6 +337,7 @@ class Model:
         stage as a running sum, so each row has O(w) terms):
 
         carried_t_s:  C_{t,s} = C_{t,s-1} - free_t(s-1) + alloc_t(s),   C_{t,-1} = 0
+        base_t:       base_t = what every home holds on t all step (one variable per tier)
         mem_t_s:      base_t + shared_t(s) + C_{t,s} + ws_s [gpu] + pi [cpu; gpu on unified] <= B_t
         opt_held_t_j: tmax_t >= what unit j's step holds on tier t (read to write)
         mem_t_opt:    base'_t + depth tmax_t + wsopt_t + pi [host] <= B_t
@@ -367,6 +367,7 @@ class Model:
             for j, terms in enumerate(per_unit):
                 self._c(self.wsopt[t] - lin(terms, 1 / GB) >= 0, f"opt_ws_{t}_{j}")
         for t in self._tiers():
+            held = self._held_all_step(t, base[t])
             prev_free = None
             for s in L.pass_stages:
                 a = cm.alloc(s, v, self.rest)[t]
@@ -375,8 +376,9 @@ class Model:
                     terms += [(self.C[t, s - 1], 1.0)] + [(x, -c / GB) for x, c in prev_free]
                 self._c(lin(terms) == 0, f"carried_{t}_{s}")
                 prev_free = cm.free(s, v, self.rest)[t]
-                row = lin(base[t], 1 / GB, constant=cm.shared[s] / GB if t == "gpu" else 0.0)
-                row += self.C[t, s]
+                row = held + self.C[t, s]
+                if t == "gpu":
+                    row += cm.shared[s] / GB
                 if t == "gpu":
                     cands = [c for c in cm.transient(s, v) if c]
                     if len(cands) == 1:
@@ -398,6 +400,19 @@ class Model:
             if self.Vpre is not None and t == cm.prefetch_tier():
                 row += self.Vpre
             self._c(row - self.budget(t) <= 0, f"mem_{t}_opt")
+
+    def _held_all_step(self, t: str, terms) -> pulp.LpAffineExpression:
+        """What every home holds on tier t all step, in GB, as each stage's memory row takes
+        it: one variable ``base_t`` (its row ``base_t``) where homes are chosen, so that the
+        2U rows hold one term each instead of every unit's home choices; those O(U^2)
+        nonzeros made the relaxation's interior-point iterations dense (gpt3-175b, 98
+        units: 53 iterations in 10.4 s)."""
+        expr = lin(terms, 1 / GB)
+        if len(expr) < 2:
+            return expr
+        b = self._var(f"base_{t}")
+        self._c(b - expr == 0, f"base_{t}")
+        return pulp.LpAffineExpression([(b, 1.0)])
 
     def _overlap_held(self, t: str, tmax: dict):
         """GB the optimizer work beside a backward stage holds on tier t: ``opt_depth``
@@ -449,18 +464,15 @@ class Model:
         time_total:   Σ_s T_s >= Σ_i (f_i + b_i) + Σ_i f_i rec_i   (each recomputed unit runs
                       its forward once more: without it the relaxation spreads ``none`` so
                       thinly that no segment seems to end and recompute looks free)
-        link_total_r: Σ_s T_s >= Σ_s load_r(s)   for each link r (d2h, h2d, duplex, nvme)
+        (The per-link totals, Σ_s T_s >= Σ_s load_r(s), were once here too: they are the
+        sums of the time rows, so they tightened nothing, and their U x homes terms each made
+        the relaxation's interior-point iterations slower.)
         """
-        cm, L, v = self.cm, self.cm.L, self.v
-        terms = [(self.T[s], 1.0) for s in L.pass_stages]
+        cm = self.cm
+        terms = [(self.T[s], 1.0) for s in cm.L.pass_stages]
         for i in range(cm.U):
             terms += [(x, -cm.f[i] / self.ts) for x, _ in self.rec(i)]
         self._c(lin(terms) >= (sum(cm.f) + sum(cm.b)) / self.ts, "time_total")
-        for r in ("d2h", "h2d", "duplex", "nvme", "host"):
-            load = [t for s in L.pass_stages for t in cm.loads(s, v, False)[r]]
-            if load:
-                total = lin([(self.T[s], 1.0) for s in L.pass_stages])
-                self._c(total - lin(load, 1 / self.ts) >= 0, f"link_total_{r}")
 
     def c_peak_knapsack(self):
         """Valid inequality over binaries alone (implied by mem_gpu at the first backward
@@ -579,21 +591,3 @@ class Model:
         """The step of the solution held in the variables, in seconds."""
         return float(pulp.value(self.step_expr())) * self.ts
 
-
-# below this compute floor (seconds) the model counts time in a smaller unit
-SECONDS_FROM_S = 0.1
-
-
-def time_unit(cm: CostModel) -> float:
-    """Seconds per unit of the model's time variables. The solvers' tolerances are absolute
-    (1e-7 on a row): with times in seconds, a step of a few hundred microseconds lets each
-    stage's row slip by a fraction of a percent of its length, and the objective comes out
-    below the simulated step by as much. So a model whose compute floor is under
-    ``SECONDS_FROM_S`` counts time in that floor rounded to a power of two (an exact scaling;
-    a step is then 0.7-1.4 units). From 0.1 s up a row's slip is at most 1e-6 of the step and
-    seconds are kept: the searches are sensitive to the scale (a step of 0.64 s counted in
-    units of 0.5 s took three times as long to reach the same plan)."""
-    c = cm.compute_only()
-    if not (0 < c < SECONDS_FROM_S):
-        return 1.0
-    return 2.0 ** round(math.log2(c))
