@@ -189,6 +189,8 @@ class MemoryRules:
         if 1 <= s <= U:                      # F:i
             i = s - 1
             g.append((1, float(self.A[i])))
+            g += self._one_at_a_time(i, [(v.x(i, ch), -1.0) for ch in REC
+                                         if ch in self.choices[i]])
         if 2 <= s <= U + 1:                  # the checkpoint of unit s-2, kept after its forward
             i = s - 2
             for ch in ("rg", "rc", "rn"):
@@ -200,7 +202,7 @@ class MemoryRules:
         if U + 1 <= s <= 2 * U:              # B:i: its recompute materialises the segment
             i = 2 * U - s
             if any(ch in self.choices[i] for ch in REC):
-                g.append((v.e(i), float(self.A[i])))
+                g.append((v.e(i), float(self.A1[i])))
             for k in v.recomputed_at(i):
                 g.append((v.q(k, i), float(self.A[k])))
             if self.G[i]:
@@ -225,6 +227,13 @@ class MemoryRules:
             g.append((v.y(ch, k, e), float(self.X[k])))
         return out
 
+    def _one_at_a_time(self, i: int, terms) -> list:
+        """``terms`` scaled by what unit i's saved bytes of one micro-batch are short of its
+        stage's (layer-major: A_i - A1_i; batch-major: nothing): where it holds only one
+        micro-batch's at a time, that much less is allocated, and freed."""
+        d = float(self.A[i] - self.A1[i])
+        return [(x, c * d) for x, c in terms] if d else []
+
     def _readback(self, v: View, i: int, nb: float) -> list:
         """Lin of what reading unit i's gradient accumulator back holds during a stage its
         share moves in: one part (ACC_CHUNK_BYTES) under a home whose gradients are on NVMe.
@@ -242,7 +251,7 @@ class MemoryRules:
             i = s - 1
             for ch in REC:
                 if ch in self.choices[i]:
-                    g.append((v.x(i, ch), float(self.A[i])))
+                    g.append((v.x(i, ch), float(self.A1[i])))
         if 2 <= s <= U + 1:                  # an offloaded checkpoint has left the device
             i = s - 2
             for ch in ("rc", "rn"):
@@ -251,6 +260,8 @@ class MemoryRules:
         if U + 1 <= s <= 2 * U:              # end of B:i: everything of unit i goes
             i = 2 * U - s
             g.append((1, float(self.A[i])))
+            if any(ch in self.choices[i] for ch in REC):
+                g += self._one_at_a_time(i, [(v.e(i), -1.0)])
             for ch in ("rg", "rc", "rn"):
                 if ch in self.choices[i]:
                     g.append((v.x(i, ch), float(self.X[i])))

@@ -117,9 +117,9 @@ class CostModel(OptionRules, MemoryRules, TimeRules, OverlapRules, RankRules, Ob
         put("budget", {"gpu": device_budget(self.gpu_bytes, hw, self.margin_bytes),
                        "cpu": cpu_cap, "nvme": nvme_bytes})
         u = self.units
-        # a layer-major stage holds every micro-batch's saved bytes and checkpoint, computes
-        # K times as long, and needs one micro-batch's workspace at a time
+        # layer-major: a stage holds K micro-batches' saved bytes (A1: one's) and checkpoints
         put("A", [per * x.activation_bytes for x in u])
+        put("A1", [x.activation_bytes for x in u])
         put("X", [per * x.input_bytes for x in u])
         put("W", [x.workspace_bytes for x in u])
         put("P", [x.param_bytes for x in u])
