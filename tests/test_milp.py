@@ -444,31 +444,46 @@ def test_the_held_lp_answers_what_a_fresh_lp_answers(seed):
     assert relaxation._HeldLP(tiny).solve(60, {}) == (None, None)
 
 
-def test_unit_by_unit_fixing_gives_a_complete_plan_that_fits(tmp_path):
-    """The dive's fallback for a batch that does not fit as rounded: every unit is fixed (each
-    as rounded, or the first of its other choices that fits), and the plan those choices make
-    is the LP it reports, and fits in the simulator."""
+def _held_chain(n_blocks: int):
+    """A random a100-80g chain between recompute-all's and keep-all's budgets, its relaxation
+    held: (profile, spec, budgets, model, held instance, relaxed values)."""
     pytest.importorskip("highspy")
-    from planner.solve import relaxation, rounding
+    from planner.solve import relaxation
     rng = random.Random(7)
     hw = load_hardware("a100-80g")
-    prof = random_profile(7, hw, n_blocks=6)
+    prof = random_profile(7, hw, n_blocks=n_blocks)
     b = _budgets(prof, hw, rng)
     m = Model(cost_model(prof, hw, b))
     held = relaxation._HeldLP(m)
     _, lp = held.solve(60, {})
-    r = rounding._Rounder(m, 0.5)
-    fixed, obj, values = rounding._unit_by_unit(r, range(m.cm.U), {}, lp,
-                                               lambda f: held.solve(60, f), lambda: False)
-    assert obj is not None
+    return prof, hw, b, m, held, lp
+
+
+def _assert_a_complete_plan_that_fits(prof, hw, b, m, fixed, values, obj):
+    """Every choice binary of ``m`` is in ``fixed``, and the plan ``values`` make fits in the
+    simulator, its step the LP's ``obj`` (which also holds the objective's small tie-break on
+    held bytes)."""
+    from planner.solve import rounding
     names = {v.name for gs in rounding._groups(m) for _, items in gs for _, v in items}
-    assert set(fixed) == names                      # every choice binary is fixed
+    assert set(fixed) == names
     for v in m.prob.variables():
         v.varValue = values[v.name]
     sol = m.solution()
     _, sim = plan_and_sim(prof, None, hw, b, "optimal", sol.layers, shares=sol.shares)
-    # the LP's objective also holds the objective's small tie-break on held bytes
     assert sim.fits and sim.step_s == pytest.approx(obj, rel=1e-4) and sim.step_s <= obj
+
+
+def test_unit_by_unit_fixing_gives_a_complete_plan_that_fits(tmp_path):
+    """The dive's fallback for a batch that does not fit as rounded: every unit is fixed (each
+    as rounded, or the first of its other choices that fits), and the plan those choices make
+    is the LP it reports, and fits in the simulator."""
+    from planner.solve import rounding
+    prof, hw, b, m, held, lp = _held_chain(6)
+    r = rounding._Rounder(m, 0.5)
+    fixed, obj, values = rounding._unit_by_unit(r, range(m.cm.U), {}, lp,
+                                               lambda f: held.solve(60, f), lambda: False)
+    assert obj is not None
+    _assert_a_complete_plan_that_fits(prof, hw, b, m, fixed, values, obj)
 
 
 def test_a_dive_out_of_time_part_way_still_completes_its_plan(tmp_path):
@@ -476,15 +491,8 @@ def test_a_dive_out_of_time_part_way_still_completes_its_plan(tmp_path):
     takes most of the dive's share) rounds the rest of the chain as one batch instead of
     giving up: every choice binary fixed, a plan that fits; out of time before the first
     batch, it still answers ``_TIME_UP`` without an LP."""
-    pytest.importorskip("highspy")
-    from planner.solve import dive, relaxation, rounding
-    rng = random.Random(7)
-    hw = load_hardware("a100-80g")
-    prof = random_profile(7, hw, n_blocks=8)
-    b = _budgets(prof, hw, rng)
-    m = Model(cost_model(prof, hw, b))
-    held = relaxation._HeldLP(m)
-    _, lp = held.solve(60, {})
+    from planner.solve import dive, rounding
+    prof, hw, b, m, held, lp = _held_chain(8)
     solves = []
 
     def relax(f):
@@ -497,14 +505,8 @@ def test_a_dive_out_of_time_part_way_still_completes_its_plan(tmp_path):
                             late=lambda: False)
     assert got is not dive._TIME_UP and got is not None
     fixed, values, obj = got
-    names = {v.name for gs in rounding._groups(m) for _, items in gs for _, v in items}
-    assert set(fixed) == names
     assert solves[0] < solves[1] == len(fixed)   # one batch, then all the rest at once
-    for v in m.prob.variables():
-        v.varValue = values[v.name]
-    sol = m.solution()
-    _, sim = plan_and_sim(prof, None, hw, b, "optimal", sol.layers, shares=sol.shares)
-    assert sim.fits and sim.step_s == pytest.approx(obj, rel=1e-4)
+    _assert_a_complete_plan_that_fits(prof, hw, b, m, fixed, values, obj)
     solves.clear()
     assert dive._round_chain(m, rounding._Rounder(m, 0.5), 2, lp, held, relax,
                              lambda: True, late=lambda: False) is dive._TIME_UP
