@@ -138,13 +138,13 @@ def step_bound(layers, hw, gpu: int, cpu: int, nvme: int, K: int, order: str) ->
 
 
 def _solver():
-    """HiGHS through highspy where installed (quiet: PuLP's ``msg=False`` still lets its
-    banner through), else PuLP's CBC."""
-    try:
-        import highspy  # noqa: F401
-        return pulp.HiGHS(msg=False, output_flag=False)
-    except ImportError:
+    """HiGHS through highspy where installed, else PuLP's CBC. HiGHS prints its banner on the
+    first instance a process makes, whatever PuLP's ``msg``: that one is made quietly here."""
+    from planner.solve.highs import available, quiet
+    if not available():
         return pulp.PULP_CBC_CMD(msg=False)
+    quiet()
+    return pulp.HiGHS(msg=False)
 
 
 def bound_of(layers, hw, gpu, cpu, nvme, K) -> dict:
