@@ -513,6 +513,28 @@ def test_a_dive_out_of_time_part_way_still_completes_its_plan(tmp_path):
     assert solves == []
 
 
+def test_a_model_whose_relaxation_is_infeasible_ends_at_the_dive(monkeypatch):
+    """Below recompute-all's peak and with no host, no plan fits, and HiGHS proves the LP
+    relaxation infeasible: ``solve`` says ``Infeasible`` from the dive, without the MILP
+    search that would take as long again to say so."""
+    pytest.importorskip("highspy")
+    from planner.solve import runner, solvers
+    hw = load_hardware("a100-80g")
+    prof = random_profile(7, hw, n_blocks=6)
+    big = Budgets(10**15, 10**15, 0)
+    rec = plan_and_sim(prof, None, hw, big, "recompute-all",
+                       baseline_layers("recompute-all", prof.layers, hw))[1]
+    m = Model(cost_model(prof, hw, Budgets(int(rec.peak_gpu_bytes * 0.9), 0, 0)))
+    assert not m.violated                   # no constant row says so before any LP
+
+    def no_search(*a, **k):
+        raise AssertionError("the MILP search ran")
+    monkeypatch.setattr(solvers, "_run", no_search)
+    monkeypatch.setattr(runner, "_run", no_search)
+    with pytest.raises(solvers.Infeasible):
+        solvers.solve(m, "highs", 30, 0.005)
+
+
 def test_the_relaxation_charges_a_whole_segment_rebuild():
     """Segments are intervals (``c_segments``): the LP relaxation is a mix of whole
     segmentations, so it cannot take rz a little on every unit and rebuild almost nothing.
