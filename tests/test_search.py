@@ -177,3 +177,42 @@ def test_time_is_shared_evenly_and_carried_over(monkeypatch):
     assert seen[1] == pytest.approx(11 / 2, abs=0.05)
     assert seen[2] == pytest.approx(12.0, abs=0.05)
     assert throughput.fastest(cells) is None
+
+
+def test_each_cell_is_seeded_with_the_fastest_plan_so_far(tmp_path, monkeypatch):
+    """Warm starts across candidates: a cell after the first gets the fastest plan found so far
+    as a seed, and ``solve`` plans its decisions anew on the cell's own profile (another
+    micro-batch size): a candidate that fits there, and the MILP's warm start when it is the
+    best. A seed whose units differ is left out."""
+    from planner.profile import profile_model
+    from planner.solve import search as solve_search, strategies
+    hw = load_hardware("a100-80g")
+    prof = {b: profile_model("gpt-tiny", b, 128, device="meta", hardware=hw) for b in (1, 2)}
+    budgets = Budgets(1 << 30, 0, 0)
+    seen = []
+    real = throughput.solve
+
+    def watching(profile, path, cfg, seeds=()):
+        seen.append([s.model["batch"] for s in seeds])
+        return real(profile, path, cfg, seeds)
+    monkeypatch.setattr(throughput, "solve", watching)
+    cells = throughput.search(lambda b: prof[b], hw, budgets, {"gap": 0.005},
+                              [(1, 2), (2, 1)], 256, time.perf_counter() + 30)
+    assert [c.fits for c in cells] == [True, True]
+    assert seen == [[], [1]]
+    # the seed as solve takes it: planned on the b=2 profile, its decisions those of b=1
+    first = cells[0].plan
+    cfg = SolveConfig.build(hw, budgets, "optimal", micro_batches=1, time_limit=10)
+    got = strategies._seed_candidates((first,), budgets, prof[2], None,
+                                      cfg.cost_model(prof[2]), None)
+    assert len(got) == 1 and got[0].origin == "seed" and got[0].sim.fits
+    assert got[0].plan.model["batch"] == 2 and got[0].plan.micro_batches == 1
+    assert [d.activation for d in got[0].plan.layers] == [d.activation for d in first.layers]
+    out = solve_search.solve(prof[2], None, cfg, (first,))
+    assert "seed" in out.tried and out.sim.step_s <= out.tried["seed"][0] * (1 + 1e-9)
+    # a seed of other units (its last one renamed) gives no candidate
+    import dataclasses
+    odd = dataclasses.replace(first, layers=first.layers[:-1] + [
+        dataclasses.replace(first.layers[-1], name="elsewhere")])
+    assert strategies._seed_candidates((odd,), budgets, prof[2], None,
+                                       cfg.cost_model(prof[2]), None) == []

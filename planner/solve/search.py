@@ -53,8 +53,10 @@ def solve_profile(profile: Profile, profile_path, hw, budgets: Budgets, policy: 
     """The plan ``plan solve`` writes: fits in the simulator, or ``NoFitError``. With
     ``world_size`` N > 1 (or ``engine`` fsdp2/ddp) the plan is one rank's, every rank replaying
     it (``rank_options``: defaults, checks). ``seeds``: plans of the same profile solved under
-    other budgets (``plan sweep``'s previous point), each a candidate here where it fits these
-    budgets, and so the MILP's warm start when it is the fastest."""
+    other budgets (``plan sweep``'s previous point), or of another profile of the same units
+    (``plan search``'s previous micro-batch size: their decisions planned anew here), each a
+    candidate where it fits these budgets, and so the MILP's warm start when it is the
+    fastest."""
     cfg = SolveConfig.build(hw, budgets, policy, solver=solver, time_limit=time_limit, gap=gap,
                             nvme_dir=nvme_dir, progress=progress, micro_batches=micro_batches,
                             stream=stream, world_size=world_size, ranks_per_node=ranks_per_node,
@@ -225,7 +227,8 @@ def _first_candidates(profile, profile_path, cfg: SolveConfig, models: _Models, 
         cands = [c for c in baselines(profile, profile_path, budgets, models.act, nvme_dir,
                                       clock, clock.skipped)
                  if c.origin != "baseline:offload-all"]
-    return cands + _seed_candidates(seeds, budgets)
+    return cands + _seed_candidates(seeds, budgets, profile, profile_path, models.main,
+                                    nvme_dir)
 
 
 def _search(profile, profile_path, cfg: SolveConfig, models: _Models, clock,

@@ -234,13 +234,26 @@ def milp(profile, path, cfg: SolveConfig, cm: CostModel, *, origin, clock, warm,
     return Candidate(plan, r, origin)
 
 
-def _seed_candidates(seeds, budgets: Budgets) -> list[Candidate]:
-    """Each seed plan under ``budgets``, replayed again by the simulator (its decisions and
-    schedule unchanged): a candidate where it fits."""
+def _seed_candidates(seeds, budgets: Budgets, profile=None, profile_path=None,
+                     cm: CostModel | None = None, nvme_dir=None) -> list[Candidate]:
+    """Each seed plan under ``budgets``: a candidate where it fits. A seed of this profile
+    (``plan sweep``'s previous point) is replayed again by the simulator, its decisions and
+    schedule unchanged; one of another profile of the same units (``plan search``'s fastest
+    micro-batch size so far) gives its decisions, planned anew on ``cm`` (its transfers
+    placed greedily), where they are valid here."""
     out = []
     for plan in seeds:
-        plan = dataclasses.replace(plan, budgets=budgets)
-        r = simulate(plan)
+        if profile is None or list(plan.units) == list(profile.layers):
+            plan = dataclasses.replace(plan, budgets=budgets)
+            r = simulate(plan)
+        elif [d.name for d in plan.layers] == [u.name for u in profile.layers]:
+            try:
+                plan, r = plan_and_sim(profile, profile_path, cm.hw, budgets, plan.policy,
+                                       plan.layers, nvme_dir=nvme_dir, cm=cm)
+            except UserError:
+                continue              # a decision not valid here (a home this spec lacks)
+        else:
+            continue
         if r.fits:
             out.append(Candidate(plan, r, "seed"))
     return out

@@ -147,10 +147,10 @@ def fill(cell: Cell, out, param_count: int, tokens: int) -> None:
     cell.status = "ok"
 
 
-def _solve_cell(profile, cfg: SolveConfig, cell: Cell, tokens: int) -> None:
+def _solve_cell(profile, cfg: SolveConfig, cell: Cell, tokens: int, seeds=()) -> None:
     t0 = time.perf_counter()
     try:
-        out = solve(profile, None, cfg)
+        out = solve(profile, None, cfg, seeds)
     except NoFitError as e:
         cell.status = str(e) if str(e).startswith("no plan fits") else f"no plan fits: {e}"
     else:
@@ -187,8 +187,12 @@ def search(profile_at, hw, budgets, solve_kw: dict, cands: list[tuple[int, int]]
             ahead = profile_s * (len(cands) - j - 1)
             share = (deadline - time.perf_counter() - reserve_s - ahead) / left
             cell = Cell(b, K, order)
+            # the fastest plan so far, its decisions planned anew on this profile: a
+            # candidate and the MILP's warm start where it beats this cell's baselines
+            best = fastest(cells)
             _solve_cell(profile, with_order(dataclasses.replace(
-                cfg, time_limit=max(MIN_CELL_S, share)), order), cell, tokens)
+                cfg, time_limit=max(MIN_CELL_S, share)), order), cell, tokens,
+                (best.plan,) if best is not None else ())
             left -= 1
             cells.append(cell)
             if progress:
