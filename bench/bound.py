@@ -18,7 +18,8 @@ AdamW-style update of every parameter once per step):
   held), each unit's weights are on the device, in host memory or on NVMe (fractions
   ``wg + wc + wn = 1``), and its saved activations are kept on the device, in host memory, on
   NVMe or to be recomputed. The device holds its share of weights, the optimizer state homed
-  there and the activations kept there, plus the largest unit's workspace, within
+  there and the activations kept there, plus the workspace of the unit running then (the
+  last), within
   ``--gpu-mem``; the host and NVMe hold theirs within their budgets. Fractions that differ
   between the K turnarounds average to one set that satisfies the same (linear) constraints,
   so one set per unit is no loss.
@@ -110,8 +111,8 @@ def step_bound(layers, hw, gpu: int, cpu: int, nvme: int, K: int, order: str) ->
         d2h.append(K * A * moved)
         nv_r.append(K * A * a[i, "n"])
         nv_w.append(K * A * a[i, "n"])
-    work = max(u.workspace_bytes for u in layers)
-    lp += pulp.lpSum(mem["gpu"]) + work <= gpu
+    # the unit running at the turnaround is the last (the head): its workspace only
+    lp += pulp.lpSum(mem["gpu"]) + layers[-1].workspace_bytes <= gpu
     lp += pulp.lpSum(mem["cpu"]) <= cpu
     lp += pulp.lpSum(mem["nvme"]) <= nvme
     busy = {"compute": pulp.lpSum(comp)}

@@ -11,7 +11,7 @@ import pytest
 from planner.formats import Budgets
 from planner.hardware import load_hardware
 from planner.solve import solve_profile
-from synthetic import random_profile
+from synthetic import random_profile, uniform_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,3 +46,26 @@ def test_no_plan_is_faster_than_the_independent_bound(seed, tmp_path):
     assert lower["step_s"] <= out.sim.step_s * (1 + 1e-6), (lower, out.plan.solver.origin)
     # and it is a bound of substance: at least the passes' compute
     assert lower["step_s"] >= K * sum(u.fwd_s + u.bwd_s for u in prof.layers) * (1 - 1e-6)
+
+
+def test_a_large_block_workspace_does_not_lift_the_bound_above_keep_all():
+    """The turnaround holds the head's workspace only: a block whose workspace is five times
+    its saved bytes leaves keep-all's step (which fits) at or above the bound."""
+    import dataclasses
+
+    from planner.costmodel.baselines import baseline_layers
+    from planner.plans import plan_and_sim
+    bound = _bound_module()
+    hw = load_hardware("a100-80g")
+    prof = uniform_profile(4, hw, saved_bytes=2_000_000_000)
+    layers = list(prof.layers)
+    layers[1] = dataclasses.replace(layers[1], workspace_bytes=10_000_000_000)
+    prof = dataclasses.replace(prof, layers=layers)
+    big = Budgets(10**15, 0, 0)
+    keep = baseline_layers("keep-all", prof.layers, hw)
+    peak = plan_and_sim(prof, None, hw, big, "keep-all", keep)[1].peak_gpu_bytes
+    gpu = peak + hw.reserved_bytes + (1 << 30)
+    _, sim = plan_and_sim(prof, None, hw, Budgets(gpu, 0, 0), "keep-all", keep)
+    assert sim.fits
+    lower = bound.bound_of(prof.layers, hw, gpu, 0, 0, 1)
+    assert lower["step_s"] <= sim.step_s * (1 + 1e-6)

@@ -513,6 +513,15 @@ def test_a_dive_out_of_time_part_way_still_completes_its_plan(tmp_path):
     assert solves == []
 
 
+def test_a_dive_without_a_time_limit_gives_a_plan():
+    """``solve_profile(time_limit=None)`` reaches the dive with no limit: its re-solves run
+    unbounded (no arithmetic on the missing limit) and it returns a plan."""
+    from planner.solve import dive
+    prof, hw, b, m, held, lp = _held_chain(6)
+    bound, values, obj = dive._dive(m, "highs", None, 0.005)
+    assert values is not None and obj >= bound * (1 - 1e-9)
+
+
 def test_a_model_whose_relaxation_is_infeasible_ends_at_the_dive(monkeypatch):
     """Below recompute-all's peak and with no host, no plan fits, and HiGHS proves the LP
     relaxation infeasible: ``solve`` says ``Infeasible`` from the dive, without the MILP

@@ -210,6 +210,13 @@ def test_each_cell_is_seeded_with_the_fastest_plan_so_far(tmp_path, monkeypatch)
     assert [d.activation for d in got[0].plan.layers] == [d.activation for d in first.layers]
     out = solve_search.solve(prof[2], None, cfg, (first,))
     assert "seed" in out.tried and out.sim.step_s <= out.tried["seed"][0] * (1 + 1e-9)
+    # a seed of this very profile but another order and K is planned anew, not replayed
+    cfg_lm = SolveConfig.build(hw, budgets, "optimal", micro_batches=2,
+                               micro_batch_order="layer-major", time_limit=10)
+    got = strategies._seed_candidates((first,), budgets, prof[1], None,
+                                      cfg_lm.cost_model(prof[1]), None)
+    assert len(got) == 1 and got[0].sim.fits
+    assert (got[0].plan.micro_batch_order, got[0].plan.micro_batches) == ("layer-major", 2)
     # a seed of other units (its last one renamed) gives no candidate
     import dataclasses
     odd = dataclasses.replace(first, layers=first.layers[:-1] + [

@@ -72,6 +72,7 @@ def _dive(model: Model, solver: str, time_limit, gap: float, incumbent: float | 
     for offset in (0.5, 0.0, 0.25, 0.75):
         rounded = _round_chain(model, _Rounder(model, offset), batch, lp, held,
                                lambda f: relaxation(
+                                   None if time_limit is None else
                                    time_limit * (LATE_GRACE if over() else 1.0), f), over,
                                late=lambda: over(LATE_GRACE))
         if rounded is _TIME_UP:

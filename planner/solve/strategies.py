@@ -238,12 +238,14 @@ def _seed_candidates(seeds, budgets: Budgets, profile=None, profile_path=None,
                      cm: CostModel | None = None, nvme_dir=None) -> list[Candidate]:
     """Each seed plan under ``budgets``: a candidate where it fits. A seed of this profile
     (``plan sweep``'s previous point) is replayed again by the simulator, its decisions and
-    schedule unchanged; one of another profile of the same units (``plan search``'s fastest
-    micro-batch size so far) gives its decisions, planned anew on ``cm`` (its transfers
-    placed greedily), where they are valid here."""
+    schedule unchanged; one of another profile of the same units, or of another K or
+    micro-batch order (``plan search``'s fastest cell so far), gives its decisions, planned
+    anew on ``cm`` (its transfers placed greedily), where they are valid here."""
     out = []
     for plan in seeds:
-        if profile is None or list(plan.units) == list(profile.layers):
+        same = profile is None or (list(plan.units) == list(profile.layers) and (
+            plan.micro_batches, plan.micro_batch_order) == (cm.K, cm.micro_batch_order))
+        if same:
             plan = dataclasses.replace(plan, budgets=budgets)
             r = simulate(plan)
         elif [d.name for d in plan.layers] == [u.name for u in profile.layers]:
