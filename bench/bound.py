@@ -87,7 +87,7 @@ def step_bound(layers, hw, gpu: int, cpu: int, nvme: int, K: int, order: str) ->
         lp += pulp.lpSum(s[i, t] for t in OPT_HOMES) == 1
         lp += pulp.lpSum(a[i, t] for t in ACT) == 1
         P, G, O = u.param_bytes, u.grad_bytes, u.optimizer_bytes
-        A = u.saved_bytes - u.shared_saved_bytes
+        A = u.activation_bytes
         on_host_step = s[i, "c"] + s[i, "nc"]
         mem["gpu"] += [P * w[i, "g"], O * s[i, "g"], m_hold * A * a[i, "g"]]
         mem["cpu"] += [P * w[i, "c"], O * (s[i, "c"] + s[i, "hg"]), m_hold * A * a[i, "c"]]
