@@ -35,6 +35,7 @@ on NVMe it is stepped piece by piece as on a CPU device (``UnitStatic.step_in_pi
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -108,6 +109,10 @@ class StagedUnit(UnitStatic):
         self.reads_ev: list = []                 # h2d events that read a host home
         self.host_bytes = 0
         self.state_bytes = 0                     # of it, the optimizer state on the host
+        # the state on the host stepped on the device (``step_device``); any other home is
+        # stepped on the CPU here (a unified spec's plan, state on NVMe, included)
+        self.state_up = home.step is Tier.GPU and home.optimizer is Tier.CPU and \
+            home.weights is Tier.GPU and home.grads is Tier.GPU
 
     # -- host buffers ------------------------------------------------------------------------
     def _home_tensor(self, p) -> torch.Tensor:
@@ -511,6 +516,9 @@ class StagedUnit(UnitStatic):
         brings them up."""
         self.sync_grads()
         self.wait()
+        if self.state_up:
+            self.step_device(opt, subs, elementwise, hypers)
+            return
         if self.weights_out:
             self._quiesce_reads()            # no queued copy still reads the host weights
             if self.in_use or self.w_got:
@@ -569,6 +577,104 @@ class StagedUnit(UnitStatic):
             self._up(W)
         if self.grads_out:
             self._install_placeholders()
+
+    def step_device(self, opt, subs, elementwise: bool, hypers: dict | None = None) -> None:
+        """The step of a unit whose weights and gradients live on the device and whose
+        optimizer state lives on the host (``w:gpu g:gpu o:cpu s:gpu``): piece by piece
+        (``pieces``; one piece of the whole unit for an optimizer not known elementwise), the
+        piece's state comes up over ``h2d``, the compute stream waits for it and steps flat
+        views of the parameters and gradients with an optimizer of the user's class, and the
+        new state goes down over ``d2h`` into the host tensors the user's ``opt.state`` holds
+        (the host waits, then the device copies are freed: one piece on the device at a
+        time, as the plan counts it). A state the step finds on the device (a loaded
+        ``opt.load_state_dict``) is read from there and lands on the host."""
+        index = {id(p): k for k, (_, p) in enumerate(self.params)}
+        for sub, gi in subs:
+            hyper = hypers[gi] if hypers is not None else \
+                {k: v for k, v in opt.param_groups[gi].items() if k != "params"}
+            ps = [p for p in sub.param_groups[0]["params"] if p.grad is not None]
+            if not ps:
+                continue
+            before = {id(p): dict(opt.state.get(p, {})) for p in ps}
+            pieces = self.pieces(ps, opt.state) if elementwise else \
+                [[(index[id(p)], 0, p.numel()) for p in ps]]
+            for piece in pieces:
+                self._step_piece(type(opt), hyper, piece, before, opt.state)
+        self._count_state(opt.state)
+
+    def _step_piece(self, cls, hyper: dict, piece, before: dict, opt_state) -> None:
+        be = self.be
+        views, slots, up = [], [], []
+        done = be.event()                    # the backward's gradients, the last step's views
+        be.record(done, None)
+        be.wait(self.h2d, done)
+        for k, lo, hi in piece:
+            p = self.params[k][1]
+            c = p.detach().view(-1)[lo:hi]
+            c.grad = p.grad.detach().view(-1)[lo:hi]
+            st = {}
+            for key, v in before[id(p)].items():
+                if isinstance(v, torch.Tensor) and v.numel() == p.numel() > 1:
+                    part = torch.empty(hi - lo, dtype=v.dtype, device=self.device)
+                    be.copy(as_bytes(part), as_bytes(v.detach().reshape(-1)[lo:hi]), self.h2d)
+                    self.c.moved_add("h2d", part.numel() * part.element_size())
+                    up.append(part)
+                    st[key] = part
+                elif isinstance(v, torch.Tensor) and v.numel() == p.numel():
+                    st[key] = v.detach().to(self.device, copy=True)   # a one-element param's
+                else:                        # a step count and the like: one per tensor
+                    st[key] = v.clone() if isinstance(v, torch.Tensor) else v
+            views.append(c)
+            slots.append((k, lo, hi, st))
+        ev = be.event()
+        be.record(ev, self.h2d)
+        be.wait(None, ev)
+        for t in up:
+            be.use(t)
+        step = cls([dict(hyper, params=views)])
+        for c, (_, _, _, st) in zip(views, slots):
+            if st:
+                step.state[c] = st
+        step.step()
+        produced = be.event()
+        be.record(produced, None)
+        be.wait(self.d2h, produced)
+        down = []
+        for c, (k, lo, hi, _) in zip(views, slots):
+            p = self.params[k][1]
+            new, old = step.state.get(c, {}), opt_state.setdefault(p, {})
+            for key in sorted(new, key=str):
+                v = new[key]
+                if isinstance(v, torch.Tensor) and v.shape == c.shape and p.numel() > 1:
+                    home = old.get(key)
+                    if not (isinstance(home, torch.Tensor) and home.device.type == "cpu"
+                            and home.dtype == v.dtype and home.shape == p.shape
+                            and home.untyped_storage().nbytes() > 0):
+                        home = self._host_state(p.shape, v.dtype)
+                    be.copy(as_bytes(home.view(-1)[lo:hi]), as_bytes(v), self.d2h)
+                    self.c.moved_add("d2h", v.numel() * v.element_size())
+                    down.append(v)
+                    old[key] = home
+                else:
+                    old[key] = v
+        fin = be.event()
+        be.record(fin, self.d2h)
+        for t in down:
+            be.keep(t, fin)
+        be.host_wait(fin)
+        for c in views:
+            c.grad = None
+
+    def _host_state(self, shape, dtype) -> torch.Tensor:
+        """A host tensor for one state tensor of the unit (a slab view where the slab holds
+        it), its home from now on; counted with the state by ``_count_state``."""
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        try:
+            v = self.be.pinned(n)
+        except TransferError:
+            return torch.empty(shape, dtype=dtype)
+        self.pinned_views.append(v)
+        return v.view(dtype).view(shape)
 
     def _count_state(self, opt_state) -> None:
         """The optimizer state at home on the host, as host bytes the runtime holds."""

@@ -31,6 +31,8 @@ HOMES = {
     "nvme": ("h200", Home(T.NVME, T.CPU, T.NVME, T.CPU)),
     "mixed": ("h200", Home(T.CPU, T.CPU, T.NVME, T.CPU)),
     "state-only": ("h200", Home(T.GPU, T.GPU, T.CPU, T.CPU)),
+    # the state on the host, stepped on the device piece by piece (``StagedUnit.step_device``)
+    "state-up": ("h200", Home(T.GPU, T.GPU, T.CPU, T.GPU)),
     "grads-on-nvme": ("cpu-host", Home(T.NVME, T.NVME, T.NVME, T.GPU)),
 }
 
@@ -149,7 +151,7 @@ def test_staged_streaming_equals_plain_pytorch(name, home, tmp_path):
             # every byte the schedule moves per step is moved, and counted, on every link
             rep = handle.report()
             extra = {}
-            if h.weights is T.GPU:
+            if h.weights is T.GPU and h.step is T.CPU:
                 # weights at home on the device are copied down for the CPU step each step (a
                 # load_state_dict between steps is then never undone by a stale host copy):
                 # once more than the plan, which keeps the fp32 master on the host
@@ -357,6 +359,19 @@ def test_a_dropped_wait_is_caught(tmp_path):
     assert any("compute use" in p or "freed before it ran" in p for p in be.problems)
 
 
+def test_a_dropped_wait_before_a_device_step_of_host_state_is_caught(tmp_path):
+    """State on the host stepped on the device: the weights never move, so the only waits of
+    the compute stream are the step's for its state pieces' ``h2d`` copies. Dropped, the step
+    reads pieces not yet copied, and the check counts it."""
+    model, data = MODELS["gpt"]()
+    be = RecordingBackend()
+    be.drop_waits.add("compute")
+    with contextlib.suppress(Exception):
+        _staged_run(model, data, "state-up", tmp_path / "nvme", be=be)
+    assert be.missing > 0
+    assert any("compute use" in p for p in be.problems), be.problems[:3]
+
+
 def test_a_host_home_on_a_cpu_device_is_refused_in_one_line():
     from runtime.binding import PlanMismatchError
     model, data = MODELS["gpt"]()
@@ -384,10 +399,11 @@ def test_state_on_the_device_with_weights_off_it_is_refused_on_a_staged_device(t
 @pytest.mark.cuda
 def test_staged_streaming_on_cuda(tmp_path):
     """The same loop on a CUDA device, the real copy streams: weights within float tolerance
-    of plain PyTorch on the same device (the step runs on the CPU there)."""
+    of plain PyTorch on the same device (the step runs on the CPU there, or for the state-up
+    home on the device, its state coming up from pinned host memory)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    for home in ("host", "nvme"):
+    for home in ("host", "nvme", "state-up"):
         model0, data = MODELS["gpt"]()
         model0 = model0.cuda()
         data = [{k: v.cuda() for k, v in d.items()} for d in data]
@@ -428,7 +444,7 @@ def _overlapped_run(model, data, home, nvme, clip, be):
 @pytest.mark.parametrize("clip", ["none", "global"])
 @pytest.mark.parametrize("name,home", [("gpt", "host"), ("gpt", "nvme"), ("llama", "mixed"),
                                        ("llama", "nvme"), ("hf-gpt2", "nvme"),
-                                       ("gpt", "state-only")])
+                                       ("gpt", "state-only"), ("llama", "state-up")])
 def test_overlapped_staged_training_equals_plain_pytorch(name, home, clip, tmp_path):
     """The optimizer beside the backward on the staged path: the worker thread steps each
     unit on the CPU over its host weights (clip none) or reads its state ahead (clip global)

@@ -116,8 +116,8 @@ class TimeRules:
                 hv = v.h(j, k)
                 r, w = self.step_reads(j, h), self.step_writes(j, h)
                 dev, cpu = self.step_seconds(j, h)
-                for lst, n in ((rd, r["nvme"]), (d2h, r["d2h"]), (wr, w["nvme"]), (h2d, w["h2d"]),
-                               (comp, dev), (host, cpu)):
+                for lst, n in ((rd, r["nvme"]), (d2h, r["d2h"] + w["d2h"]), (wr, w["nvme"]),
+                               (h2d, w["h2d"] + r["h2d"]), (comp, dev), (host, cpu)):
                     if n:
                         lst.append((hv, float(n)))
         return self._resource_terms(comp, d2h, h2d, rd, wr, host)
@@ -133,9 +133,11 @@ class TimeRules:
                 r, w = self.step_reads(j, h), self.step_writes(j, h)
                 dev, cpu = self.step_seconds(j, h)
                 t = (r["nvme"] / hw.nvme_read_bandwidth if r["nvme"] else 0.0) + \
-                    (r["d2h"] / hw.d2h_bandwidth if r["d2h"] else 0.0) + dev + cpu + \
+                    (r["d2h"] / hw.d2h_bandwidth if r["d2h"] else 0.0) + \
+                    (r["h2d"] / hw.h2d_bandwidth if r["h2d"] else 0.0) + dev + cpu + \
                     (w["nvme"] / hw.nvme_write_bandwidth if w["nvme"] else 0.0) + \
-                    (w["h2d"] / hw.h2d_bandwidth if w["h2d"] else 0.0)
+                    (w["h2d"] / hw.h2d_bandwidth if w["h2d"] else 0.0) + \
+                    (w["d2h"] / hw.d2h_bandwidth if w["d2h"] else 0.0)
                 if t:
                     terms.append((v.h(j, k), t))
             if terms:

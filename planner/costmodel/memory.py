@@ -40,10 +40,16 @@ class MemoryRules:
         out[h.optimizer.value] += self.opt_copy(i, h)
         return out
 
+    def state_up(self, i: int, h: Home) -> bool:
+        """Whether unit i's optimizer state lives off a discrete device but is stepped on it:
+        the state comes up over H2D for the step and goes back over D2H (from and to NVMe
+        through host memory when it lives there), piece by piece."""
+        return (not self.unified and h.step is Tier.GPU and h.optimizer is not Tier.GPU)
+
     def step_reads(self, i: int, h: Home) -> dict:
-        """What unit i's optimizer step needs brought to where it runs, per source tier:
-        nvme -> the step's memory; gpu -> host (gradients kept on the device, stepped on the
-        host)."""
+        """What unit i's optimizer step needs brought to where it runs, per link: nvme -> the
+        step's memory; d2h: gradients kept on the device, stepped on the host; h2d: state off
+        a discrete device, stepped on it (``state_up``)."""
         nv = 0
         if h.optimizer is Tier.NVME:
             nv += self.opt_copy(i, h)
@@ -52,13 +58,23 @@ class MemoryRules:
         if h.grads is Tier.NVME:
             nv += self.G[i]
         d2h = self.G[i] if (h.step is Tier.CPU and h.grads is Tier.GPU) else 0
-        return {"nvme": nv, "d2h": d2h}
+        h2d = self.opt_copy(i, h) if self.state_up(i, h) else 0
+        return {"nvme": nv, "d2h": d2h, "h2d": h2d}
 
     def step_writes(self, i: int, h: Home) -> dict:
+        """What the step sends back, per link: nvme (state and weights homed there), h2d (the
+        weights a host step updated, homed on the device), d2h (state stepped on the device,
+        homed off it)."""
         nv = (self.opt_copy(i, h) if h.optimizer is Tier.NVME else 0) + \
              (self.P[i] if h.weights is Tier.NVME else 0)
         h2d = self.P[i] if (h.step is Tier.CPU and h.weights is Tier.GPU) else 0
-        return {"nvme": nv, "h2d": h2d}
+        d2h = self.opt_copy(i, h) if self.state_up(i, h) else 0
+        return {"nvme": nv, "h2d": h2d, "d2h": d2h}
+
+    def in_pieces(self, h: Home) -> bool:
+        """Whether a step runs piece by piece (``STEP_PIECE_BYTES``): its state is not where
+        it runs (on NVMe; or off a device that steps it)."""
+        return h.optimizer is Tier.NVME or (h.step is Tier.GPU and h.optimizer is not Tier.GPU)
 
     def state_held(self, i: int, h: Home) -> int:
         """Bytes of unit i's optimizer state its step holds at once when that state lives on
@@ -72,8 +88,11 @@ class MemoryRules:
         reads (of a state on NVMe, one piece at a time) and the weights it writes."""
         r = self.step_reads(i, h)
         held = r["nvme"] + r["d2h"]
-        if h.optimizer is Tier.NVME:
-            held -= self.opt_copy(i, h) - self.state_held(i, h)
+        if self.in_pieces(h):
+            # the state, one piece at a time (from NVMe through the host's staging pool, or
+            # from host memory, when it comes up to a device that steps it)
+            held -= (self.opt_copy(i, h) if h.optimizer is Tier.NVME else 0) - \
+                self.state_held(i, h)
         written_only = self.P[i] if (h.weights is Tier.NVME and self.M[i] > 0) else 0
         return held + written_only
 
@@ -340,7 +359,7 @@ class MemoryRules:
         n = self.N[i]
         if not n:                        # a profile without parameter counts: the whole figure
             return where, int(self.opt_ws)
-        if h.optimizer is Tier.NVME or (self.unified and h.optimizer is not Tier.GPU):
+        if self.in_pieces(h):
             per_element = self.opt_copy(i, h) / n
             if per_element:
                 n = min(n, math.ceil(self.state_held(i, h) / per_element))

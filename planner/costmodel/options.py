@@ -76,6 +76,12 @@ class OptionRules:
                             continue
                         out.append(h)
             return out
+        # The state on the host, stepped on the device (weights and gradients stay there): it
+        # comes up over H2D for the step and goes back over D2H (``state_up``; the runtime's
+        # ``StagedUnit.step_device``). The same with the state on NVMe is priced alike but not
+        # offered: it runs nowhere yet, and its columns slowed the 175B solves (docs/streaming.md)
+        if self.has_cpu:
+            out.append(Home(G_, G_, C_, G_))
         if not self.has_cpu or self.hw.cpu_adam_params_per_s <= 0:
             return out
         # Gradients on NVMe: with K > 1 every pass after the first reads the accumulators back,

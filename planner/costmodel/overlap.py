@@ -80,8 +80,9 @@ class OverlapRules:
                 r, w = self.step_reads(j, h), self.step_writes(j, h)
                 dev, cpu = self.step_seconds(j, h)
                 grad_rd = self.G[j] if h.grads is Tier.NVME else 0
-                parts = {"rd": r["nvme"] - grad_rd, "rd_grad": grad_rd, "d2h": r["d2h"],
-                         "wr": w["nvme"], "h2d": w["h2d"], "comp": dev, "host": cpu}
+                parts = {"rd": r["nvme"] - grad_rd, "rd_grad": grad_rd,
+                         "d2h": r["d2h"] + w["d2h"], "wr": w["nvme"], "h2d": w["h2d"] + r["h2d"],
+                         "comp": dev, "host": cpu}
                 # clip global: only the state (master, moments, weights without a master)
                 # may be read ahead; a gradient read waits for the phase like the update
                 move = set(parts) if self.clip == "none" else \

@@ -444,6 +444,9 @@ def _optimizer_transfers(cm: CostModel, layers: list[LayerDecision], xfer: _Tran
                 xfer(Stream.NVME, Op.READ, cls, j, L.opt_stage, n)
         if r["d2h"]:
             xfer(Stream.D2H, Op.OFFLOAD, TensorClass.GRAD, j, L.opt_stage, r["d2h"])
+        if r["h2d"]:     # state off the device, stepped on it: up for the step, down after
+            xfer(Stream.H2D, Op.PREFETCH, TensorClass.STATE, j, L.opt_stage, r["h2d"])
+            xfer(Stream.D2H, Op.OFFLOAD, TensorClass.STATE, j, L.opt_stage, w["d2h"])
         writes = [(TensorClass.STATE, cm.opt_copy(j, h) if h.optimizer is Tier.NVME else 0),
                   (TensorClass.WEIGHT, cm.P[j] if h.weights is Tier.NVME else 0)]
         assert sum(n for _, n in writes) == w["nvme"]

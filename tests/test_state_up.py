@@ -1,0 +1,91 @@
+"""Optimizer state kept off a discrete device and stepped on it: the home
+``w:gpu g:gpu o:cpu s:gpu``. Its state comes up over H2D for the step and goes back over D2H,
+piece by piece; the cost model prices both links, the schedule carries both copies, and the
+solver takes the home where the host's CPU Adam is the slower way. The runtime's staged path
+runs it (``StagedUnit.step_device``): tests/test_streaming_staged.py, home ``state-up``."""
+from __future__ import annotations
+
+import pytest
+
+from planner.formats import Budgets, Home, LayerDecision, Tier as T
+from planner.formats.events import Op, Stream, TensorClass
+from planner.hardware import load_hardware
+from planner.plans import cost_model, plan_and_sim
+from planner.plans.simulate import simulate
+from planner.solve.config import SolveConfig
+from planner.solve.search import solve
+from synthetic import uniform_profile
+
+GiB = 1024 ** 3
+UP = Home(T.GPU, T.GPU, T.CPU, T.GPU)
+HOST_STEP = Home(T.GPU, T.GPU, T.CPU, T.CPU)
+
+
+def _profile(hw):
+    # 1e9 parameters a block (2 GB of bf16 weights, 12 GB of master and moments): the host's
+    # Adam takes 0.71 s a block at the h200 spec's 1.4e9 params/s, the links 0.44 s both ways
+    return uniform_profile(6, hw, fwd_s=0.005, param_bytes=2_000_000_000,
+                           saved_bytes=100_000_000, head_saved_bytes=100_000_000)
+
+
+def test_the_home_moves_its_state_up_and_down_and_holds_one_piece_on_the_device():
+    hw = load_hardware("h200")
+    prof = _profile(hw)
+    cm = cost_model(prof, hw, Budgets(60 * GiB, 512 * GiB, 0))
+    j = 1                                            # blocks.0
+    assert UP in cm.homes[j]
+    O = cm.opt_copy(j, UP)
+    assert O == prof.layers[j].optimizer_bytes
+    assert cm.step_reads(j, UP) == {"nvme": 0, "d2h": 0, "h2d": O}
+    assert cm.step_writes(j, UP) == {"nvme": 0, "h2d": 0, "d2h": O}
+    assert cm.step_transient(j, UP) == cm.state_held(j, UP) < O
+    assert cm.step_workspace(j, UP)[0] == "gpu"
+    # a plan with every block at this home: both copies in the optimizer stage, and the phase
+    # at least what the links take for all of it
+    layers = [LayerDecision(d.name, d.activation, d.checkpoint,
+                            UP if u.kind == "block" else d.home)
+              for u, d in zip(prof.layers, cm_base_layers(prof, hw))]
+    plan, sim = plan_and_sim(prof, None, hw, Budgets(60 * GiB, 512 * GiB, 0), "keep-all", layers)
+    opt_stage = cm.L.opt_stage
+    ups = [e for e in plan.schedule[Stream.H2D.value] if e.stage == opt_stage]
+    downs = [e for e in plan.schedule[Stream.D2H.value] if e.stage == opt_stage]
+    assert {(e.op, e.cls, e.bytes) for e in ups} == {(Op.PREFETCH, TensorClass.STATE, O)}
+    assert {(e.op, e.cls, e.bytes) for e in downs} == {(Op.OFFLOAD, TensorClass.STATE, O)}
+    assert len(ups) == len(downs) == 6
+    total = 6 * O
+    assert sim.optimizer_s >= total / hw.duplex * (1 - 1e-9)
+    assert sim.optimizer_s >= total / hw.h2d_bandwidth * (1 - 1e-9)
+    # the host holds the state all step; the device one piece per unit in flight
+    assert sim.peak_cpu_bytes >= total
+    assert simulate(plan).step_s == pytest.approx(plan.predicted.step_s, rel=1e-12)
+
+
+def cm_base_layers(prof, hw):
+    from planner.costmodel.baselines import baseline_layers
+    return baseline_layers("keep-all", prof.layers, hw)
+
+
+def test_the_solver_steps_state_on_the_device_where_the_host_cpu_is_slower(monkeypatch):
+    """The same budgets with the home and without it (the options as they were before it):
+    with it the solver puts some units' state on the host and
+    steps it on the device, and the step is shorter; the MILP and the simulator agree on it,
+    and it fits."""
+    hw = load_hardware("h200")
+    prof = _profile(hw)
+    cfg = SolveConfig.build(hw, Budgets(90 * GiB, 512 * GiB, 0), time_limit=30, clip="none")
+    assert any(UP in hs for hs in cfg.cost_model(prof).homes)
+    c = solve(prof, None, cfg).plan
+    assert any(d.home == UP for d in c.layers)
+    r = simulate(c)
+    assert r.fits
+    assert r.step_s == pytest.approx(c.predicted.step_s, rel=1e-9)
+    if c.solver.origin.startswith("milp") and c.solver.objective:
+        assert c.solver.objective == pytest.approx(r.step_s, rel=2e-3)
+    # without the home (the options before it): every unit that leaves is stepped on the CPU
+    from planner.costmodel.options import OptionRules
+    homes = OptionRules._homes
+    monkeypatch.setattr(OptionRules, "_homes",
+                        lambda self, i, allow: [h for h in homes(self, i, allow) if h != UP])
+    a = solve(prof, None, cfg).plan
+    assert not any(d.home == UP for d in a.layers)
+    assert c.predicted.step_s < 0.9 * a.predicted.step_s
