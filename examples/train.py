@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     engine = "fsdp" if args.fsdp else "ddp" if args.ddp else None
     rank, world = 0, 1
-    previous = None
+    previous, finished = None, False
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
@@ -225,6 +225,7 @@ def main(argv=None) -> int:
             for r in reports or ():       # every rank's report, printed by rank 0
                 print(r)
             handle.remove()
+        finished = True
     except UserError as e:
         print(f"error{f' (rank {rank})' if world > 1 else ''}: {e}", file=sys.stderr)
         return e.exit_code
@@ -248,7 +249,15 @@ def main(argv=None) -> int:
         if engine:
             import torch.distributed as dist
             if dist.is_initialized():
-                dist.destroy_process_group()
+                # every rank past its last collective before any closes its connections: a
+                # gloo rank whose peer has already torn down can abort (SIGABRT) on the
+                # closed socket while it finishes its own work
+                # (on success only: a rank that failed must not wait for peers still training)
+                try:
+                    if finished:
+                        dist.barrier()
+                finally:
+                    dist.destroy_process_group()
     return 0
 
 
