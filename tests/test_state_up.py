@@ -89,3 +89,31 @@ def test_the_solver_steps_state_on_the_device_where_the_host_cpu_is_slower(monke
     a = solve(prof, None, cfg).plan
     assert not any(d.home == UP for d in a.layers)
     assert c.predicted.step_s < 0.9 * a.predicted.step_s
+
+
+def test_the_home_is_offered_only_where_the_static_state_is_over_the_device_budget():
+    """Where every unit's weights, gradients and state fit on the device, a solve does not
+    offer the home (a near-tie with the host's step that only slowed the search); a given
+    plan that uses it there is still checked and simulated, as the runtime can run it."""
+    hw = load_hardware("h200")
+    prof = _profile(hw)
+    static = sum(u.param_bytes + u.grad_bytes + u.optimizer_bytes for u in prof.layers)
+    over = cost_model(prof, hw, Budgets(60 * GiB, 512 * GiB, 0))
+    assert over.static_over and all(UP in hs for hs, u in zip(over.homes, prof.layers)
+                                    if u.kind == "block")
+    roomy = Budgets(static + 40 * GiB, 512 * GiB, 0)
+    fits = cost_model(prof, hw, roomy)
+    assert not fits.static_over and not any(UP in hs for hs in fits.homes)
+    assert any(HOST_STEP in hs for hs in fits.homes)       # the other homes as before
+    # a plan with one unit at the home, under the roomy budget: made where it is offered,
+    # then its budget widened; the check of a given plan offers every home
+    layers = [LayerDecision(d.name, d.activation, d.checkpoint, UP if u.name == "blocks.0"
+                            else d.home)
+              for u, d in zip(prof.layers, cm_base_layers(prof, hw))]
+    plan, _ = plan_and_sim(prof, None, hw, Budgets(60 * GiB, 512 * GiB, 0), "keep-all", layers)
+    import dataclasses
+    from planner.plans.simulate import cost_model_of
+    wide = dataclasses.replace(plan, budgets=roomy)
+    assert UP in cost_model_of(wide).homes[1]
+    r = simulate(wide)
+    assert r.fits and r.optimizer_s > 0

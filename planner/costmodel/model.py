@@ -88,6 +88,8 @@ class CostModel(OptionRules, MemoryRules, TimeRules, OverlapRules, RankRules, Ob
     clip: str = "global"              # the loop clips by the global norm ("global") or not
     prefetch_bytes: int = 0           # clip global, overlapped: state read ahead and held
     micro_batch_order: str = "batch-major"  # or "layer-major": K micro-batches per unit stage
+    state_up_homes: str = "auto"      # the state-up home: "auto" (where the static state is over
+    #                                   the device budget) or "all" (a given plan's check)
 
     def __post_init__(self):
         put = partial(object.__setattr__, self)
@@ -142,8 +144,8 @@ class CostModel(OptionRules, MemoryRules, TimeRules, OverlapRules, RankRules, Ob
         if optimizer_depth not in (1, 3):
             raise ValueError(f"optimizer_depth {optimizer_depth}: use 1 or 3")
         if self.optimizer_overlap not in ("after-backward", "overlapped") or \
-                self.clip not in ("global", "none"):
-            raise ValueError(f"optimizer_overlap {self.optimizer_overlap!r}, clip {self.clip!r}")
+                self.clip not in ("global", "none") or self.state_up_homes not in ("auto", "all"):
+            raise ValueError(f"{self.optimizer_overlap!r}, {self.clip!r}, {self.state_up_homes!r}")
         put("opt_depth", optimizer_depth)
         # a key/value cache the blocks fill (Hugging Face use_cache): the model's output holds
         # it, and a loop may keep that output until the next forward replaces it, so it is

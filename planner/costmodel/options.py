@@ -4,6 +4,7 @@ each transfer kind may move in (``OptionRules``, a part of ``CostModel``)."""
 from __future__ import annotations
 
 import math
+from functools import cached_property
 
 from planner.costmodel.layout import KINDS, Lin, View, Windows
 from planner.formats import Home, Tier, UnitKind
@@ -33,6 +34,12 @@ class OptionRules:
         return Windows(act=w(a), weight=w(p), grad=w(g))
 
     # -- what each unit may do --------------------------------------------------------------
+
+    @cached_property
+    def static_over(self) -> bool:
+        """Whether the weights, gradients and optimizer state alone exceed the device budget:
+        some state must then leave the device whatever the activations do."""
+        return sum(self.P[i] + self.G[i] + self.O[i] for i in range(self.U)) > self.budget["gpu"]
 
     def _homes(self, i: int, allow_streaming: bool) -> list[Home]:
         """The homes unit i may take on this spec under these budgets. A unit with tied
@@ -78,9 +85,15 @@ class OptionRules:
             return out
         # The state on the host, stepped on the device (weights and gradients stay there): it
         # comes up over H2D for the step and goes back over D2H (``state_up``; the runtime's
-        # ``StagedUnit.step_device``). The same with the state on NVMe is priced alike but not
-        # offered: it runs nowhere yet, and its columns slowed the 175B solves (docs/streaming.md)
-        if self.has_cpu:
+        # ``StagedUnit.step_device``). Offered where the static state cannot all stay on the
+        # device: where it can, a plan moves a few units' state off to make room for
+        # activations, the host steps those few beside the device's work, and the near-tie
+        # between the two homes only slowed the search (gpt2-xl at half its activations: 3.4
+        # -> 45 s for no faster plan; docs/streaming.md, "Homes"); a given plan's check offers it
+        # wherever there is a host (``state_up_homes="all"``). The same with the state on
+        # NVMe is priced alike but not offered: it runs nowhere yet, and its columns slowed
+        # the 175B solves
+        if self.has_cpu and (self.static_over or self.state_up_homes == "all"):
             out.append(Home(G_, G_, C_, G_))
         if not self.has_cpu or self.hw.cpu_adam_params_per_s <= 0:
             return out

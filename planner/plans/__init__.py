@@ -71,7 +71,8 @@ def plan_and_sim(profile: Profile, profile_path: str | None, hw: HardwareSpec, b
     policy = getattr(policy, "value", policy)
     budgets = as_budgets(budgets)
     hw = node_spec(hw)          # a rank's share of a node (``cm.hw``) records the node's spec
-    cm = cm or cost_model(profile, hw, budgets, micro_batches)
+    # given decisions: every home the runtime executes, not only those a solve offers here
+    cm = cm or cost_model(profile, hw, budgets, micro_batches, state_up_homes="all")
     schedule = build_schedule(cm, list(layers), shares)
     sha = sha256_file(profile_path) if profile_path and Path(profile_path).is_file() else None
     plan = Plan(

@@ -152,7 +152,9 @@ def cost_model_of(plan: Plan) -> CostModel:
                      world_size=plan.world_size, ranks_per_node=plan.ranks_per_node,
                      engine=plan.engine, optimizer_overlap=plan.optimizer_overlap,
                      clip=plan.clip, prefetch_bytes=plan.optimizer_prefetch_bytes,
-                     micro_batch_order=plan.micro_batch_order)
+                     micro_batch_order=plan.micro_batch_order,
+                     # every home the runtime executes, not only those a solve offers here
+                     state_up_homes="all")
 
 
 def _check_schedule(plan: Plan, cm: CostModel, shares: dict) -> None:
