@@ -451,6 +451,11 @@ class _Runner:
                 # later must not pass for a parameter (kept by reference, never offloaded)
                 self.static_ptrs.difference_update(_storage_ptr(q) for _, q in s.params)
                 s.release()
+            u = self.plan.units[prev]
+            if s is not None and stage - 1 > self.U and not s.grads_out and \
+                    s.on_grads_home is not None and not u.tied_to and not u.outside_params:
+                # its backward is done and its gradients stay on the device: complete
+                s.on_grads_home(s)
         if cur is not None and stage <= 2 * self.U:
             s = self.statics.get(self.plan.units[cur].name)
             if s is not None:

@@ -116,11 +116,15 @@ def _same(a, b) -> bool:
 
 
 class _Job:
-    __slots__ = ("unit", "kind", "future", "hypers", "t_submit", "t_start", "t_end")
+    __slots__ = ("unit", "kind", "future", "hypers", "t_submit", "t_start", "t_end", "grads")
 
     def __init__(self, unit, kind, hypers):
         self.unit, self.kind, self.hypers = unit, kind, hypers
         self.future = None
+        # gradients kept on the device: each with its version as the step took it (a clip
+        # or scale in the loop after that changes it, and is refused at opt.step())
+        self.grads = [] if unit.grads_out else [
+            (n, p.grad, p.grad._version) for n, p in unit.params if p.grad is not None]
         self.t_submit = time.perf_counter()
         self.t_start = self.t_end = None
 
@@ -249,6 +253,10 @@ class OverlapScheduler:
             if j.kind != "step":
                 continue
             done.add(j.unit)
+            for n, g, ver in j.grads:
+                if g._version != ver:
+                    raise UserError(f"the gradient of {n!r} changed after its unit's backward "
+                                    f"(a clip or scale in the loop?); {CLIP_REFUSAL}")
             for gi, h in j.hypers.items():
                 now = self.phase.hyper(gi)
                 for key in sorted(set(h) | set(now), key=str):

@@ -61,6 +61,10 @@ def unit_for(name: str, params: list, home, device: torch.device, store_of,
     return StagedUnit(name, params, home, device, store_of, counters)
 
 
+# the per-tensor counters torch's optimizers keep in a parameter's state (Adam's step, NAdam's
+# mu_product, ASGD's eta and mu): they stay where the optimizer puts them, never moved as state
+SCALAR_STATE = frozenset({"step", "mu_product", "eta", "mu"})
+
 class _HostWorker:
     """Where a unit with no home on NVMe runs its host jobs (one thread, in order): the
     gradients' accumulation on the host. It stands for the NVMe store (``submit``)."""
@@ -581,13 +585,15 @@ class StagedUnit(UnitStatic):
     def step_device(self, opt, subs, elementwise: bool, hypers: dict | None = None) -> None:
         """The step of a unit whose weights and gradients live on the device and whose
         optimizer state lives on the host (``w:gpu g:gpu o:cpu s:gpu``): piece by piece
-        (``pieces``; one piece of the whole unit for an optimizer not known elementwise), the
-        piece's state comes up over ``h2d``, the compute stream waits for it and steps flat
-        views of the parameters and gradients with an optimizer of the user's class, and the
-        new state goes down over ``d2h`` into the host tensors the user's ``opt.state`` holds
-        (the host waits, then the device copies are freed: one piece on the device at a
-        time, as the plan counts it). A state the step finds on the device (a loaded
-        ``opt.load_state_dict``) is read from there and lands on the host."""
+        (``pieces``), the piece's state comes up over ``h2d``, the compute stream waits for it
+        and steps flat views of the parameters and gradients with an optimizer of the user's
+        class, and the new state goes down over ``d2h`` into the host tensors the user's
+        ``opt.state`` holds (the host waits, then the device copies are freed: one piece on
+        the device at a time, as the plan counts it). One-element parameters, and every
+        parameter of an optimizer not known elementwise (Adafactor factors a matrix's second
+        moment), are stepped in their own shapes with their whole state, as one piece. A
+        state the step finds on the device (a loaded ``opt.load_state_dict``) is read from
+        there and lands on the host."""
         index = {id(p): k for k, (_, p) in enumerate(self.params)}
         for sub, gi in subs:
             hyper = hypers[gi] if hypers is not None else \
@@ -596,34 +602,46 @@ class StagedUnit(UnitStatic):
             if not ps:
                 continue
             before = {id(p): dict(opt.state.get(p, {})) for p in ps}
-            pieces = self.pieces(ps, opt.state) if elementwise else \
-                [[(index[id(p)], 0, p.numel()) for p in ps]]
+            flat = [p for p in ps if elementwise and p.numel() > 1]
+            whole = [(index[id(p)], 0, p.numel()) for p in ps
+                     if not (elementwise and p.numel() > 1)]
+            pieces = (self.pieces(flat, opt.state) if flat else []) + ([whole] if whole else [])
             for piece in pieces:
-                self._step_piece(type(opt), hyper, piece, before, opt.state)
+                self._step_piece(type(opt), hyper, piece, before, opt.state,
+                                 flat=piece is not whole)
         self._count_state(opt.state)
 
-    def _step_piece(self, cls, hyper: dict, piece, before: dict, opt_state) -> None:
+    def _step_piece(self, cls, hyper: dict, piece, before: dict, opt_state, flat: bool) -> None:
+        """One piece: ``flat``, slices of flat views of elementwise state; else whole tensors
+        in their own shapes. A state tensor is the parameter's own (it goes up and comes back
+        down) unless it is one of the counters torch's optimizers keep per tensor
+        (``SCALAR_STATE``), which stay where the optimizer keeps them (the host, or the device
+        for a fused or capturable step, as plain PyTorch has them)."""
         be = self.be
-        views, slots, up = [], [], []
+        views, slots, up, held = [], [], [], []   # held: sources until the host's last wait
         done = be.event()                    # the backward's gradients, the last step's views
         be.record(done, None)
         be.wait(self.h2d, done)
+        on_device = bool(hyper.get("fused") or hyper.get("capturable"))
         for k, lo, hi in piece:
             p = self.params[k][1]
-            c = p.detach().view(-1)[lo:hi]
-            c.grad = p.grad.detach().view(-1)[lo:hi]
+            c = p.detach().view(-1)[lo:hi] if flat else p.detach()
+            c.grad = p.grad.detach().view(-1)[lo:hi] if flat else p.grad.detach()
             st = {}
             for key, v in before[id(p)].items():
-                if isinstance(v, torch.Tensor) and v.numel() == p.numel() > 1:
-                    part = torch.empty(hi - lo, dtype=v.dtype, device=self.device)
-                    be.copy(as_bytes(part), as_bytes(v.detach().reshape(-1)[lo:hi]), self.h2d)
+                if isinstance(v, torch.Tensor) and key not in SCALAR_STATE and (
+                        not flat or v.numel() == p.numel()):
+                    src = v.detach().reshape(-1)[lo:hi] if flat else v.detach().contiguous()
+                    part = torch.empty(src.shape, dtype=v.dtype, device=self.device)
+                    be.copy(as_bytes(part), as_bytes(src), self.h2d)
+                    held.append(src)
                     self.c.moved_add("h2d", part.numel() * part.element_size())
                     up.append(part)
                     st[key] = part
-                elif isinstance(v, torch.Tensor) and v.numel() == p.numel():
-                    st[key] = v.detach().to(self.device, copy=True)   # a one-element param's
-                else:                        # a step count and the like: one per tensor
-                    st[key] = v.clone() if isinstance(v, torch.Tensor) else v
+                elif isinstance(v, torch.Tensor):  # a counter: one per tensor
+                    st[key] = v.detach().to(self.device if on_device else v.device, copy=True)
+                else:
+                    st[key] = v
             views.append(c)
             slots.append((k, lo, hi, st))
         ev = be.event()
@@ -645,13 +663,17 @@ class StagedUnit(UnitStatic):
             new, old = step.state.get(c, {}), opt_state.setdefault(p, {})
             for key in sorted(new, key=str):
                 v = new[key]
-                if isinstance(v, torch.Tensor) and v.shape == c.shape and p.numel() > 1:
+                if isinstance(v, torch.Tensor) and key not in SCALAR_STATE and (
+                        not flat or v.shape == c.shape):
+                    shape = p.shape if flat else v.shape
                     home = old.get(key)
                     if not (isinstance(home, torch.Tensor) and home.device.type == "cpu"
-                            and home.dtype == v.dtype and home.shape == p.shape
+                            and home.dtype == v.dtype and home.shape == shape
                             and home.untyped_storage().nbytes() > 0):
-                        home = self._host_state(p.shape, v.dtype)
-                    be.copy(as_bytes(home.view(-1)[lo:hi]), as_bytes(v), self.d2h)
+                        home = self._host_state(shape, v.dtype)
+                    dst = home.view(-1)[lo:hi] if flat else home
+                    v = v.contiguous()
+                    be.copy(as_bytes(dst), as_bytes(v), self.d2h)
                     self.c.moved_add("d2h", v.numel() * v.element_size())
                     down.append(v)
                     old[key] = home

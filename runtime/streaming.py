@@ -929,8 +929,10 @@ class OptimizerPhase:
                           "optimizers (Adam, AdamW, SGD, ...) whose state on NVMe is stepped "
                           "piece by piece: each unit's whole state comes to the device for its "
                           "step, more than the plan counts", stacklevel=3)
-        if any(getattr(u, "steps_on_host", False) for u in units):
-            # the staged path steps those units on the CPU with the user's hyper-parameters:
+        if any(getattr(u, "steps_on_host", False) and not getattr(u, "state_up", False)
+               for u in units):
+            # the staged path steps those units on the CPU with the user's hyper-parameters
+            # (a state-up unit steps on the device, counters where the optimizer keeps them):
             # settings for device tensors only would fail half way through opt.step()
             for gi, g in enumerate(opt.param_groups):
                 bad = [k for k, v in g.items() if k != "params" and (

@@ -410,3 +410,22 @@ def test_optimizer_overlap_on_writes_the_overlapped_schedule_or_exits_3(tmp_path
     assert main(["solve", *common, "--gpu-mem", "80000000", "--optimizer-overlap", "on",
                  "--micro-batch-order", "layer-major", "-o", str(tmp_path / "lm.json")]) == 2
     assert "not run together" in capsys.readouterr().err
+
+
+def test_what_the_runtime_steps_at_opt_step_is_released_at_the_last_stage():
+    """The runtime starts a unit's early work once its gradient is home off the device or,
+    kept on the device, once its backward stage is over (runtime/apply.py ``_on_stage``);
+    the resident home is the user's optimizer's, stepped at opt.step(): nothing of it is
+    priced inside the backward."""
+    from planner.formats import Home, Tier as T
+    hw = load_hardware("h200")
+    prof = uniform_profile(6, hw)
+    cm = cost_model(prof, hw, Budgets(8 * GiB, 512 * GiB, 0),
+                    optimizer_overlap="overlapped", clip="none")
+    top = 2 * cm.U
+    for j in range(1, cm.U - 1):
+        assert cm.release_stage(j, Home()) == top
+        kept = [h for h in cm.homes[j] if h.grads is T.GPU and not h.resident]
+        assert kept and all(cm.release_stage(j, h) == cm.L.bwd(j) for h in kept)
+        sent = [h for h in cm.homes[j] if h.grads is T.CPU]
+        assert sent and all(cm.release_stage(j, h) >= cm.L.bwd(j) for h in sent)

@@ -105,15 +105,15 @@ def test_the_home_is_offered_only_where_the_static_state_is_over_the_device_budg
     fits = cost_model(prof, hw, roomy)
     assert not fits.static_over and not any(UP in hs for hs in fits.homes)
     assert any(HOST_STEP in hs for hs in fits.homes)       # the other homes as before
-    # a plan with one unit at the home, under the roomy budget: made where it is offered,
-    # then its budget widened; the check of a given plan offers every home
+    # a plan with one unit at the home under the roomy budget: a given plan that takes the
+    # home is checked with it offered; one that does not, with the solve's own homes
     layers = [LayerDecision(d.name, d.activation, d.checkpoint, UP if u.name == "blocks.0"
                             else d.home)
               for u, d in zip(prof.layers, cm_base_layers(prof, hw))]
-    plan, _ = plan_and_sim(prof, None, hw, Budgets(60 * GiB, 512 * GiB, 0), "keep-all", layers)
-    import dataclasses
     from planner.plans.simulate import cost_model_of
-    wide = dataclasses.replace(plan, budgets=roomy)
-    assert UP in cost_model_of(wide).homes[1]
-    r = simulate(wide)
-    assert r.fits and r.optimizer_s > 0
+    plan, r = plan_and_sim(prof, None, hw, roomy, "keep-all", layers)
+    assert UP in cost_model_of(plan).homes[1] and plan.layers[1].home == UP
+    assert r.fits and r.optimizer_s >= prof.layers[1].optimizer_bytes / hw.h2d_bandwidth
+    assert simulate(plan).step_s == pytest.approx(r.step_s, rel=1e-12)
+    plain, _ = plan_and_sim(prof, None, hw, roomy, "keep-all", cm_base_layers(prof, hw))
+    assert not any(UP in hs for hs in cost_model_of(plain).homes)

@@ -464,15 +464,41 @@ def test_overlapped_staged_training_equals_plain_pytorch(name, home, clip, tmp_p
         log = handle._r.overlap.last_log
         kinds = {k for _, k, _, _ in log}
         h = HOMES[home][1]
-        # a unit whose gradients stay on the device is stepped at opt.step(), not beside
-        want_kinds = set() if h.grads is T.GPU else \
-            ({"step"} if clip == "none" else ({"read"} if h.optimizer is T.NVME else set()))
+        # a unit whose gradients stay on the device is stepped beside the backward too, once
+        # its backward stage is over
+        want_kinds = {"step"} if clip == "none" else \
+            ({"read"} if h.optimizer is T.NVME else set())
         assert kinds == want_kinds, log
         _assert_as_plain(model, ref, opt, ropt, be)
         assert not [t for t in threading.enumerate() if t.name == WORKER_THREAD]
         handle.remove()
     assert _files(nvme) == []
     assert be.slab.in_use == 0
+
+
+@pytest.mark.parametrize("home", ["state-up", "state-only"])
+def test_a_clip_of_gradients_kept_on_the_device_after_their_early_step_is_refused(home,
+                                                                                tmp_path):
+    """Under clip none a unit whose gradients stay on the device is stepped once its
+    backward is over; torch's clip in the loop after that would change gradients the step
+    already used: opt.step() refuses in one line naming --clip global."""
+    import dataclasses
+    from planner.formats import UserError
+    model, data = MODELS["gpt"]()
+    be = RecordingBackend()
+    with pytest.raises(UserError, match="changed after its unit's backward.*--clip global"):
+        with using(be):
+            hw, h = HOMES[home]
+            plan = plan_for(model, "keep-all", B, S, inputs=data[0], nvme_dir=tmp_path / "n",
+                            hardware=hw, homes={"blocks": h}, micro_batches=K)
+            plan.hardware["device"] = "cpu"
+            plan = dataclasses.replace(plan, optimizer_overlap="overlapped", clip="none")
+            opt, sched = _optimizer(model)
+            handle = apply_plan(model, plan, optimizer=opt)
+            try:
+                _train(model, data, opt, sched, None, clip=True)   # torch's own clip
+            finally:
+                handle.remove()
 
 
 def test_a_dropped_wait_is_caught_under_an_overlapped_plan(tmp_path):
@@ -637,3 +663,93 @@ def test_a_clip_between_micro_batches_scales_the_accumulator_exactly(home, tmp_p
         handle.remove()
     assert be.missing == 0, be.problems[:3]
     assert be.slab.in_use == 0
+
+
+class _GatedBlock(torch.nn.Module):
+    """A block with a 0-dim parameter (a ReZero gate) and a one-element one."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+        self.gate = torch.nn.Parameter(torch.tensor(0.5))
+        self.shift = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, x):
+        return x + self.gate * torch.tanh(self.lin(x)) + self.shift
+
+
+class _GatedNet(torch.nn.Module):
+    def __init__(self, d=8, n=3):
+        super().__init__()
+        self.inp = torch.nn.Linear(d, d)
+        self.blocks = torch.nn.ModuleList(_GatedBlock(d) for _ in range(n))
+        self.out = torch.nn.Linear(d, 1)
+
+    def forward(self, x, y):
+        import types
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return types.SimpleNamespace(loss=((self.out(h).squeeze(-1) - y) ** 2).mean())
+
+
+def _gated_optimizer(model, kind):
+    if kind == "adafactor":        # not elementwise: a matrix's second moment is factored
+        return torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    mats = [p for p in model.parameters() if p.dim() == 2]
+    rest = [p for p in model.parameters() if p.dim() != 2]
+    return torch.optim.AdamW([{"params": mats, "lr": 1e-2, "amsgrad": True},
+                              {"params": rest, "lr": 3e-3, "weight_decay": 0.0}])
+
+
+@pytest.mark.parametrize("kind", ["adamw-groups", "adafactor"])
+def test_state_up_steps_as_plain_pytorch_for_scalars_groups_and_factored_state(kind, tmp_path):
+    """The state-up home with 0-dim and one-element parameters, two param groups (amsgrad in
+    one) or an optimizer that is not elementwise (Adafactor), and a load_state_dict between
+    steps: weights and every state tensor (values, shapes, devices) as plain PyTorch's, and
+    after ``remove`` a plain step of each still agrees."""
+    torch.manual_seed(0)
+    model0 = _GatedNet()
+    data = []
+    for k in range(STEPS * K):
+        g = torch.Generator().manual_seed(k)
+        data.append({"x": torch.randn(B, S, 8, generator=g), "y": torch.randn(B, S, generator=g)})
+    ref, model = copy.deepcopy(model0), copy.deepcopy(model0)
+    plan = plan_for(model, "keep-all", B, S, inputs=data[0], nvme_dir=tmp_path / "nvme",
+                    hardware="h200", homes={"blocks": HOMES["state-up"][1]}, micro_batches=K)
+    plan.hardware["device"] = "cpu"
+
+    def train(m, opt):
+        for step in range(STEPS):
+            for k in range(K):
+                (m(**data[step * K + k]).loss / K).backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 1:
+                opt.load_state_dict(opt.state_dict())
+
+    ropt = _gated_optimizer(ref, kind)
+    train(ref, ropt)
+    opt, be = _gated_optimizer(model, kind), RecordingBackend()
+    with using(be):
+        handle = apply_plan(model, plan, optimizer=opt)
+        train(model, opt)
+        assert _max_diff(model.state_dict(), ref.state_dict()) == 0.0
+        got, want = opt.state_dict()["state"], ropt.state_dict()["state"]
+        assert got.keys() == want.keys()
+        for i in want:
+            assert got[i].keys() == want[i].keys(), i
+            for key, w in want[i].items():
+                g = got[i][key]
+                if isinstance(w, torch.Tensor):
+                    assert g.shape == w.shape and g.device == w.device, (i, key)
+                    assert torch.equal(g, w), (i, key)
+                else:
+                    assert g == w, (i, key)
+        assert be.missing == 0, be.problems[:3]
+        handle.remove()
+    for m, o in ((model, opt), (ref, ropt)):
+        m(**data[0]).loss.backward()
+        o.step()
+        o.zero_grad()
+    assert _max_diff(model.state_dict(), ref.state_dict()) == 0.0

@@ -89,8 +89,8 @@ class OptionRules:
         # device: where it can, a plan moves a few units' state off to make room for
         # activations, the host steps those few beside the device's work, and the near-tie
         # between the two homes only slowed the search (gpt2-xl at half its activations: 3.4
-        # -> 45 s for no faster plan; docs/streaming.md, "Homes"); a given plan's check offers it
-        # wherever there is a host (``state_up_homes="all"``). The same with the state on
+        # -> 45 s for no faster plan; docs/streaming.md, "Homes"); a given plan that takes it
+        # is checked with it offered (``state_up_homes_for``). The same with the state on
         # NVMe is priced alike but not offered: it runs nowhere yet, and its columns slowed
         # the 175B solves
         if self.has_cpu and (self.static_over or self.state_up_homes == "all"):
@@ -241,3 +241,11 @@ class OptionRules:
         return [(k, ch) for k in range(max(0, e - self.windows.seg + 1), e + 1)
                 for ch in ("rc", "rn") if ch in self.choices[k] and self.ck_allowed(k, e)]
 
+
+def state_up_homes_for(layers) -> str:
+    """The cost model's ``state_up_homes`` for given decisions: "all" where one of them
+    takes the state-up home (the runtime executes it wherever there is a host, though a solve
+    offers it only where the static state is over the device budget), else "auto", the
+    solve's own model (the homes offered shape some rows: a plan is priced as it was solved)."""
+    return "all" if any(d.home.optimizer is Tier.CPU and d.home.step is Tier.GPU
+                        for d in layers) else "auto"

@@ -68,7 +68,8 @@ class OverlapRules:
         work that may run after ``release_stage(j)``, and per resource the Lin of the work that
         stays in the optimizer phase. With ``by_release`` movable is a list of ``(stage,
         dict)``, one per unit and release stage of its homes (``release_stage(j, h)``: a home
-        that keeps the gradient on the device is released at the unit's backward)."""
+        whose gradient stays on the device is released at its backward, unless resident or
+        tied)."""
         res = self.overlap_resources()
         movable, fixed = [], {r: [] for r in res}
         for j in range(self.U):
@@ -157,11 +158,15 @@ class OverlapRules:
         where its gradient is not complete there: a gradient that leaves the device (the end
         of its gd window, under any of its homes), one tied to a later-backward unit (that
         unit's backward), a unit whose weights are used between blocks (the last stage).
-        Given its ``home``, only that home's gradient counts (one kept on the device has no
-        window to wait for)."""
+        Given its ``home``, only that home's gradient counts. The runtime starts a unit's
+        early work when its gradient is home off the device, or, kept on the device, at the
+        end of its backward stage (``runtime/overlap.py``); it steps the resident home (the
+        user's optimizer) and a tied unit whose gradient stays on the device at
+        ``opt.step()``: those are released at the last stage."""
         L, top = self.L, 2 * self.U
         u = self.units[j]
-        if u.outside_params > 0:
+        if u.outside_params > 0 or (home is not None and (home.resident or (
+                home.grads is Tier.GPU and u.tied_to))):
             return top
         rel = L.bwd(j)
         idx = self._unit_index
