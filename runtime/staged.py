@@ -681,9 +681,7 @@ class StagedUnit(UnitStatic):
                     old[key] = v
         fin = be.event()
         be.record(fin, self.d2h)
-        for t in down:
-            be.keep(t, fin)
-        be.host_wait(fin)
+        be.host_wait(fin)       # the pieces (``down``, ``up``) are free from here: not kept
         for c in views:
             c.grad = None
 
