@@ -753,3 +753,51 @@ def test_state_up_steps_as_plain_pytorch_for_scalars_groups_and_factored_state(k
         o.step()
         o.zero_grad()
     assert _max_diff(model.state_dict(), ref.state_dict()) == 0.0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["adamw-groups", "adafactor"])
+def test_state_up_with_scalars_and_factored_state_on_cuda(kind, tmp_path):
+    """The same on a CUDA device, the real copy streams: weights and state values within
+    float tolerance of plain PyTorch on the device (the state lives on the host by the plan),
+    one more plain step after ``remove`` still agrees."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    torch.manual_seed(0)
+    model0 = _GatedNet().cuda()
+    data = []
+    for k in range(STEPS * K):
+        g = torch.Generator().manual_seed(k)
+        data.append({"x": torch.randn(B, S, 8, generator=g).cuda(),
+                     "y": torch.randn(B, S, generator=g).cuda()})
+    ref, model = copy.deepcopy(model0), copy.deepcopy(model0)
+    plan = plan_for(model, "keep-all", B, S, inputs=data[0], nvme_dir=tmp_path / "nvme",
+                    hardware="h200", homes={"blocks": HOMES["state-up"][1]}, micro_batches=K)
+
+    def train(m, opt):
+        for step in range(STEPS):
+            for k in range(K):
+                (m(**data[step * K + k]).loss / K).backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 1:
+                opt.load_state_dict(opt.state_dict())
+
+    ropt = _gated_optimizer(ref, kind)
+    train(ref, ropt)
+    opt = _gated_optimizer(model, kind)
+    handle = apply_plan(model, plan, optimizer=opt)
+    train(model, opt)
+    assert _max_diff(model.state_dict(), ref.state_dict()) <= 1e-6
+    got, want = opt.state_dict()["state"], ropt.state_dict()["state"]
+    for i in want:
+        for key, w in want[i].items():
+            if isinstance(w, torch.Tensor):
+                assert got[i][key].shape == w.shape, (i, key)
+                assert torch.allclose(got[i][key].to(w.device), w, atol=1e-6), (i, key)
+    handle.remove()
+    for m, o in ((model, opt), (ref, ropt)):
+        m(**data[0]).loss.backward()
+        o.step()
+        o.zero_grad()
+    assert _max_diff(model.state_dict(), ref.state_dict()) <= 1e-6
