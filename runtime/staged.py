@@ -65,6 +65,7 @@ def unit_for(name: str, params: list, home, device: torch.device, store_of,
 # mu_product, ASGD's eta and mu): they stay where the optimizer puts them, never moved as state
 SCALAR_STATE = frozenset({"step", "mu_product", "eta", "mu"})
 
+
 class _HostWorker:
     """Where a unit with no home on NVMe runs its host jobs (one thread, in order): the
     gradients' accumulation on the host. It stands for the NVMe store (``submit``)."""

@@ -924,11 +924,13 @@ class OptimizerPhase:
         if missing:
             raise UserError(f"the optimizer given to apply_plan does not hold parameter "
                             f"{missing[0]!r}; build it on model.parameters()")
-        if type(opt) not in ELEMENTWISE and any(u.state_out for u in units):
+        if type(opt) not in ELEMENTWISE and any(u.state_out or getattr(u, "state_up", False)
+                                                for u in units):
             warnings.warn(f"tierplan: {type(opt).__name__} is not one of the elementwise "
-                          "optimizers (Adam, AdamW, SGD, ...) whose state on NVMe is stepped "
-                          "piece by piece: each unit's whole state comes to the device for its "
-                          "step, more than the plan counts", stacklevel=3)
+                          "optimizers (Adam, AdamW, SGD, ...) whose state on NVMe, or on the "
+                          "host stepped on the device, is stepped piece by piece: each unit's "
+                          "whole state comes to the device for its step, more than the plan "
+                          "counts", stacklevel=3)
         if any(getattr(u, "steps_on_host", False) and not getattr(u, "state_up", False)
                for u in units):
             # the staged path steps those units on the CPU with the user's hyper-parameters

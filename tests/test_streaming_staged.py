@@ -730,7 +730,13 @@ def test_state_up_steps_as_plain_pytorch_for_scalars_groups_and_factored_state(k
     _gated_train(ref, ropt, data)
     opt, be = _gated_optimizer(model, kind), RecordingBackend()
     with using(be):
-        handle = apply_plan(model, plan, optimizer=opt)
+        import warnings
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            handle = apply_plan(model, plan, optimizer=opt)
+        # a whole unit's state on the device at once: more than the plan's one piece, said
+        assert any("whole state comes to the device" in str(w.message) for w in seen) == \
+            (kind == "adafactor")
         _gated_train(model, opt, data)
         assert _max_diff(model.state_dict(), ref.state_dict()) == 0.0
         got, want = opt.state_dict()["state"], ropt.state_dict()["state"]
