@@ -110,6 +110,7 @@ class StagedUnit(UnitStatic):
         self.w_home: dict = {}                   # k -> host tensor (cpu home)
         self.g_home: dict = {}
         self.pinned_views: list = []             # slab views the homes hold
+        self.state_slots: dict = {}              # (param index, key) -> its state's home
         self.w_ev: dict = {}                     # k -> event of the h2d copy into it, unwaited
         self.reads_ev: list = []                 # h2d events that read a host home
         self.host_bytes = 0
@@ -505,10 +506,19 @@ class StagedUnit(UnitStatic):
             be.keep(h, ev)
 
     def _state_to_host(self, opt_state) -> None:
-        for _, p in self.params:
+        """A loaded state on the host: stepped on the device (state up), each state tensor
+        into its pinned home (a pageable one would make every copy synchronous)."""
+        for k, (_, p) in enumerate(self.params):
             st = opt_state.get(p)
             for key, v in list((st or {}).items()):
-                if isinstance(v, torch.Tensor) and v.device.type != "cpu":
+                if not isinstance(v, torch.Tensor):
+                    continue
+                if self.state_up and key not in SCALAR_STATE:
+                    home = self._host_state(v.shape, v.dtype, (k, key))
+                    if home is not v:
+                        home.copy_(v)
+                    st[key] = home
+                elif v.device.type != "cpu":
                     st[key] = v.to("cpu")
 
     def step_host(self, opt, subs, elementwise: bool, hypers: dict | None = None) -> None:
@@ -671,7 +681,7 @@ class StagedUnit(UnitStatic):
                     if not (isinstance(home, torch.Tensor) and home.device.type == "cpu"
                             and home.dtype == v.dtype and home.shape == shape
                             and home.untyped_storage().nbytes() > 0):
-                        home = self._host_state(shape, v.dtype)
+                        home = self._host_state(shape, v.dtype, (k, key))
                     dst = home.view(-1)[lo:hi] if flat else home
                     v = v.contiguous()
                     be.copy(as_bytes(dst), as_bytes(v), self.d2h)
@@ -686,16 +696,22 @@ class StagedUnit(UnitStatic):
         for c in views:
             c.grad = None
 
-    def _host_state(self, shape, dtype) -> torch.Tensor:
+    def _host_state(self, shape, dtype, slot) -> torch.Tensor:
         """A host tensor for one state tensor of the unit (a slab view where the slab holds
-        it), its home from now on; counted with the state by ``_count_state``."""
+        it), its home from now on; counted with the state by ``_count_state``. ``slot`` (the
+        parameter's index and the state's key) keeps one per tensor: a loaded state comes
+        back into the same views, not into new ones each load."""
+        had = self.state_slots.get(slot)
+        if had is not None and had.shape == tuple(shape) and had.dtype == dtype:
+            return had
         n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         try:
             v = self.be.pinned(n)
         except TransferError:
             return torch.empty(shape, dtype=dtype)
         self.pinned_views.append(v)
-        return v.view(dtype).view(shape)
+        self.state_slots[slot] = v = v.view(dtype).view(shape)
+        return v
 
     def _count_state(self, opt_state) -> None:
         """The optimizer state at home on the host, as host bytes the runtime holds."""
@@ -735,8 +751,11 @@ class StagedUnit(UnitStatic):
         for _, p in self.params:
             st = opt_state.get(p)
             for key, v in list((st or {}).items()):
-                if isinstance(v, torch.Tensor) and v.numel() == p.numel() > 1:
-                    st[key] = v.to(self.device)
+                # every state tensor (a 0-dim parameter's moments, Adafactor's row and column
+                # factors), not the counters torch keeps on the host
+                # (a copy: the slab views go back to the slab when the unit closes)
+                if isinstance(v, torch.Tensor) and key not in SCALAR_STATE:
+                    st[key] = v.to(self.device, copy=True)
 
     def close(self) -> None:
         self.free_host()
@@ -751,7 +770,7 @@ class StagedUnit(UnitStatic):
             self.be.synchronize()
         for v in self.pinned_views:
             self.be.unpin(v)
-        self.pinned_views = []
+        self.pinned_views, self.state_slots = [], {}
         self.w_home, self.g_home = {}, {}
         if self.host_bytes:
             self.c.add("host", -self.host_bytes)

@@ -751,6 +751,12 @@ def test_state_up_steps_as_plain_pytorch_for_scalars_groups_and_factored_state(k
                 else:
                     assert g == w, (i, key)
         assert be.missing == 0, be.problems[:3]
+        # after the load_state_dict the state is back in its pinned homes, one per tensor
+        units = [u for u in handle._r.statics.values() if getattr(u, "state_up", False)]
+        assert units and all(u.state_slots for u in units)
+        for u in units:
+            for (k, key), home in u.state_slots.items():
+                assert opt.state[u.params[k][1]][key] is home, (u.name, k, key)
         handle.remove()
     for m, o in ((model, opt), (ref, ropt)):
         m(**data[0]).loss.backward()
