@@ -117,8 +117,7 @@ class StagedUnit(UnitStatic):
         self.state_bytes = 0                     # of it, the optimizer state on the host
         # the state on the host stepped on the device (``step_device``); any other home is
         # stepped on the CPU here (a unified spec's plan, state on NVMe, included)
-        self.state_up = home.step is Tier.GPU and home.optimizer is Tier.CPU and \
-            home.weights is Tier.GPU and home.grads is Tier.GPU
+        self.state_up = home.state_up
 
     # -- host buffers ------------------------------------------------------------------------
     def _home_tensor(self, p) -> torch.Tensor:

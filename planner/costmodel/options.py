@@ -247,5 +247,4 @@ def state_up_homes_for(layers) -> str:
     takes the state-up home (the runtime executes it wherever there is a host, though a solve
     offers it only where the static state is over the device budget), else "auto", the
     solve's own model (the homes offered shape some rows: a plan is priced as it was solved)."""
-    return "all" if any(d.home.optimizer is Tier.CPU and d.home.step is Tier.GPU
-                        for d in layers) else "auto"
+    return "all" if any(d.home.state_up for d in layers) else "auto"

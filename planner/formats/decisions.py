@@ -29,6 +29,12 @@ class Home:
         return all(t is Tier.GPU for t in (self.weights, self.grads, self.optimizer, self.step))
 
     @property
+    def state_up(self) -> bool:
+        """``w:gpu g:gpu o:cpu s:gpu``: the state in host memory, stepped on the device."""
+        return (self.weights, self.grads, self.optimizer, self.step) == \
+            (Tier.GPU, Tier.GPU, Tier.CPU, Tier.GPU)
+
+    @property
     def streams_weights(self) -> bool:
         return self.weights is not Tier.GPU
 
