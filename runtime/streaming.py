@@ -998,10 +998,11 @@ class OptimizerPhase:
         try:
             for n, (u, subs) in enumerate(todo):
                 nxt = todo[n + 1][0] if n + 1 < len(todo) else None
-                fin = self.step_unit(u, subs, ahead=nxt)
-                if behind is not None:
-                    behind()
-                behind = fin
+                # this unit's write-back is the one to end on an error from here on, also from
+                # the unit before's (else this unit, stepped and written, kept its weights)
+                before, behind = behind, self.step_unit(u, subs, ahead=nxt)
+                if before is not None:
+                    before()
         except BaseException:
             # the error is the one raised; the writes issued still end, and nothing fetched
             # ahead stays on the device
