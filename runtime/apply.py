@@ -29,7 +29,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
 from planner.formats.events import Op, Stream, TensorClass
-from planner.formats import Activation, Executor, Plan, Tier, UnitKind, UserError, load_plan
+from planner.formats import Activation, Executor, Plan, Tier, UnitKind, UserError, io_requests, load_plan
 from planner.formats.plan import check_homes
 from planner.formats.report import LINKS, Report, StepRecord
 
@@ -285,7 +285,8 @@ class _Runner:
         self.counters = Counters()
         self._mods = list(model.modules())   # _live_params reads their parameters as they are
         self.shards = None               # runtime/sharded.py NvmeShards, under fsdp2
-        self.mover = Mover(self.device, nvme_dir, self.counters, _pinned_bytes(plan))
+        self.mover = Mover(self.device, nvme_dir, self.counters, _pinned_bytes(plan),
+                           _io_requests(plan, executor))
         self.param_ids = {id(p) for p in model.parameters()}
         self.static_ptrs: set = set()
         self.pass_: _Pass | None = None
@@ -825,6 +826,8 @@ class _Runner:
                                                is not None else 0))
         self.report.steps.append(rec)
         self.report.hwm_reset = self.hwm_ok
+        if not self.report.nvme_io and self.mover.store is not None:
+            self.report.nvme_io = self.mover.store.io_mode()
         self.step_open = False
         K = self.plan.micro_batches
         if self.step_passes not in (0, K) and not self.passes_warned:
@@ -874,6 +877,16 @@ def _unit_params(model, plan: Plan, blocks: dict) -> dict:
         else:
             out[head if seen_block else emb].append((n, p))
     return out
+
+
+def _io_requests(plan: Plan, executor) -> tuple[int, int]:
+    """The disk requests the plan priced (its executor section), or for a plan that does not
+    record them, those of its hardware."""
+    if executor is not None and executor.io_request_bytes and executor.io_in_flight:
+        return executor.io_request_bytes, executor.io_in_flight
+    hw = plan.hardware
+    return io_requests(bool(hw.get("unified_memory")) or hw.get("device") == "cpu",
+                       int(hw.get("nvme_drives") or 0))
 
 
 def _pinned_bytes(plan: Plan) -> int:

@@ -45,14 +45,17 @@ from pathlib import Path
 
 import xxhash
 
-from planner.formats import UserError
+from planner.formats import IO_IN_FLIGHT_PER_DRIVE_UNIFIED, IO_REQUEST_BYTES_UNIFIED, UserError
 from planner.formats.fileio import _is_dir, _shown, lock_dir, path_problem
 
+from .disk import DiskIO, ShortRead, accepts_direct, direct_flag
 from .timing import LINKS
 
 IO_THREAD_PREFIX = "tierplan-io"
 # Checksums on every offload (set False only to measure what they cost: bench/runtime.py).
 CHECKSUM = True
+# fd -> the DiskIO of its store, for every open file the runtime reads and writes with O_DIRECT
+_DIRECT: dict[int, DiskIO] = {}
 _DIR_RE = re.compile(r"^tierplan-(\d+)-[0-9a-f]{8}$")
 _STAGING_RE = re.compile(r"^\.tierplan-(\d+)-[0-9a-f]{8}\.new$")
 
@@ -168,16 +171,28 @@ def _label(where) -> tuple[str, str]:
 def pwrite_all(fd: int, mv: memoryview, offset: int, sums: Sums | str | None = None) -> None:
     """Write all of ``mv`` at ``offset``; record its checksum in ``sums``. A failed write (a
     full disk) is one line naming the file."""
-    with LINKS.busy_with("nvme_write", len(mv)):
-        _pwrite_all(fd, mv, offset, sums)
+    pwrite_many(fd, [(offset, mv)], sums)
 
 
-def _pwrite_all(fd: int, mv: memoryview, offset: int, sums) -> None:
-    whole, start = mv, offset
+def pwrite_many(fd: int, items, sums: Sums | str | None = None) -> None:
+    """Write each ``(offset, mv)``, in order, each with its own checksum in ``sums``; items
+    that follow each other in the file go to the drive together (runtime/disk.py)."""
+    items = list(items)
+    if not items:
+        return
+    with LINKS.busy_with("nvme_write", sum(len(mv) for _, mv in items)):
+        _pwrite_many(fd, items, sums)
+
+
+def _pwrite_many(fd: int, items, sums) -> None:
     try:
-        while len(mv):
-            n = os.pwrite(fd, mv, offset)
-            mv, offset = mv[n:], offset + n
+        disk = _DIRECT.get(fd)
+        if disk is not None:
+            disk.write_many(fd, items)
+        for off, mv in items if disk is None else ():
+            while len(mv):
+                n = os.pwrite(fd, mv, off)
+                mv, off = mv[n:], off + n
     except OSError as e:
         path, what = _label(sums)
         hint = ("the disk is full: free space or give apply_plan(..., nvme_dir=) a larger disk"
@@ -185,30 +200,46 @@ def _pwrite_all(fd: int, mv: memoryview, offset: int, sums) -> None:
         raise OffloadError(f"tierplan: cannot write offload file '{path}'{what}: "
                            f"{e.strerror or e}; {hint}") from None
     if isinstance(sums, Sums):
-        sums.wrote(start, whole)
+        for off, mv in items:
+            sums.wrote(off, mv)
 
 
 def pread_all(fd: int, mv: memoryview, offset: int, label: Sums | str = "") -> None:
     """Read exactly ``len(mv)`` bytes at ``offset``; a short file (truncated on disk) is one
     line naming the file and what it holds."""
-    with LINKS.busy_with("nvme_read", len(mv)):
-        _pread_all(fd, mv, offset, label)
+    pread_many(fd, [(offset, mv)], label)
 
 
-def _pread_all(fd: int, mv: memoryview, offset: int, label) -> None:
-    while len(mv):
-        try:
-            n = os.preadv(fd, [mv], offset)
-        except OSError as e:
-            path, what = _label(label)
-            raise OffloadCorrupted(f"tierplan: cannot read offload file '{path}'{what}: "
-                                   f"{e.strerror or e}; training stopped") from None
-        if n == 0:
-            path, what = _label(label)
-            raise OffloadCorrupted(f"tierplan: offload file '{path}'{what} is shorter than "
-                                   "what was written to it (truncated on disk); training "
-                                   "stopped")
-        mv, offset = mv[n:], offset + n
+def pread_many(fd: int, items, label: Sums | str = "") -> None:
+    """Fill each ``(offset, mv)`` exactly (not verified: ``Sums.verify`` does that); items
+    that follow each other in the file come from the drive together."""
+    items = list(items)
+    if not items:
+        return
+    with LINKS.busy_with("nvme_read", sum(len(mv) for _, mv in items)):
+        _pread_many(fd, items, label)
+
+
+def _pread_many(fd: int, items, label) -> None:
+    disk = _DIRECT.get(fd)
+    try:
+        if disk is not None:
+            disk.read_many(fd, items)
+        for off, mv in items if disk is None else ():
+            while len(mv):
+                n = os.preadv(fd, [mv], off)
+                if n == 0:
+                    raise ShortRead
+                mv, off = mv[n:], off + n
+    except ShortRead:
+        path, what = _label(label)
+        raise OffloadCorrupted(f"tierplan: offload file '{path}'{what} is shorter than "
+                               "what was written to it (truncated on disk); training "
+                               "stopped") from None
+    except OSError as e:
+        path, what = _label(label)
+        raise OffloadCorrupted(f"tierplan: cannot read offload file '{path}'{what}: "
+                               f"{e.strerror or e}; training stopped") from None
 
 
 # ----------------------------------------------------------------------------- directories
@@ -535,8 +566,14 @@ class NvmeStore:
     through it, whether it exits normally (``atexit``), drops the handle or calls
     ``close``."""
 
-    def __init__(self, base: str | os.PathLike):
+    def __init__(self, base: str | os.PathLike, request: int = IO_REQUEST_BYTES_UNIFIED,
+                 in_flight: int = IO_IN_FLIGHT_PER_DRIVE_UNIFIED):
         self.base = Path(base)
+        # the files' reads and writes (runtime/disk.py): direct, unless the file system
+        # refuses O_DIRECT (``direct`` False, ``buffered_why`` says why); None: no file yet
+        self.disk = DiskIO(request, in_flight)
+        self.direct: bool | None = None
+        self.buffered_why = ""
         self.dir: Path | None = None
         self.root: Path | None = None       # base, resolved
         self.pool: ThreadPoolExecutor | None = None
@@ -553,6 +590,15 @@ class NvmeStore:
         self._inos: dict[str, int] = {}     # path -> inode, for rewriting the manifest
         self._atexit = weakref.WeakMethod(self.close)
         atexit.register(_close_weak, self._atexit)
+
+    def io_mode(self) -> str:
+        """How this store reads and writes its files, for the report ("" before any file)."""
+        if self.direct is None:
+            return ""
+        if self.direct:
+            return (f"O_DIRECT, {self.disk.request // 1024} KiB requests, up to "
+                    f"{self.disk.in_flight} in flight")
+        return f"buffered, through the page cache ({self.buffered_why})"
 
     def _where(self) -> str:
         return f"nvme_dir '{_shown(self.base)}'"
@@ -795,11 +841,31 @@ class NvmeStore:
         """A new empty file for ``label`` (fd, path), recorded in the manifest."""
         self._ensure()
         path = str(self.dir / f"{label}-{uuid.uuid4().hex[:8]}.bin")
+        flag = direct_flag() if self.direct is not False else 0
         try:
-            fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_EXCL | flag, 0o600)
+            except OSError as e:
+                if not flag or e.errno != errno.EINVAL:
+                    raise
+                flag = 0                      # the file system refuses the flag itself
+                self.direct, self.buffered_why = False, "the file system refuses O_DIRECT"
+                fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
         except OSError as e:
             raise OffloadError(f"tierplan: cannot create offload file '{path}' "
                                f"({describe(label)}): {e.strerror}; check the NVMe directory") from None
+        if flag and self.direct is None:
+            self.direct = accepts_direct(fd)
+            if not self.direct:
+                self.buffered_why = "the file system refuses O_DIRECT reads or writes"
+        if flag and not self.direct:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~flag)
+        elif not flag and self.direct is None:
+            self.direct, self.buffered_why = False, ("TIERPLAN_NVME_IO=buffered" if hasattr(
+                os, "O_DIRECT") else "this platform has no O_DIRECT")
+        if self.direct:
+            self.disk.opened(fd)
+            _DIRECT[fd] = self.disk
         with self.lock:
             self.files[path] = fd
             try:
@@ -825,6 +891,7 @@ class NvmeStore:
                 return True
             fd, self.files[path] = self.files[path], None
         if fd is not None:
+            self._forget_fd(fd)
             with contextlib.suppress(OSError):
                 os.close(fd)
         try:
@@ -842,6 +909,12 @@ class NvmeStore:
             with contextlib.suppress(OSError):
                 self._record(f"-{os.path.basename(path)}")
         return True
+
+    def _forget_fd(self, fd: int) -> None:
+        """``fd`` is about to be closed: its number may name another file next."""
+        if _DIRECT.get(fd) is self.disk:
+            del _DIRECT[fd]
+            self.disk.closing(fd)
 
     def unlink(self, path: str) -> None:
         """Delete a file of this store. A failure is not raised here (this runs on the I/O
@@ -899,6 +972,7 @@ class NvmeStore:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
             self.pool = None
+        self.disk.close()
         with self.lock:
             paths = list(self.files)
         for path in paths:
@@ -962,6 +1036,9 @@ class NvmeStore:
         parent: unlocking here would unlock the parent's). The store stays refused: every
         later use raises, so no descriptor number is reused for the wrong file."""
         fds = [fd for fd in list(self.files.values()) if fd is not None]
+        for fd in fds:
+            self._forget_fd(fd)
+        self.disk = DiskIO(self.disk.request, self.disk.in_flight)   # its threads stayed behind
         fds += [fd for fd in (self._manifest_fd, self._lock_fd, self._base_fd) if fd is not None]
         self.files, self.failed, self._inos = {}, {}, {}
         self._manifest_fd = self._lock_fd = self._base_fd = None

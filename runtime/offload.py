@@ -102,8 +102,9 @@ class Mover:
     counters. ``pinned_bytes``: the size of the backend's pinned slab (the plan's figure)."""
 
     def __init__(self, device: torch.device, nvme_dir: str | None, counters: Counters,
-                 pinned_bytes: int = 0):
+                 pinned_bytes: int = 0, io: tuple[int, int] | None = None):
         self.device = device
+        self.io = io                 # (request bytes, in flight) of the NVMe store's disk I/O
         self.be = backend_for(device)
         if pinned_bytes:
             self.be.size_pinned(pinned_bytes)
@@ -128,7 +129,7 @@ class Mover:
             if not self.nvme_dir:
                 raise ValueError("the plan uses nvme but names no nvme_dir; pass "
                                  "apply_plan(..., nvme_dir=DIR) or solve with --nvme-dir")
-            self.store = NvmeStore(self.nvme_dir)
+            self.store = NvmeStore(self.nvme_dir, *(self.io or ()))
         return self.store
 
     def close(self):
@@ -313,11 +314,10 @@ class Group:
 
     def _write_direct(self, parts):
         c = self.m.counters
+        parts = [(s, lo, hi) for s, lo, hi in parts if s.src is not None]
+        self.m.be.write_many(self.fd, [(s.offset + lo, byte_view(as_bytes(s.src)[lo:hi]))
+                                       for s, lo, hi in parts], self.sums)
         for s, lo, hi in parts:
-            src = s.src
-            if src is None:
-                continue
-            self.m.be.write(self.fd, s.offset + lo, byte_view(as_bytes(src)[lo:hi]), self.sums)
             c.moved_add("nvme_write", hi - lo)
             s.sent += hi - lo
             if s.sent >= s.nbytes:
@@ -328,8 +328,9 @@ class Group:
         be = self.m.be
         be.host_wait(ev)
         c = self.m.counters
+        be.write_many(self.fd, [(s.offset + lo, byte_view(s.host[lo:hi])) for s, lo, hi in parts],
+                      self.sums)
         for s, lo, hi in parts:
-            be.write(self.fd, s.offset + lo, byte_view(s.host[lo:hi]), self.sums)
             c.moved_add("nvme_write", hi - lo)
             s.disk += hi - lo
             if s.disk >= s.nbytes:
@@ -378,15 +379,16 @@ class Group:
 
     def _read(self, parts):
         c, be, staged = self.m.counters, self.m.be, self.m.staged
-        for s, lo, hi in parts:
-            if staged:
-                if s.host is None:
-                    s.host = be.pinned(s.nbytes)
-                    c.add("host", s.nbytes)
-                be.read(self.fd, s.offset + lo, byte_view(s.host[lo:hi]), self.sums)
-            else:
+        for s, _, _ in parts:                 # every buffer of the share, then one read
+            if not staged:
                 self._alloc_out(s)
-                be.read(self.fd, s.offset + lo, byte_view(s.out[lo:hi]), self.sums)
+            elif s.host is None:
+                s.host = be.pinned(s.nbytes)
+                c.add("host", s.nbytes)
+        be.read_many(self.fd, [(s.offset + lo, byte_view((s.host if staged else s.out)[lo:hi]))
+                               for s, lo, hi in parts], self.sums)
+        for s, lo, hi in parts:
+            if not staged:
                 s.got += hi - lo
             s.read += hi - lo
             if s.read >= s.nbytes and self.sums is not None:

@@ -232,26 +232,26 @@ class _Shard:
 
     def _write(self, fd, sums, items, free: bool = True) -> None:
         """Write each (tensor, offset) home and (``free``) release its storage (I/O thread)."""
-        from .files import byte_view, pwrite_all
+        from .files import byte_view, pwrite_many
         from .offload import as_bytes
-        for t, off in items:
-            mv = byte_view(as_bytes(t))
-            pwrite_all(fd, mv, off, sums)
-            self.c.moved_add("nvme_write", len(mv))
+        views = [(off, byte_view(as_bytes(t))) for t, off in items]
+        pwrite_many(fd, views, sums)
+        self.c.moved_add("nvme_write", sum(len(mv) for _, mv in views))
         if free:
             for t, _ in items:
                 t.untyped_storage().resize_(0)
 
     def _read(self, fd, sums, items) -> None:
         """Give each (tensor, offset, bytes) its storage back and read its bytes (verified)."""
-        from .files import byte_view, pread_all
+        from .files import byte_view, pread_many
         from .offload import as_bytes
-        for t, off, n in items:
+        for t, _, n in items:
             t.untyped_storage().resize_(n)
-            mv = byte_view(as_bytes(t))
-            pread_all(fd, mv, off, sums)
+        views = [(off, byte_view(as_bytes(t))) for t, off, _ in items]
+        pread_many(fd, views, sums)
+        for off, mv in views:
             sums.verify(off, mv, fd)
-            self.c.moved_add("nvme_read", n)
+            self.c.moved_add("nvme_read", len(mv))
 
     def _io(self, fn, *args) -> None:
         """``fn`` on the store's I/O thread, waited for. Interrupted (Ctrl-C) while it runs,

@@ -428,8 +428,9 @@ class StagedUnit(UnitStatic):
                         h.add_(0.0)          # as PyTorch adds into a zeroed .grad: -0.0 -> +0.0
                 norm = torch.linalg.vector_norm(h, 2.0)
             else:
-                self._add_into_file(buf, p.dtype, off, n, add, scales,
-                                    zeroed=self.grad_state.get(k) is ZERO)
+                if not add and self.grad_state.get(k) is ZERO:
+                    new.add_(0.0)            # as PyTorch adds into a zeroed .grad: -0.0 -> +0.0
+                self._add_into_file(buf, p.dtype, off, n, add, scales)
                 norm = torch.linalg.vector_norm(new, 2.0)
             self.grad_norms[k] = norm.to(self.device)
             self.grad_state[k] = HOME

@@ -232,6 +232,13 @@ class UnitStatic:
     def _pwrite(self, fd: int, mv, off: int, sums) -> None:
         self.be.write(fd, off, mv, sums)
 
+    # a unit's many tensors, each its own (offset, memoryview), in few requests (runtime/disk.py)
+    def _pread_many(self, fd: int, items, sums) -> None:
+        self.be.read_many(fd, items, sums)
+
+    def _pwrite_many(self, fd: int, items, sums) -> None:
+        self.be.write_many(fd, items, sums)
+
     def setup(self, source=None) -> None:
         """Write the current weights to their home and free them on the device. With
         ``source`` (index, parameter: fills the parameter, e.g. from a checkpoint) each
@@ -256,9 +263,9 @@ class UnitStatic:
         self._free_weights()
 
     def _write_all_weights(self):
-        for t, off, n in self.flat.items:
-            self._pwrite(self.w_fd, byte_view(as_bytes(t.detach())), off, self.w_sums)
-            self.c.moved_add("nvme_write", n)
+        self._pwrite_many(self.w_fd, [(off, byte_view(as_bytes(t.detach())))
+                                      for t, off, _ in self.flat.items], self.w_sums)
+        self.c.moved_add("nvme_write", self.flat.size)
 
     def _free_weights(self):
         for _, p in self.params:
@@ -277,13 +284,13 @@ class UnitStatic:
         self.futures.append(self.store_of().submit(self._read_weights, parts))
 
     def _read_weights(self, parts):
-        for k, t, lo, hi, off in parts:
-            mv = byte_view(as_bytes(t.detach())[lo:hi])
-            self._pread(self.w_fd, mv, off + lo, self.w_sums)
+        items = [(off + lo, byte_view(as_bytes(t.detach())[lo:hi])) for _, t, lo, hi, off in parts]
+        self._pread_many(self.w_fd, items, self.w_sums)
+        for (at, mv), (k, _, lo, hi, _) in zip(items, parts):
             self.c.moved_add("nvme_read", hi - lo)
             # verified before it counts as present: a corrupted home is reported every time
             # it is read, never trusted by a later use, state dict or ``remove``
-            self.w_sums.verify(off + lo, mv, self.w_fd)
+            self.w_sums.verify(at, mv, self.w_fd)
             with self.lock:
                 self.w_got.add((k, lo, hi))
 
@@ -450,59 +457,72 @@ class UnitStatic:
 
     def _accumulate(self, a: int, b: int, last: bool):
         flat = self.dev_grads
+        writes, done = [], []
         for k, (g, off, n) in enumerate(flat):
             if g is None or not n or not a <= off < b:
                 continue
             # by parts of ACC_CHUNK_BYTES (whole elements), each written with its own checksum:
             # the read-back below then holds one part at a time, as the plan counts it
             st = self.grad_state.get(k)
-            self._add_into_file(as_bytes(g), g.dtype, off, n, st is HOME,
-                                self.scales_now.get(k, ()), zeroed=st is ZERO)
+            if st is HOME:       # read, added into and written part by part, one held
+                self._add_into_file(as_bytes(g), g.dtype, off, n, True,
+                                    self.scales_now.get(k, ()))
+            else:                # the first pass's: written with the share's others at once
+                if st is ZERO:
+                    g.add_(0.0)                 # 0.0 + x: x, except -0.0 -> +0.0
+                writes += self._acc_parts(as_bytes(g), g.dtype, off, n)
             # the tensor's accumulated gradient is complete: its norm, as clipping takes it
             self.grad_norms[k] = torch.linalg.vector_norm(g, 2.0)
             self.grad_state[k] = HOME
             self.grad_scales.pop(k, None)
+            done.append(k)
+        if writes:
+            self._pwrite_many(self.g_fd, writes, self.g_sums)
+            self.c.moved_add("nvme_write", sum(len(mv) for _, mv in writes))
+        for k in done:
             # and its memory goes now, not when the unit's last share has left: the plan
             # frees a split transfer share by share
-            flat[k] = (None, off, n)
+            flat[k] = (None, flat[k][1], flat[k][2])
         if last:
             self.dev_grads = None
             self.placeholders_due = True      # installed by the training thread (``wait``)
 
+    @staticmethod
+    def _acc_parts(new: torch.Tensor, dtype, off: int, n: int) -> list:
+        """(file offset, memoryview) of the gradient's bytes ``new`` in parts of
+        ACC_CHUNK_BYTES (whole elements), each written with its own checksum."""
+        es = torch.empty((), dtype=dtype).element_size()
+        step = max(1, ACC_CHUNK_BYTES // es) * es
+        return [(off + c0, byte_view(new[c0:min(n, c0 + step)])) for c0 in range(0, n, step)]
+
     def _add_into_file(self, new: torch.Tensor, dtype, off: int, n: int, add: bool,
-                       scales, zeroed: bool = False) -> None:
+                       scales) -> None:
         """The new gradient (``new``: its ``n`` bytes) into the accumulator file at ``off``, by
         parts of ACC_CHUNK_BYTES (whole elements), each written with its own checksum: the
         read-back then holds one part at a time, as the plan counts it. With ``add`` the
         accumulator is added into the new gradient in its dtype: new + acc, the same bits as
         PyTorch's acc + new (the accumulator scaled first, as a clip between passes scaled
-        ``.grad`` in place). With ``zeroed`` (the gradient was zeroed in place, ``ZERO``) the
-        new gradient is added to zeros, as PyTorch's accumulation into a zeroed ``.grad`` is:
-        0.0 + -0.0 is +0.0, so a -0.0 does not survive (a copy would keep it)."""
-        es = torch.empty((), dtype=dtype).element_size()
-        step = max(1, ACC_CHUNK_BYTES // es) * es
-        for c0 in range(0, n, step):
-            c1 = min(n, c0 + step)
-            part = new[c0:c1]
+        ``.grad`` in place). (A gradient zeroed in place, ``ZERO``, is added to zeros by the
+        caller, as PyTorch's accumulation into a zeroed ``.grad`` is: 0.0 + -0.0 is +0.0, so a
+        -0.0 does not survive; a copy would keep it.)"""
+        for at, part in self._acc_parts(new, dtype, off, n):
             if add:
-                old = torch.empty(c1 - c0, dtype=torch.uint8)
-                self._pread(self.g_fd, byte_view(old), off + c0, self.g_sums)
-                self.g_sums.verify(off + c0, byte_view(old), self.g_fd)
-                self.c.moved_add("nvme_read", c1 - c0)
+                old = torch.empty(len(part), dtype=torch.uint8)
+                self._pread(self.g_fd, byte_view(old), at, self.g_sums)
+                self.g_sums.verify(at, byte_view(old), self.g_fd)
+                self.c.moved_add("nvme_read", len(part))
                 acc = old.view(dtype)
                 for f in scales:
                     acc.mul_(f)
-                part.view(dtype).add_(acc)
+                new[at - off:at - off + len(part)].view(dtype).add_(acc)
                 del old, acc
-            elif zeroed:
-                part.view(dtype).add_(0.0)      # 0.0 + x: x, except -0.0 -> +0.0
-            self._pwrite(self.g_fd, byte_view(part), off + c0, self.g_sums)
-            self.c.moved_add("nvme_write", c1 - c0)
+            self._pwrite(self.g_fd, part, at, self.g_sums)
+            self.c.moved_add("nvme_write", len(part))
 
     def read_grads(self, ks=None) -> dict:
         """Index -> the gradient at home of parameter k (all with one), read from the file
         (zeros where zeroed) with its recorded scales applied."""
-        out = {}
+        out, reads = {}, []
         for k, (t, off, n) in enumerate(self.flat.items):
             st = self.grad_state.get(k)
             if st is None or (ks is not None and k not in ks):
@@ -511,13 +531,14 @@ class UnitStatic:
             if st is ZERO:
                 out[k] = torch.zeros(p.shape, dtype=p.dtype, device=self.device)
                 continue
-            g = torch.empty(p.shape, dtype=p.dtype, device=self.device)
-            self._pread(self.g_fd, byte_view(as_bytes(g)), off, self.g_sums)
-            self.g_sums.verify(off, byte_view(as_bytes(g)), self.g_fd)
-            self.c.moved_add("nvme_read", n)
+            out[k] = torch.empty(p.shape, dtype=p.dtype, device=self.device)
+            reads.append((k, off, byte_view(as_bytes(out[k]))))
+        self._pread_many(self.g_fd, [(off, mv) for _, off, mv in reads], self.g_sums)
+        for k, off, mv in reads:
+            self.g_sums.verify(off, mv, self.g_fd)
+            self.c.moved_add("nvme_read", len(mv))
             for f in self.grad_scales.get(k, ()):
-                g.mul_(f)             # the same scale, in place, as torch's clipping
-            out[k] = g
+                out[k].mul_(f)        # the same scale, in place, as torch's clipping
         return out
 
     # -- the optimizer step -----------------------------------------------------------------
@@ -564,11 +585,10 @@ class UnitStatic:
         return got[0]
 
     def _read_state(self, tens):
-        for k, key, v in tens:
-            n = v.numel() * v.element_size()
-            off = self.s_off[(k, key)][0]
-            v.untyped_storage().resize_(n)
-            self._read_state_range(off, byte_view(as_bytes(v)))
+        for _, _, v in tens:
+            v.untyped_storage().resize_(v.numel() * v.element_size())
+        self._read_state_ranges([(self.s_off[(k, key)][0], byte_view(as_bytes(v)))
+                                 for k, key, v in tens])
 
     def write_back(self, opt_state, weights: bool = True, state: bool = True,
                    defer: bool = False):
@@ -741,19 +761,24 @@ class UnitStatic:
         return writes
 
     def _read_slices(self, reads):
-        for off, t in reads:
-            self._read_state_range(off, byte_view(as_bytes(t)))
+        self._read_state_ranges([(off, byte_view(as_bytes(t))) for off, t in reads])
 
-    def _read_state_range(self, off: int, mv) -> None:
-        """State bytes at ``off`` of the state file into ``mv``: from what was read ahead
-        where that holds them (read, verified and counted then), else from the file."""
+    def _read_state_ranges(self, items) -> None:
+        """State bytes at each ``(offset, mv)`` of the state file into ``mv``: from what was
+        read ahead where that holds them (read, verified and counted then), else from the
+        file (ranges that follow each other there in few requests)."""
+        todo = [(off, mv) for off, mv in items if not self._from_ahead(off, mv)]
+        self._pread_many(self.s_fd, todo, self.s_sums)
+        for off, mv in todo:
+            self.s_sums.verify(off, mv, self.s_fd)
+            self.c.moved_add("nvme_read", len(mv))
+
+    def _from_ahead(self, off: int, mv) -> bool:
         for a, buf in self.ahead.items():
             if a <= off and off + len(mv) <= a + buf.numel():
                 mv[:] = byte_view(buf[off - a:off - a + len(mv)])
-                return
-        self._pread(self.s_fd, mv, off, self.s_sums)
-        self.s_sums.verify(off, mv, self.s_fd)
-        self.c.moved_add("nvme_read", len(mv))
+                return True
+        return False
 
     def _ahead_written(self, off: int, mv) -> None:
         """A state write at ``off``: what was read ahead of that range becomes the new bytes."""
@@ -772,14 +797,12 @@ class UnitStatic:
     def read_ahead(self, regions) -> None:
         """Read the state regions [(offset, bytes)] now, verified, for the step to use (the
         overlapped executor under clip global: the reads move into the backward)."""
-        got = {}
-        for off, n in regions:
-            buf = torch.empty(n, dtype=torch.uint8)
-            mv = byte_view(buf)
-            self._pread(self.s_fd, mv, off, self.s_sums)
+        got = {off: torch.empty(n, dtype=torch.uint8) for off, n in regions}
+        items = [(off, byte_view(buf)) for off, buf in got.items()]
+        self._pread_many(self.s_fd, items, self.s_sums)
+        for off, mv in items:
             self.s_sums.verify(off, mv, self.s_fd)
-            self.c.moved_add("nvme_read", n)
-            got[off] = buf
+            self.c.moved_add("nvme_read", len(mv))
         self.ahead.update(got)
 
     def drop_ahead(self) -> None:
@@ -789,14 +812,15 @@ class UnitStatic:
         """Each tensor in STEP_PIECE_ALIGN-element parts, each checksummed on its own: a piece
         (whole tensors, or slices starting at multiples of that) then reads and verifies whole
         ranges only, never a larger range it would have to read from the file in full."""
+        items = []
         for off, t in writes:
             mv = byte_view(as_bytes(t))
             step = STEP_PIECE_ALIGN * t.element_size()
-            for a in range(0, len(mv), step):
-                self._pwrite(self.s_fd, mv[a:a + step], off + a, self.s_sums)
+            items += [(off + a, mv[a:a + step]) for a in range(0, len(mv), step)]
             self.c.moved_add("nvme_write", len(mv))
             if self.ahead:
                 self._ahead_written(off, mv)
+        self._pwrite_many(self.s_fd, items, self.s_sums)
 
     # -- reading and loading values ------------------------------------------------------------
     def _present(self, k: int) -> bool:

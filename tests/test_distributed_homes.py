@@ -152,7 +152,7 @@ def test_gpt_tiny_world_size_2_on_the_cpu_host_gets_nvme_homes(tmp_path):
     out = tmp_path / "plan.json"
     nv = tmp_path / "nv"
     r = _cli("solve", str(prof), "--world-size", "2", "--engine", "fsdp2", "--hardware",
-             "cpu-host", "--gpu-mem", "3M", "--nvme-mem", "1G", "--nvme-dir", str(nv),
+             "cpu-host", "--gpu-mem", "3.5M", "--nvme-mem", "1G", "--nvme-dir", str(nv),
              "--time-limit", "30", "--shard-homes", "all", "-o", str(out))
     assert r.returncode == 0, r.stderr
     plan = load_plan(out)
@@ -163,7 +163,7 @@ def test_gpt_tiny_world_size_2_on_the_cpu_host_gets_nvme_homes(tmp_path):
     assert sim.returncode == 0 and json.loads(sim.stdout)["fits"], sim.stdout
     # the same budget without NVMe does not fit: the homes are what makes it fit
     r = _cli("solve", str(prof), "--world-size", "2", "--engine", "fsdp2", "--hardware",
-             "cpu-host", "--gpu-mem", "3M", "--time-limit", "30", "-o", str(tmp_path / "n.json"))
+             "cpu-host", "--gpu-mem", "3.5M", "--time-limit", "30", "-o", str(tmp_path / "n.json"))
     assert r.returncode == 3 and "Traceback" not in r.stderr, r.stderr
 
 

@@ -223,11 +223,12 @@ def test_exit_3_names_the_smallest_budget_when_a_mip_start_misleads_the_solver(t
 
 
 def test_exit_3_never_names_a_budget_above_one_that_fits_under_fsdp2_homes(tmp_path):
-    """gpt-tiny, 2 FSDP2 ranks on the CPU host with NVMe homes: a plan fits 9 MiB, but exit 3
+    """gpt-tiny, 2 FSDP2 ranks on the CPU host with NVMe homes: a plan fit 9 MiB, but exit 3
     at 8 MiB named 10.79 MiB. The dive's polish reported an objective (0.0015 GB) below the
     relaxation's own bound (0.0084 GB), so its plan passed as proven. Such a plan now proves
     nothing, and the search goes on. The polish now reads the objective off the point HiGHS
-    returns, not off HiGHS's report of it."""
+    returns, not off HiGHS's report of it. (Since the disk's bounce buffer is priced, the
+    smallest budget with NVMe homes is 9.15 MiB; all on the device needs 9.74.)"""
     from planner.errors import NoFitError
     from planner.formats import Budgets
     from planner.hardware import load_hardware
@@ -239,13 +240,12 @@ def test_exit_3_never_names_a_budget_above_one_that_fits_under_fsdp2_homes(tmp_p
     def solve(mib):
         return solve_profile(prof, None, hw, Budgets(int(mib * 2**20), 0, 2**30),
                              time_limit=30, nvme_dir=str(tmp_path), world_size=2)
-    fits = solve(9).plan
-    assert any(not d.home.resident for d in fits.layers)
     with pytest.raises(NoFitError) as e:
         solve(8)
     need = e.value.needed_bytes
-    assert need <= 9 * 2**20, need
+    assert need <= 9.5 * 2**20, need
     out = solve(need / 2**20)
+    assert any(not d.home.resident for d in out.plan.layers)
     assert out.plan.predicted.peak_gpu_bytes + hw.reserved_bytes <= need
 
 

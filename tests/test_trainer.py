@@ -33,7 +33,7 @@ B, S, K, STEPS = 2, 16, 2, 3
 
 @pytest.fixture(scope="module")
 def setup():
-    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=512, num_hidden_layers=10,
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=512, num_hidden_layers=12,
                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
                                    max_position_embeddings=64)
     torch.manual_seed(0)

@@ -179,23 +179,35 @@ class MemoryRules:
         return out
 
     def staging_needs(self, v: View) -> list:
-        """Lin terms each of which the pinned staging pool must cover (pool >= each): two
-        buffers of the largest NVMe transfer, capped (CUDA only; none on a CPU device)."""
-        if not self.n_staging:
+        """Lin terms each of which the staging pool must cover (pool >= each): for each NVMe
+        transfer, what ``_staged`` says it holds there."""
+        if not self.n_staging or not self.has_nvme:
             return []
-        cap, nb = self.staging_cap, self.n_staging
         out = []
         for i in range(self.U):
             for c, n in (("nvme", self.A[i]), ("rn", self.X[i])):
                 if c in self.choices[i]:
-                    out.append([(v.x(i, c), float(nb * min(n, cap)))])
+                    out.append([(v.x(i, c), float(self._staged(n)))])
             for k, h in enumerate(self.homes[i]):
                 n = max([self.P[i] if h.weights is Tier.NVME else 0,
                          self.G[i] if h.grads is Tier.NVME else 0,
                          self.opt_copy(i, h) if h.optimizer is Tier.NVME else 0])
                 if n:
-                    out.append([(v.h(i, k), float(nb * min(n, cap)))])
+                    out.append([(v.h(i, k), float(self._staged(n)))])
         return out
+
+    def _staged(self, n: int) -> int:
+        """Staging bytes an NVMe transfer of ``n`` bytes holds. CUDA's pinned pool:
+        ``n_staging`` buffers of it, each capped. A CPU device's bounce buffers for direct
+        I/O (``staging_pad`` > 0: a request may spill into a partial block at each end): one
+        request where the transfer fits one, else one buffer per request in flight, which its
+        store's one I/O thread issues one transfer at a time (runtime/disk.py)."""
+        cap, nb, pad = self.staging_cap, self.n_staging, self.staging_pad
+        if not pad:
+            return nb * min(n, cap)
+        if n + pad <= cap:
+            return n + pad
+        return min(nb, -(-n // cap) + 1) * cap
 
     def alloc(self, s: int, v: View, rest: bool) -> dict:
         """Lin per tier: bytes allocated at the start of pass stage s."""

@@ -40,7 +40,7 @@ from planner.costmodel.objective import ObjectiveTerms
 from planner.costmodel.options import OptionRules
 from planner.costmodel.overlap import OverlapRules
 from planner.costmodel.ranks import RankRules
-from planner.formats import HardwareSpec
+from planner.formats import IO_BLOCK_BYTES, HardwareSpec, io_requests
 
 
 def device_budget(gpu_bytes: int, hw: HardwareSpec, margin_bytes: int = 0) -> int:
@@ -158,8 +158,8 @@ class CostModel(OptionRules, MemoryRules, TimeRules, OverlapRules, RankRules, Ob
         put("has_cpu", (not self.unified) and cpu_bytes > 0)
         put("has_nvme", nvme_bytes > 0 and hw.nvme_read_bandwidth > 0 and hw.nvme_write_bandwidth > 0)
         put("windows", self.windows or self._default_windows())
-        put("staging_cap", 0 if self.unified or hw.device == "cpu" else int(hw.staging_buffer_bytes))
-        put("n_staging", 0 if self.staging_cap == 0 else int(hw.staging_buffers))
+        for k, n in zip(("staging_cap", "n_staging", "staging_pad"), self._staging(hw)):
+            put(k, n)
         put("homes", [self._homes(i, allow_streaming) for i in range(self.U)])
         put("choices", [self._choices(i) for i in range(self.U)])
         put("shared", [per * n for n in self._shared_memory()])
@@ -172,3 +172,12 @@ class CostModel(OptionRules, MemoryRules, TimeRules, OverlapRules, RankRules, Ob
             put("shared", [a + b for a, b in zip(self.shared, self.engine_mem)])
             put("net_s", self._net_seconds())
 
+    def _staging(self, hw: HardwareSpec) -> tuple[int, int, int]:
+        """The staging pool NVMe traffic goes through: (each buffer's cap, buffers, bytes a
+        buffer may need beyond its transfer). CUDA's pinned pool; on a CPU device, whose
+        runtime reads and writes the tensors' own memory, the disk requests' bounce buffers,
+        whose requests may spill into a partial block at each end (runtime/disk.py)."""
+        if self.unified or hw.device == "cpu":
+            req, n = io_requests(True, hw.nvme_drives)
+            return req, n, 2 * IO_BLOCK_BYTES
+        return int(hw.staging_buffer_bytes), int(hw.staging_buffers), 0

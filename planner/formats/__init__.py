@@ -42,8 +42,10 @@ from planner.formats.enums import (CLIPS, ENGINES, HARDWARE_SCHEMA, MICRO_BATCH_
                                    OPTIMIZER_OVERLAPS, PLAN_SCHEMA, PLAN_SCHEMA_V1,
                                    PLAN_SCHEMA_V2, PROFILE_SCHEMA, REPORT_SCHEMA, Activation,
                                    Policy, Tier, UnitKind)
-from planner.formats.executor import (ACC_CHUNK_BYTES, STEP_PIECE_ALIGN, STEP_PIECE_BYTES,
-                                      Executor)
+from planner.formats.executor import (ACC_CHUNK_BYTES, IO_BLOCK_BYTES,
+                                      IO_IN_FLIGHT_PER_DRIVE_UNIFIED, IO_REQUEST_BYTES_UNIFIED,
+                                      STEP_PIECE_ALIGN,
+                                      STEP_PIECE_BYTES, Executor, io_requests)
 from planner.formats.fileio import read_json, sha256_file, write_atomic, write_json_atomic
 from planner.formats.plan import Budgets, Plan, Prediction, SolverRecord, load_plan
 from planner.formats.profile import (Profile, UnitRecord, check_model_section, check_units,
@@ -58,5 +60,7 @@ __all__ = [
     "load_profile", "RESIDENT", "Home", "LayerDecision",
     "Budgets", "Plan", "Prediction", "SolverRecord", "load_plan",
     "read_json", "sha256_file", "write_atomic", "write_json_atomic",
-    "ACC_CHUNK_BYTES", "STEP_PIECE_ALIGN", "STEP_PIECE_BYTES", "Executor", "UserError",
+    "ACC_CHUNK_BYTES", "IO_BLOCK_BYTES", "IO_IN_FLIGHT_PER_DRIVE_UNIFIED",
+    "IO_REQUEST_BYTES_UNIFIED",
+    "io_requests", "STEP_PIECE_ALIGN", "STEP_PIECE_BYTES", "Executor", "UserError",
 ]

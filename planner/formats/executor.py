@@ -28,6 +28,26 @@ STEP_PIECE_ALIGN = 2**20
 # written again in parts of at most this many bytes, one part at a time (the runtime's single
 # I/O thread): the read-back holds one such part, not the unit's whole gradient.
 ACC_CHUNK_BYTES = 2**20
+# The runtime's file I/O (runtime/disk.py) is what ``plan hardware`` measures: O_DIRECT, cut
+# at multiples of a request's bytes of the file, several requests in flight per drive. A
+# request that is not block-aligned in the file and in memory (most are: tensors start 64
+# bytes into a page) goes through a bounce buffer of the request's size, at most one per
+# request in flight. On a CPU host those buffers are device memory, priced as its staging pool
+# (docs/formulation.md, "Staging"), so it issues fewer and smaller requests: 256 KiB, 2 in
+# flight, moved 2.2-2.6 GB/s written and 1.26-1.31 GB/s read on the development host's disk,
+# against 2.3-2.9 and 1.30-1.46 for 1 MiB at 4 (its spec says 1.5 and 1.3).
+IO_REQUEST_BYTES = 2**20
+IO_IN_FLIGHT_PER_DRIVE = 4
+IO_REQUEST_BYTES_UNIFIED = 2**18
+IO_IN_FLIGHT_PER_DRIVE_UNIFIED = 2
+IO_BLOCK_BYTES = 4096
+
+
+def io_requests(unified: bool, drives: int) -> tuple[int, int]:
+    """(request bytes, requests in flight) of the runtime's disk I/O on such a host."""
+    if unified:
+        return IO_REQUEST_BYTES_UNIFIED, IO_IN_FLIGHT_PER_DRIVE_UNIFIED * max(1, int(drives))
+    return IO_REQUEST_BYTES, IO_IN_FLIGHT_PER_DRIVE * max(1, int(drives))
 
 
 @dataclass(frozen=True)
@@ -43,7 +63,9 @@ class Executor:
     ``step_piece_align``, ``acc_chunk_bytes``: the piece sizes the plan priced (above); the
     runtime refuses a plan priced with other sizes than it executes. ``compute_threads``: the
     intra-op threads the profile's times were measured with on a CPU device, which a CPU
-    model under the plan computes with (0: not recorded, torch's left as they are)."""
+    model under the plan computes with (0: not recorded, torch's left as they are).
+    ``io_request_bytes``, ``io_in_flight``: the disk requests the plan priced (``io_requests``;
+    0: not recorded, the runtime takes ``io_requests`` of the plan's hardware)."""
 
     grads_from_backward: bool
     static_device_bytes: int
@@ -52,6 +74,8 @@ class Executor:
     step_piece_align: int = STEP_PIECE_ALIGN
     acc_chunk_bytes: int = ACC_CHUNK_BYTES
     compute_threads: int = 0
+    io_request_bytes: int = 0
+    io_in_flight: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -63,6 +87,12 @@ class Executor:
         for k in ("step_piece_bytes", "step_piece_align", "acc_chunk_bytes"):
             if k in d and d[k] < 1:
                 raise UserError(f"{where} executor: {k} must be at least 1; {fix}")
+        n = d.get("io_request_bytes", 0)
+        if n and (n % IO_BLOCK_BYTES or n > 2**30):
+            raise UserError(f"{where} executor: io_request_bytes must be whole "
+                            f"{IO_BLOCK_BYTES}-byte blocks, at most 1 GiB (or 0); {fix}")
+        if not 0 <= d.get("io_in_flight", 0) <= 1024:
+            raise UserError(f"{where} executor: io_in_flight must be 0 to 1024; {fix}")
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
     def check_pieces(self, where: str) -> None:
@@ -77,4 +107,5 @@ class Executor:
 
 _FIELDS = {"grads_from_backward": "bool", "static_device_bytes": "bytes",
            "staging_bytes": "bytes", "step_piece_bytes": "bytes", "step_piece_align": "count",
-           "acc_chunk_bytes": "bytes", "compute_threads": "count"}
+           "acc_chunk_bytes": "bytes", "compute_threads": "count", "io_request_bytes": "bytes",
+           "io_in_flight": "count"}

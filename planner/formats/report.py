@@ -148,6 +148,7 @@ class Report:
     units: list = field(default_factory=list)   # the plan's unit names, in execution order
     structure_hash: str | None = None           # the plan's (its profile's) structure hash
     compute_threads: int = 0          # CPU: torch's intra-op threads under the plan (0: left)
+    nvme_io: str = ""                 # how the NVMe files were read and written ("": none)
 
     @property
     def measured(self) -> Measured | None:
@@ -214,7 +215,7 @@ class Report:
                 "gpu_measure": self.gpu_measure, "rank": self.rank,
                 "world_size": self.world_size, "engine": self.engine,
                 "units": list(self.units), "structure_hash": self.structure_hash,
-                "compute_threads": self.compute_threads,
+                "compute_threads": self.compute_threads, "nvme_io": self.nvme_io or None,
                 "measured_units": self.unit_times(), "measured_links": self.link_rates()}
 
     def _time_rows(self) -> tuple[list, list]:
@@ -278,6 +279,8 @@ class Report:
             lines.append("  note: glibc keeps freed tensors in RSS, so the RSS rise is only "
                          "indicative; run with MALLOC_MMAP_THRESHOLD_=65536 to measure it "
                          "(docs/runtime.md)")
+        if self.nvme_io:
+            lines.append(f"  nvme files: {self.nvme_io}")
         if not self.hwm_reset and self.device != "cuda":
             lines.append("  note: /proc/self/clear_refs was not writable; the RSS peak is the "
                          "process's lifetime peak")
@@ -293,7 +296,7 @@ def load_report_dict(d: dict, source: str = "report") -> Report:
                       "predicted_moved": "dict", "predicted_static_bytes": "bytes",
                       "rank": "count", "world_size": "count", "engine": "str",
                       "units": "list", "structure_hash": "str?",
-                      "compute_threads": "count"}, where, _FIX)
+                      "compute_threads": "count", "nvme_io": "str?"}, where, _FIX)
     if not all(isinstance(n, str) for n in d.get("units", [])):
         raise UserError(f"{where}: units must be a list of unit names; {_FIX}")
     p = d["plan"]
@@ -315,7 +318,8 @@ def load_report_dict(d: dict, source: str = "report") -> Report:
                   rank=int(d.get("rank", 0)), world_size=int(d.get("world_size", 1)),
                   engine=str(d.get("engine", "none")), units=list(d.get("units", [])),
                   structure_hash=d.get("structure_hash"),
-                  compute_threads=int(d.get("compute_threads", 0)))
+                  compute_threads=int(d.get("compute_threads", 0)),
+                  nvme_io=str(d.get("nvme_io") or ""))
 
 
 def load_report(path) -> Report:

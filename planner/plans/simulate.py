@@ -20,7 +20,7 @@ from planner.formats.identity import check_param_table
 from planner.costmodel import RESOURCES, TIERS, CostModel, View, decision_choice, evaluate
 from planner.errors import NoFitError, UserError
 from planner.formats.events import Op, Stream
-from planner.formats import Executor, Plan, Tier, write_json_atomic
+from planner.formats import Executor, Plan, Tier, io_requests, write_json_atomic
 from planner.plans.load import load_plan
 from planner.costmodel.options import state_up_homes_for
 from planner.costmodel.schedule import build_schedule, event_ids, segments, shares_of
@@ -465,9 +465,11 @@ def executor_of(cm: CostModel, plan: Plan, sim: SimResult) -> Executor:
     static = sum(cm.resident(i, d.home)["gpu"] - (cm.G[i] if d.home.grads is Tier.GPU else 0)
                  for i, d in enumerate(plan.layers)) + cm.engine_static
     threads = plan.model.get("compute_threads") if plan.hardware.get("device") == "cpu" else 0
+    request, in_flight = io_requests(cm.unified or cm.hw.device == "cpu", cm.hw.nvme_drives)
     return Executor(grads_from_backward=bool(cm.grads_from_backward()),
                     static_device_bytes=int(static), staging_bytes=int(sim.staging_bytes),
-                    compute_threads=int(threads or 0))
+                    compute_threads=int(threads or 0), io_request_bytes=request,
+                    io_in_flight=in_flight)
 
 
 def with_executor(plan: Plan) -> Plan:

@@ -27,7 +27,7 @@ import threading
 
 import torch
 
-from ..files import pread_all, pwrite_all
+from ..files import pread_all, pread_many, pwrite_all, pwrite_many
 
 # every view the slab hands out starts at a multiple of this (any dtype's alignment)
 SLAB_ALIGN = 64
@@ -218,6 +218,14 @@ class Backend:
 
     def write(self, fd: int, offset: int, view, sums=None) -> None:
         pwrite_all(fd, view, offset, sums)
+
+    def read_many(self, fd: int, items, sums=None) -> None:
+        """``read`` of each ``(offset, view)``: ranges that follow each other in the file in
+        few requests (many small tensors of a unit)."""
+        pread_many(fd, items, sums if sums is not None else "")
+
+    def write_many(self, fd: int, items, sums=None) -> None:
+        pwrite_many(fd, items, sums)
 
     # -- device memory counters (None: the backend has none)
     def allocated(self):

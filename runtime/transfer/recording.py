@@ -142,6 +142,14 @@ class RecordingBackend(Backend):
             self._check_overlap(self.writes, (ptr, 0, len(view)), "file write", absolute=True)
         super().write(fd, offset, view, sums)
 
+    def write_many(self, fd, items, sums=None) -> None:
+        items = list(items)
+        with self.lock:
+            for _, view in items:
+                self._check_overlap(self.writes, (_mv_ptr(view), 0, len(view)), "file write",
+                                    absolute=True)
+        super().write_many(fd, items, sums)
+
     # -- internals
     def _name(self, stream) -> str:
         return "compute" if stream is None else stream.name
