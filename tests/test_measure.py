@@ -97,7 +97,7 @@ def test_adamw_rate_counts_what_it_steps(monkeypatch):
     (["--request", "1000"], "--request"),
     (["--request", "128M"], "--request"),
     (["--request", "0"], "--request"),
-    (["--size", "512K"], "smaller than one --request"),
+    (["--size", "512K", "--request", "1M"], "smaller than one --request"),
     (["--in-flight", "0"], "--in-flight"),
     (["--in-flight", "65"], "--in-flight"),
     (["--in-flight", "two"], "--in-flight"),
@@ -110,3 +110,18 @@ def test_hardware_bad_options_are_one_line(args, needle, capsys):
     assert main(["hardware", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_by_default_the_disk_is_measured_in_the_requests_the_runtime_issues(tmp_path):
+    """Without --request and --in-flight the probe issues what the runtime's disk I/O does on
+    this host (runtime/disk.py, ``io_requests``), so the spec's rates are the ones its plans
+    will see."""
+    import torch
+
+    from planner.formats import io_requests
+    out = tmp_path / "host.yaml"
+    assert main(["hardware", "--nvme-dir", str(tmp_path / "p"), "--size", "8M",
+                 "--adam-params", "64K", "-o", str(out)]) == 0
+    request, in_flight = io_requests(not torch.cuda.is_available(), 1)
+    want = f"{request // 1024}.00 KiB" if request < 1 << 20 else f"{request >> 20}.00 MiB"
+    assert f"{want} requests, {in_flight} in flight" in load_hardware(str(out)).sources["nvme"]

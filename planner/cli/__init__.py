@@ -267,10 +267,12 @@ def _hardware_options(q) -> None:
     """``plan hardware``'s arguments."""
     q.add_argument("--nvme-dir", default=None, help="where to probe disk bandwidth (default: a temp dir)")
     q.add_argument("--size", default="1G", help="bytes written and read by the disk probe")
-    q.add_argument("--request", default="1M", help="bytes per disk request (default: 1M, as "
-                   "the runtime's transfer engine; whole 4 KiB blocks)")
-    q.add_argument("--in-flight", default="4", help="disk requests at once, one thread each "
-                   "(default: 4)")
+    q.add_argument("--request", default=None, help="bytes per disk request, whole 4 KiB "
+                   "blocks (default: what the runtime issues on this host: 1M with a GPU, "
+                   "256K on a CPU-only host)")
+    q.add_argument("--in-flight", default=None, help="disk requests at once, one thread each "
+                   "(default: what the runtime issues per drive: 4 with a GPU, 2 on a "
+                   "CPU-only host)")
     q.add_argument("--adam-params", default="32M", help="fp32 parameters the CPU AdamW probe "
                    "steps (default: 32M, about 0.5 GiB with its state)")
     q.add_argument("-o", "--output", default=None, help="output YAML (default: print it)")

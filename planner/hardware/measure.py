@@ -29,11 +29,12 @@ import yaml
 
 from planner.errors import UserError
 from planner.formats.fileio import _check_path_text, _shown, check_output, write_atomic
-from planner.formats import HARDWARE_SCHEMA, HardwareSpec
+from planner.formats import HARDWARE_SCHEMA, HardwareSpec, io_requests
 from planner.sizes import fmt_bytes, parse_size
 
-REQUEST = 1 << 20        # bytes per I/O request: what the runtime's transfer engine issues
-IN_FLIGHT = 4            # requests at once (threads)
+# bytes per I/O request and requests at once (threads) where not given: what the runtime's
+# disk I/O issues on a host with a GPU (runtime/disk.py; io_requests gives a CPU host's)
+REQUEST, IN_FLIGHT = io_requests(False, 1)
 ALIGN = 4096             # O_DIRECT: buffer address, offset and size in whole blocks
 ADAM_PARAMS = 1 << 25    # fp32 parameters the AdamW probe steps (~0.5 GiB with its state)
 
@@ -242,16 +243,19 @@ def pinned_bandwidth(nbytes: int) -> tuple[float, float]:
 # ----------------------------------------------------------------------------- the spec
 
 def measure_host(nvme_dir: str | None, size: int, matmul_n: int | None = None,
-                 request: int = REQUEST, in_flight: int = IN_FLIGHT,
+                 request: int | None = None, in_flight: int | None = None,
                  adam_params: int = ADAM_PARAMS) -> HardwareSpec:
-    """This host's spec, measured: the disk probe in ``nvme_dir`` (or the temp folder), the
-    CPU AdamW rate, the matmul rate per dtype, copy bandwidths and memory sizes."""
+    """This host's spec, measured: the disk probe in ``nvme_dir`` (or the temp folder), in
+    requests as the runtime issues them here unless ``request``/``in_flight`` say otherwise;
+    the CPU AdamW rate, the matmul rate per dtype, copy bandwidths and memory sizes."""
     import torch
 
-    probe_dir, created = _probe_dir(nvme_dir)
-    disk, free = _disk_probe(probe_dir, size, created, request, in_flight)
-    adam = adamw_rate(adam_params)
     cuda = torch.cuda.is_available()
+    own_request, own_in_flight = _own_requests()
+    probe_dir, created = _probe_dir(nvme_dir)
+    disk, free = _disk_probe(probe_dir, size, created, request or own_request,
+                             in_flight or own_in_flight)
+    adam = adamw_rate(adam_params)
     device = "cuda" if cuda else "cpu"
     n = matmul_n or (8192 if cuda else 1024)
     rates = matmul_rates(device, n)
@@ -378,28 +382,39 @@ MAX_REQUEST = 64 << 20
 MAX_ADAM_PARAMS = 1 << 31
 
 
+def _own_requests() -> tuple[int, int]:
+    """The disk requests the runtime issues on this host, per drive (``io_requests``)."""
+    import torch
+    return io_requests(not torch.cuda.is_available(), 1)
+
+
 def _probe_options(args) -> tuple[int, int, int, int]:
     """``--size``, ``--request``, ``--in-flight`` and ``--adam-params``, each checked (one
     line naming the option and a value that works)."""
     size = parse_size(args.size, "--size")
     if size <= 0:
         raise UserError("--size 0: give the number of bytes the disk probe writes, e.g. 1G")
-    request = parse_size(args.request, "--request")
+    own_request, own_in_flight = _own_requests()
+    request = own_request if args.request is None else parse_size(args.request, "--request")
     if not ALIGN <= request <= MAX_REQUEST or request % ALIGN:
         raise UserError(f"--request {args.request}: give a whole number of 4 KiB blocks from "
                         "4K to 64M (O_DIRECT needs whole blocks), e.g. 1M")
     if size < request:
         raise UserError(f"--size {args.size} is smaller than one --request "
                         f"({fmt_bytes(request)}); give a larger --size, e.g. 1G")
-    text = str(args.in_flight).strip()
+    text = str(args.in_flight if args.in_flight is not None else own_in_flight).strip()
     if not text.isdigit() or not 1 <= int(text) <= MAX_IN_FLIGHT:
         raise UserError(f"--in-flight {_shown(str(args.in_flight))}: give the number of "
                         f"requests at once, 1 to {MAX_IN_FLIGHT}, e.g. {IN_FLIGHT}")
+    return size, request, int(text), _adam_params(args)
+
+
+def _adam_params(args) -> int:
     adam = parse_size(args.adam_params, "--adam-params")
     if not 4 <= adam <= MAX_ADAM_PARAMS:
         raise UserError(f"--adam-params {args.adam_params}: give the number of fp32 "
                         "parameters the AdamW probe steps, 4 to 2G, e.g. 32M")
-    return size, request, int(text), adam
+    return adam
 
 
 def cli_hardware(args) -> int:
