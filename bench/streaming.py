@@ -45,6 +45,10 @@ one plainly and one under the plan. The table shows:
              total (resident state + rise) to be within 10% of the predicted peak, either way,
              and under the budget
   files      files left in the plan's NVMe directory after ``handle.remove()``
+  buffered   (``--buffered-too``) the step time of a fourth run of the plan whose files go
+             through the page cache (``TIERPLAN_NVME_IO=buffered``), beside its ratio to the
+             prediction: what the runtime measured before its reads and writes went to the
+             drive with O_DIRECT (docs/runtime.md, "Files")
 
 The plain run computes with the intra-op threads the plan does (the plan's
 ``executor.compute_threads``, its profile's: every core but one by default, which the runtime
@@ -283,11 +287,16 @@ def bench_family(name, spec, B, S, family, prof: Path, static: int, args, tmp: P
     runs = [("plain", memory_env, out), ("plan", memory_env, out)]
     if args.device == "cpu":
         runs.append(("time", timing_env, tout))
+    bout = tmp / f"{tag}-buffered.json"
+    if args.buffered_too:             # the same timing run, its files through the page cache
+        runs.append(("time", dict(timing_env, TIERPLAN_NVME_IO="buffered"), bout))
     for mode, env, dest in runs:
         _run([py, __file__, "--worker", mode, *common, "--out", str(dest)], env=env)
     res = json.loads(out.read_text())
     if args.device == "cpu":          # the step time from the run without the mmap threshold
         res.update(json.loads(tout.read_text()))
+    if args.buffered_too:
+        res["buffered_step_s"] = json.loads(bout.read_text())["step_s"]
     sched = f"{p.get('micro_batch_order', 'batch-major')[:5]}/" \
             f"{'ovl' if p.get('optimizer_overlap') == 'overlapped' else 'aft'}/" \
             f"{p.get('clip', 'global')[:4]}"
@@ -308,6 +317,10 @@ def main(argv=None) -> int:
                     help="hardware spec for profile and solve (cpu-host on a CPU; on a GPU the "
                          "file 'plan hardware' wrote)")
     ap.add_argument("--cpu-mem", help="host memory budget for plan solve (a GPU's host)")
+    ap.add_argument("--buffered-too", action="store_true",
+                    help="time each plan a second time with its files through the page cache "
+                         "(TIERPLAN_NVME_IO=buffered), as the runtime wrote them before it "
+                         "used O_DIRECT: the 'buffered' column")
     ap.add_argument("--keep", help="keep the profiles, plans and results in this directory")
     ap.add_argument("--json", help="also write the rows as JSON to this file")
     # the worker's own arguments
@@ -352,7 +365,7 @@ def main(argv=None) -> int:
     hdr = (f"{'model':11} {'family':14} {'sched':14} {'static':>9} {'budget':>9} {'off':>5} "
            f"{'diff':>8} {'peak rise meas/pred':>21} {'ratio':>6} {'total/budget':>13} "
            f"{'NVMe meas/pred':>17} {'step meas/pred':>15} {'ratio':>6} {'waited':>7} "
-           f"{'files':>5}")
+           f"{'files':>5}" + (f" {'buffered':>8} {'ratio':>6}" if args.buffered_too else ""))
     print(hdr)
     print("-" * len(hdr))
     ok = True
@@ -378,7 +391,9 @@ def main(argv=None) -> int:
               f"{r['peak_nvme'] / MiB:8.1f}/{r['predicted_nvme'] / MiB:6.1f}Mi "
               f"{r['step_s']:6.2f}/{r['predicted_step_s']:6.2f}s "
               f"{r['step_s'] / r['predicted_step_s']:6.2f} {r['stall_s'] * 1e3:5.0f}ms "
-              f"{len(r['files_left']):>5}")
+              f"{len(r['files_left']):>5}" + (
+                  f" {r['buffered_step_s']:7.2f}s {r['buffered_step_s'] / r['predicted_step_s']:6.2f}"
+                  if args.buffered_too else ""))
     print("\nplans:", *(f"  {r['name']} {r['family']}: {r['origin']}: {r['solve']}" for r in rows
                         if "no_fit" not in r), sep="\n")
     if args.json:
