@@ -177,11 +177,14 @@ def pwrite_all(fd: int, mv: memoryview, offset: int, sums: Sums | str | None = N
 def pwrite_many(fd: int, items, sums: Sums | str | None = None) -> None:
     """Write each ``(offset, mv)``, in order, each with its own checksum in ``sums``; items
     that follow each other in the file go to the drive together (runtime/disk.py)."""
-    items = list(items)
-    if not items:
-        return
-    with LINKS.busy_with("nvme_write", sum(len(mv) for _, mv in items)):
-        _pwrite_many(fd, items, sums)
+    _timed("nvme_write", _pwrite_many, fd, list(items), sums)
+
+
+def _timed(link: str, fn, fd: int, items: list, where) -> None:
+    """``fn(fd, items, where)``, the link busy meanwhile with the items' bytes."""
+    if items:
+        with LINKS.busy_with(link, sum(len(mv) for _, mv in items)):
+            fn(fd, items, where)
 
 
 def _pwrite_many(fd: int, items, sums) -> None:
@@ -213,11 +216,7 @@ def pread_all(fd: int, mv: memoryview, offset: int, label: Sums | str = "") -> N
 def pread_many(fd: int, items, label: Sums | str = "") -> None:
     """Fill each ``(offset, mv)`` exactly (not verified: ``Sums.verify`` does that); items
     that follow each other in the file come from the drive together."""
-    items = list(items)
-    if not items:
-        return
-    with LINKS.busy_with("nvme_read", sum(len(mv) for _, mv in items)):
-        _pread_many(fd, items, label)
+    _timed("nvme_read", _pread_many, fd, list(items), label)
 
 
 def _pread_many(fd: int, items, label) -> None:
