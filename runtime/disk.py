@@ -74,7 +74,8 @@ def _address(mv: memoryview) -> int | None:
 
 class DiskIO:
     """Direct reads and writes of file ranges in requests of ``request`` bytes, up to
-    ``in_flight`` at once (one thread each: ``pwrite``/``preadv`` release the GIL)."""
+    ``in_flight`` at once: the caller and ``in_flight - 1`` threads, each taking the next
+    request of a range until none is left (``pwrite``/``preadv`` release the GIL)."""
 
     def __init__(self, request: int, in_flight: int):
         if request < BLOCK or request % BLOCK or in_flight < 1:
@@ -168,18 +169,29 @@ class DiskIO:
             return
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.in_flight,
+                self._pool = ThreadPoolExecutor(self.in_flight - 1 or 1,
                                                 thread_name_prefix=DISK_THREAD_PREFIX)
             pool = self._pool
-        futures = [pool.submit(fn, a, b) for a, b in reqs]
-        error = None
-        for f in futures:
-            try:
-                f.result()
-            except BaseException as e:        # wait for the others all the same
-                error = error or e
-        if error is not None:
-            raise error
+        # the caller and up to in_flight - 1 threads each take the next request until none is
+        # left (one task per thread, not one per request); after an error none is started
+        todo, lock, errors = iter(reqs), threading.Lock(), []
+
+        def drain():
+            while not errors:
+                with lock:
+                    req = next(todo, None)
+                if req is None:
+                    return
+                try:
+                    fn(*req)
+                except BaseException as e:
+                    errors.append(e)
+        helpers = [pool.submit(drain) for _ in range(min(self.in_flight, len(reqs)) - 1)]
+        drain()
+        for f in helpers:
+            f.result()                        # every request has ended before we return
+        if errors:
+            raise errors[0]
 
     def _write(self, fd: int, run: "_Run", a: int, b: int) -> None:
         A, B = a - a % BLOCK, -(-b // BLOCK) * BLOCK
