@@ -45,7 +45,7 @@ from pathlib import Path
 
 import xxhash
 
-from planner.formats import IO_IN_FLIGHT_PER_DRIVE_UNIFIED, IO_REQUEST_BYTES_UNIFIED, UserError
+from planner.formats import UserError, io_requests
 from planner.formats.fileio import _is_dir, _shown, lock_dir, path_problem
 
 from .disk import DiskIO, ShortRead, accepts_direct, direct_flag
@@ -192,10 +192,11 @@ def _pwrite_many(fd: int, items, sums) -> None:
         disk = _DIRECT.get(fd)
         if disk is not None:
             disk.write_many(fd, items)
-        for off, mv in items if disk is None else ():
-            while len(mv):
-                n = os.pwrite(fd, mv, off)
-                mv, off = mv[n:], off + n
+        else:
+            for off, mv in items:
+                while len(mv):
+                    n = os.pwrite(fd, mv, off)
+                    mv, off = mv[n:], off + n
     except OSError as e:
         path, what = _label(sums)
         hint = ("the disk is full: free space or give apply_plan(..., nvme_dir=) a larger disk"
@@ -224,12 +225,13 @@ def _pread_many(fd: int, items, label) -> None:
     try:
         if disk is not None:
             disk.read_many(fd, items)
-        for off, mv in items if disk is None else ():
-            while len(mv):
-                n = os.preadv(fd, [mv], off)
-                if n == 0:
-                    raise ShortRead
-                mv, off = mv[n:], off + n
+        else:
+            for off, mv in items:
+                while len(mv):
+                    n = os.preadv(fd, [mv], off)
+                    if n == 0:
+                        raise ShortRead
+                    mv, off = mv[n:], off + n
     except ShortRead:
         path, what = _label(label)
         raise OffloadCorrupted(f"tierplan: offload file '{path}'{what} is shorter than "
@@ -565,12 +567,12 @@ class NvmeStore:
     through it, whether it exits normally (``atexit``), drops the handle or calls
     ``close``."""
 
-    def __init__(self, base: str | os.PathLike, request: int = IO_REQUEST_BYTES_UNIFIED,
-                 in_flight: int = IO_IN_FLIGHT_PER_DRIVE_UNIFIED):
+    def __init__(self, base: str | os.PathLike, io: tuple[int, int] | None = None):
         self.base = Path(base)
-        # the files' reads and writes (runtime/disk.py): direct, unless the file system
-        # refuses O_DIRECT (``direct`` False, ``buffered_why`` says why); None: no file yet
-        self.disk = DiskIO(request, in_flight)
+        # the files' reads and writes (runtime/disk.py) in ``io`` = (request bytes, in flight),
+        # a CPU host's without: direct, unless the file system refuses O_DIRECT (``direct``
+        # False, ``buffered_why`` says why); None: no file yet
+        self.disk = DiskIO(*(io or io_requests(True, 0)))
         self.direct: bool | None = None
         self.buffered_why = ""
         self.dir: Path | None = None

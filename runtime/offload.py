@@ -129,7 +129,7 @@ class Mover:
             if not self.nvme_dir:
                 raise ValueError("the plan uses nvme but names no nvme_dir; pass "
                                  "apply_plan(..., nvme_dir=DIR) or solve with --nvme-dir")
-            self.store = NvmeStore(self.nvme_dir, *(self.io or ()))
+            self.store = NvmeStore(self.nvme_dir, self.io)
         return self.store
 
     def close(self):

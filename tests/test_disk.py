@@ -222,7 +222,7 @@ def test_the_stores_files_bypass_the_page_cache_unless_asked(tmp_path, monkeypat
     does see cached pages)."""
     if mode == "buffered":
         monkeypatch.setenv("TIERPLAN_NVME_IO", "buffered")
-    store = NvmeStore(tmp_path / "nvme", 2**18, 4)
+    store = NvmeStore(tmp_path / "nvme", (2**18, 4))
     try:
         fd, path = store.open("w-blocks.0")
         if mode == "direct" and not store.direct:

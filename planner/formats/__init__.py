@@ -42,9 +42,7 @@ from planner.formats.enums import (CLIPS, ENGINES, HARDWARE_SCHEMA, MICRO_BATCH_
                                    OPTIMIZER_OVERLAPS, PLAN_SCHEMA, PLAN_SCHEMA_V1,
                                    PLAN_SCHEMA_V2, PROFILE_SCHEMA, REPORT_SCHEMA, Activation,
                                    Policy, Tier, UnitKind)
-from planner.formats.executor import (ACC_CHUNK_BYTES, IO_BLOCK_BYTES,
-                                      IO_IN_FLIGHT_PER_DRIVE_UNIFIED, IO_REQUEST_BYTES_UNIFIED,
-                                      STEP_PIECE_ALIGN,
+from planner.formats.executor import (ACC_CHUNK_BYTES, IO_BLOCK_BYTES, STEP_PIECE_ALIGN,
                                       STEP_PIECE_BYTES, Executor, io_requests)
 from planner.formats.fileio import read_json, sha256_file, write_atomic, write_json_atomic
 from planner.formats.plan import Budgets, Plan, Prediction, SolverRecord, load_plan
@@ -60,7 +58,5 @@ __all__ = [
     "load_profile", "RESIDENT", "Home", "LayerDecision",
     "Budgets", "Plan", "Prediction", "SolverRecord", "load_plan",
     "read_json", "sha256_file", "write_atomic", "write_json_atomic",
-    "ACC_CHUNK_BYTES", "IO_BLOCK_BYTES", "IO_IN_FLIGHT_PER_DRIVE_UNIFIED",
-    "IO_REQUEST_BYTES_UNIFIED",
-    "io_requests", "STEP_PIECE_ALIGN", "STEP_PIECE_BYTES", "Executor", "UserError",
+    "ACC_CHUNK_BYTES", "IO_BLOCK_BYTES", "io_requests", "STEP_PIECE_ALIGN", "STEP_PIECE_BYTES", "Executor", "UserError",
 ]

@@ -251,7 +251,7 @@ def measure_host(nvme_dir: str | None, size: int, matmul_n: int | None = None,
     import torch
 
     cuda = torch.cuda.is_available()
-    own_request, own_in_flight = _own_requests()
+    own_request, own_in_flight = io_requests(not cuda, 1)
     probe_dir, created = _probe_dir(nvme_dir)
     disk, free = _disk_probe(probe_dir, size, created, request or own_request,
                              in_flight or own_in_flight)

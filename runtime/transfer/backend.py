@@ -27,7 +27,7 @@ import threading
 
 import torch
 
-from ..files import pread_all, pread_many, pwrite_all, pwrite_many
+from ..files import pread_many, pwrite_many
 
 # every view the slab hands out starts at a multiple of this (any dtype's alignment)
 SLAB_ALIGN = 64
@@ -214,10 +214,10 @@ class Backend:
 
     # -- files (on the caller's thread: the runtime's I/O worker)
     def read(self, fd: int, offset: int, view, sums=None) -> None:
-        pread_all(fd, view, offset, sums if sums is not None else "")
+        self.read_many(fd, [(offset, view)], sums)
 
     def write(self, fd: int, offset: int, view, sums=None) -> None:
-        pwrite_all(fd, view, offset, sums)
+        self.write_many(fd, [(offset, view)], sums)
 
     def read_many(self, fd: int, items, sums=None) -> None:
         """``read`` of each ``(offset, view)``: ranges that follow each other in the file in
