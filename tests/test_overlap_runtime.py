@@ -117,7 +117,9 @@ def _setup(name, clip, nvme):
     homes = [d.home for d in plan.layers]
     assert sum(h.grads is Tier.NVME for h in homes) >= len(homes) // 2, homes
     assert plan.clip == clip
-    if plan.optimizer_overlap != "overlapped":
+    if plan.optimizer_overlap != "overlapped" or clip == "global":
+        # (under clip global the solver may read ahead a little already, on a unified-memory
+        # host as much as the budget leaves: here all of it, to run the read of every unit)
         ahead = sum(u.optimizer_bytes for u, h in zip(plan.units, homes)
                     if h.optimizer is Tier.NVME)
         plan = dataclasses.replace(plan, optimizer_overlap="overlapped",

@@ -7,8 +7,9 @@ time the later backward stages of the last pass leave idle on each resource; wha
 there runs in the optimizer phase. With ``clip: none`` all of a unit's work may move (its state
 reads, its step on the host or the device, its writes and its weights' way home); with ``clip:
 global`` no update may start before the whole backward (the norm needs every gradient), so only
-the state reads of units stepped on the host move, up to ``prefetch_bytes`` held in host
-memory until the optimizer phase. A stage is never lengthened by optimizer work: it fills idle
+the state reads of units stepped on the host (on a unified-memory device: of any unit) move, up
+to ``prefetch_bytes`` held in host memory (the device's, on unified memory) until the optimizer
+phase. A stage is never lengthened by optimizer work: it fills idle
 time only.
 
 Per resource r this is a fluid schedule with release times and one deadline, whose exact
@@ -81,13 +82,17 @@ class OverlapRules:
                 r, w = self.step_reads(j, h), self.step_writes(j, h)
                 dev, cpu = self.step_seconds(j, h)
                 grad_rd = self.G[j] if h.grads is Tier.NVME else 0
-                parts = {"rd": r["nvme"] - grad_rd, "rd_grad": grad_rd,
+                w_rd = self.P[j] if (h.weights is Tier.NVME and self.M[j] == 0) else 0
+                parts = {"rd": r["nvme"] - grad_rd - w_rd, "rd_w": w_rd, "rd_grad": grad_rd,
                          "d2h": r["d2h"] + w["d2h"], "wr": w["nvme"], "h2d": w["h2d"] + r["h2d"],
                          "comp": dev, "host": cpu}
-                # clip global: only the state (master, moments, weights without a master)
-                # may be read ahead; a gradient read waits for the phase like the update
+                # clip global: only the optimizer state (master, moments) may be read ahead,
+                # what the runtime reads ahead (the state file's regions); the weights a step
+                # without a master reads, and a gradient read, wait for the phase like the
+                # update. Units stepped on the host, or anywhere on a unified device (its
+                # step reads its state into the same memory the read ahead holds it in)
                 move = set(parts) if self.clip == "none" else \
-                    ({"rd"} if h.step is Tier.CPU else set())
+                    ({"rd"} if (h.step is Tier.CPU or self.unified) else set())
                 for name, n in parts.items():
                     if n:
                         dest = dest_m if name in move else fixed
@@ -119,7 +124,7 @@ class OverlapRules:
             hw = self.hw
             if part in ("comp", "host"):
                 t = n
-            elif part in ("rd", "rd_grad"):
+            elif part in ("rd", "rd_w", "rd_grad"):
                 t = n / hw.nvme_read_bandwidth
             elif part == "wr":
                 t = n / hw.nvme_write_bandwidth
@@ -136,7 +141,7 @@ class OverlapRules:
             return [("compute", n)]
         if part == "host":
             return [("host", n)]
-        if part in ("rd", "rd_grad"):
+        if part in ("rd", "rd_w", "rd_grad"):
             return [("nvme", n / hw.nvme_read_bandwidth)]
         if part == "wr":
             return [("nvme", n / hw.nvme_write_bandwidth)]

@@ -166,8 +166,8 @@ def _overlapped(profile, profile_path, cfg: SolveConfig, main: CostModel,
         got, r = sim(0)
         why = r.budget_violations[0] if not r.fits else \
             "no unit's optimizer work can start before the backward ends"
-        if r.fits and r.overlapped_s <= 0 and cfg.clip == "global" and not any(
-                d.home.step is Tier.CPU for d in plan.layers):
+        if r.fits and r.overlapped_s <= 0 and cfg.clip == "global" and not cm.unified \
+                and not any(d.home.step is Tier.CPU for d in plan.layers):
             why = ("under --clip global only the state reads of units stepped on the host "
                    "move into the backward, and this plan steps none there")
         elif r.fits and r.overlapped_s <= 0 and cfg.clip == "global":
@@ -249,9 +249,12 @@ def _search(profile, profile_path, cfg: SolveConfig, models: _Models, clock,
                                        or _streaming_may_pay(models.main, best, cfg.gap)):
         def joint(model, origin, share):
             nonlocal best
+            # --optimizer-overlap on wants the overlapped model's own best plan even where it
+            # is no faster than the best so far (``_overlapped`` then runs it so)
+            cut = best is not None and not (cfg.optimizer_overlap == "on" and model.overlapped)
             got = milp(profile, profile_path, cfg, model, origin=origin, clock=clock,
                        warm=best.plan.layers if best else None, share=share,
-                       incumbent=best.sim.step_s if best else None)
+                       incumbent=best.sim.step_s if cut else None)
             if got is not None:
                 cands.append(got)
                 best = _pick(cands)
