@@ -300,8 +300,10 @@ def bench_family(name, spec, B, S, family, prof: Path, static: int, args, tmp: P
     sched = f"{p.get('micro_batch_order', 'batch-major')[:5]}/" \
             f"{'ovl' if p.get('optimizer_overlap') == 'overlapped' else 'aft'}/" \
             f"{p.get('clip', 'global')[:4]}"
+    ahead = int(p.get("optimizer_prefetch_bytes") or 0)
     res.update(row, units_off=off, units=len(p["layers"]), sched=sched,
-               origin=p["solver"].get("origin"), solve=r.stdout.strip().splitlines()[-1])
+               origin=p["solver"].get("origin"), solve=r.stdout.strip().splitlines()[-1]
+               + (f"; state read ahead {ahead / MiB:.3f} MiB" if ahead else ""))
     return res
 
 

@@ -500,7 +500,13 @@ def test_optimizer_overlap_on_writes_the_overlapped_schedule_or_exits_3(tmp_path
     without = simulate(dataclasses.replace(p_glob, optimizer_prefetch_bytes=0))
     assert r.peak_gpu_bytes - without.peak_gpu_bytes == pytest.approx(
         p_glob.optimizer_prefetch_bytes, abs=1)
+    # and plan inspect says how much
+    from planner.sizes import fmt_bytes
     capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "glob.json")]) == 0
+    head = capsys.readouterr().out.splitlines()[1]
+    assert head.endswith(f"optimizer overlapped, clip global, state read ahead "
+                         f"{fmt_bytes(p_glob.optimizer_prefetch_bytes)})"), head
     assert main(["solve", *common, "--gpu-mem", "80000000", "--optimizer-overlap", "on",
                  "--micro-batch-order", "layer-major", "-o", str(tmp_path / "lm.json")]) == 2
     assert "not run together" in capsys.readouterr().err

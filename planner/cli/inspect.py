@@ -168,7 +168,9 @@ def render(plan: Plan, sim, source: str, report=None) -> str:
              f"  model     {m.get('name')}  batch {m.get('batch')}  seq {m.get('seq')}  "
              f"{m.get('dtype')}  {fmt_count(int(m.get('param_count', 0)))} params  "
              f"{plan.micro_batches} micro-batch(es) per optimizer step ({plan.micro_batch_order}"
-             f"; optimizer {plan.optimizer_overlap}, clip {plan.clip})",
+             f"; optimizer {plan.optimizer_overlap}, clip {plan.clip}"
+             + (f", state read ahead {fmt_bytes(plan.optimizer_prefetch_bytes)}"
+                if plan.optimizer_prefetch_bytes else "") + ")",
              f"  hardware  {hw.get('name')}  ({hw.get('description')})",
              f"  budgets   GPU {fmt_bytes(b.gpu_bytes)}  host {fmt_bytes(b.cpu_bytes)}  NVMe "
              f"{fmt_bytes(b.nvme_bytes)}" + (f"  (nvme dir {plan.nvme_dir})" if plan.nvme_dir else ""),
