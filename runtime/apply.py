@@ -1274,6 +1274,12 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
     if plan.micro_batch_order == "layer-major" and plan.engine != "none":
         raise UserError(f"{src} is layer-major under {plan.engine}, which this runtime does not "
                         "run; solve with --micro-batch-order batch-major")
+    if plan.optimizer_overlap == "overlapped" and plan.engine != "none":
+        # under an engine the user's optimizer (or sharded.NvmeShards) steps every unit at
+        # opt.step(): nothing would run beside the backward, and the prediction would not hold
+        raise UserError(f"{src} overlaps the optimizer with the backward under {plan.engine}, "
+                        "which this runtime does not run; re-solve with --optimizer-overlap "
+                        "off")
     executor = _executor(plan, src)
     blocks = bind(model, plan, src)      # runtime/binding.py: exact names, shapes, identity
     engines.check(plan, engine, model, blocks, src)

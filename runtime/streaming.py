@@ -1048,7 +1048,10 @@ class OptimizerPhase:
         while this one steps, this one's state pieces are read ahead and written behind, and
         its write-back is left in flight: the function that ends it is returned."""
         if getattr(u, "steps_on_host", False):    # the staged path (runtime/staged.py)
-            u.step_host(self.opt, subs, type(self.opt) in ELEMENTWISE, hypers)
+            try:
+                u.step_host(self.opt, subs, type(self.opt) in ELEMENTWISE, hypers)
+            finally:
+                u.drop_ahead()       # state read ahead (clip global) is used; let it go
             return None
         by_pieces = type(self.opt) in ELEMENTWISE and u.state_out
         pipelined = self.depth > 1 and hypers is None    # the phase after the backward

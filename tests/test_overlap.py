@@ -171,6 +171,13 @@ def test_the_runtime_refuses_a_family_it_does_not_run_and_clipping_under_clip_no
         apply_plan(model, dataclasses.replace(plan, optimizer_overlap="overlapped",
                                               micro_batch_order="layer-major"),
                    optimizer=torch.optim.AdamW(model.parameters()))
+    # under an engine every unit is stepped at opt.step(): nothing would overlap
+    for engine in ("fsdp2", "ddp"):
+        with pytest.raises(UserError, match=f"under {engine}.*--optimizer-overlap off") as e:
+            apply_plan(model, dataclasses.replace(plan, optimizer_overlap="overlapped",
+                                                  engine=engine, world_size=2),
+                       optimizer=torch.optim.AdamW(model.parameters()))
+        assert len(str(e.value).splitlines()) == 1
     handle = apply_plan(model, dataclasses.replace(plan, clip="none"),
                         optimizer=torch.optim.AdamW(model.parameters()))
     try:
@@ -221,9 +228,9 @@ def _one_home_work(cm, j, home):
 
 
 def test_clip_global_reads_ahead_no_weights_the_step_updates_without_a_master():
-    """A step without an fp32 master reads from NVMe the weights it updates; the runtime reads
-    only the optimizer state's regions ahead (runtime/overlap.py), so under clip global those
-    weights are read in the phase, beside the gradient, and only the state moves."""
+    """A step without an fp32 master reads the weights it updates (from NVMe where they live
+    there); the runtime reads only the optimizer state's regions ahead (runtime/overlap.py),
+    so under clip global those weights are read in the phase and only the state moves."""
     from planner.costmodel.layout import evaluate
     from planner.formats import Home, Tier as T
 
@@ -241,6 +248,15 @@ def test_clip_global_reads_ahead_no_weights_the_step_updates_without_a_master():
     assert evaluate(mov[j]["nvme"]) == pytest.approx(cm.opt_copy(j, home) / rb)
     assert evaluate(fixed["nvme"]) == pytest.approx(
         (cm.P[j] + cm.G[j]) / rb + cm.step_writes(j, home)["nvme"] / wb)
+    # weights on the device, stepped on the host: the host's own copy of them is counted with
+    # the state on NVMe (``opt_copy``), but the runtime copies it from the device and reads
+    # ahead only the optimizer state itself
+    home = Home(T.GPU, T.CPU, T.NVME, T.CPU)
+    assert cm.opt_copy(j, home) == cm.O[j] + cm.P[j]
+    mov, fixed = _one_home_work(cm, j, home)
+    assert evaluate(mov[j]["nvme"]) == pytest.approx(cm.O[j] / rb)
+    assert evaluate(fixed["nvme"]) == pytest.approx(
+        cm.P[j] / rb + cm.step_writes(j, home)["nvme"] / wb)
 
 
 def test_clip_global_on_a_unified_device_reads_ahead_the_state_of_units_it_steps():
@@ -292,6 +308,40 @@ def test_overlap_on_asks_the_overlapped_milps_for_their_best_plan_even_if_no_fas
         assert all(inc is None for inc in overlapped)
     else:
         assert any(inc is not None for inc in overlapped)
+
+
+def test_under_an_engine_the_optimizer_is_priced_after_the_backward():
+    """The runtime runs no optimizer work beside the backward under FSDP2 or DDP (the user's
+    optimizer, or the shards' own, steps every unit at opt.step()): the planner prices those
+    plans after the backward under auto, and --optimizer-overlap on is one line (exit 2)."""
+    hw = load_hardware("cpu-host")
+    prof = uniform_profile(6, hw)
+    for engine in ("fsdp2", "ddp"):
+        cfg = SolveConfig.build(hw, Budgets(8 * GiB, 0, 64 * GiB), world_size=2, engine=engine,
+                                clip="none")
+        assert not cfg.cost_model(prof).overlapped
+        with pytest.raises(UserError, match=f"--optimizer-overlap on.*--engine {engine}"):
+            SolveConfig.build(hw, Budgets(8 * GiB, 0, 64 * GiB), world_size=2, engine=engine,
+                              optimizer_overlap="on")
+    single = SolveConfig.build(hw, Budgets(8 * GiB, 0, 64 * GiB), clip="none")
+    assert single.cost_model(prof).overlapped
+
+
+def test_overlap_on_under_clip_global_on_a_discrete_gpu_needs_a_host_step():
+    """On a discrete GPU a unit stepped on the device reads no state from NVMe (state on NVMe
+    steps on the host), so where no unit steps on the host nothing may move under clip
+    global: --optimizer-overlap on exits 3 in one line saying so (not "raise the budget")."""
+    from planner.errors import NoFitError
+    hw = load_hardware("a100-80g")
+    prof = uniform_profile(4, hw, param_bytes=20_000_000, saved_bytes=20_000_000,
+                           head_saved_bytes=20_000_000)
+    cfg = SolveConfig.build(hw, Budgets(80 * GiB, 64 * GiB, 64 * GiB), time_limit=10,
+                            clip="global", optimizer_overlap="on")
+    with pytest.raises(NoFitError) as e:
+        solve(prof, None, cfg)
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1 and "stepped on the host" in msg
+    assert "raise that budget" not in msg
 
 # -- optimizer depth 1: one worker runs each unit's read, step and write, unit after unit ------
 

@@ -82,15 +82,19 @@ class OverlapRules:
                 r, w = self.step_reads(j, h), self.step_writes(j, h)
                 dev, cpu = self.step_seconds(j, h)
                 grad_rd = self.G[j] if h.grads is Tier.NVME else 0
-                w_rd = self.P[j] if (h.weights is Tier.NVME and self.M[j] == 0) else 0
-                parts = {"rd": r["nvme"] - grad_rd - w_rd, "rd_w": w_rd, "rd_grad": grad_rd,
+                # the optimizer state itself (master, moments), and the rest of the step's
+                # reads: the weights a step without a master updates (from NVMe, or the
+                # host's own copy ``opt_copy`` counts with the state)
+                state_rd = self.O[j] if h.optimizer is Tier.NVME else 0
+                parts = {"rd": state_rd, "rd_w": r["nvme"] - grad_rd - state_rd,
+                         "rd_grad": grad_rd,
                          "d2h": r["d2h"] + w["d2h"], "wr": w["nvme"], "h2d": w["h2d"] + r["h2d"],
                          "comp": dev, "host": cpu}
-                # clip global: only the optimizer state (master, moments) may be read ahead,
-                # what the runtime reads ahead (the state file's regions); the weights a step
-                # without a master reads, and a gradient read, wait for the phase like the
-                # update. Units stepped on the host, or anywhere on a unified device (its
-                # step reads its state into the same memory the read ahead holds it in)
+                # clip global: only the optimizer state may be read ahead, what the runtime
+                # reads ahead (the state file's regions); the weights a step without a master
+                # reads, and a gradient read, wait for the phase like the update. Units
+                # stepped on the host, or anywhere on a unified device (its step reads its
+                # state into the same memory the read ahead holds it in)
                 move = set(parts) if self.clip == "none" else \
                     ({"rd"} if (h.step is Tier.CPU or self.unified) else set())
                 for name, n in parts.items():

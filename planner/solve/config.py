@@ -119,6 +119,9 @@ class SolveConfig:
         if ranks["engine"] != "none" and micro_batch_order != "batch-major":
             raise UserError(f"--micro-batch-order {micro_batch_order}: only batch-major is "
                             f"planned with --engine {ranks['engine']} yet; leave it out")
+        if ranks["engine"] != "none" and optimizer_overlap == "on":
+            raise UserError(f"--optimizer-overlap on: the optimizer beside the backward is not "
+                            f"run under --engine {ranks['engine']} yet; leave it out")
         if ranks["engine"] == "ddp" and stream == "on":
             raise UserError("--stream on: homes off the device are not planned under --engine "
                             "ddp (it replicates every tensor); use --engine fsdp2 or --stream "
@@ -144,7 +147,8 @@ class SolveConfig:
                           ranks_per_node=self.ranks_per_node, engine=self.engine,
                           shard_homes=self.shard_homes,
                           clip=self.clip, optimizer_overlap="after-backward"
-                          if self.optimizer_overlap == "off" else "overlapped",
+                          if self.optimizer_overlap == "off" or self.engine != "none"
+                          else "overlapped",
                           micro_batch_order="layer-major"
                           if self.micro_batch_order == "layer-major" else "batch-major")
 
