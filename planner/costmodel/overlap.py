@@ -59,6 +59,12 @@ class OverlapRules:
         own resource free, and the worker runs one part at a time."""
         return min(stage_s, sum(idle))
 
+    def reads_state_ahead(self, h) -> bool:
+        """Whether under ``clip: global`` home h's state read may move into the backward: a
+        step on the host, or any step on a unified device (the read-ahead is held in the
+        memory the step runs in either way)."""
+        return h.step is Tier.CPU or self.unified
+
     def prefetch_tier(self) -> str:
         """Where state read ahead under ``clip: global`` is held: host memory (the device's on
         a unified-memory spec, whose host is the device)."""
@@ -96,7 +102,7 @@ class OverlapRules:
                 # stepped on the host, or anywhere on a unified device (its step reads its
                 # state into the same memory the read ahead holds it in)
                 move = set(parts) if self.clip == "none" else \
-                    ({"rd"} if (h.step is Tier.CPU or self.unified) else set())
+                    ({"rd"} if self.reads_state_ahead(h) else set())
                 for name, n in parts.items():
                     if n:
                         dest = dest_m if name in move else fixed

@@ -166,8 +166,8 @@ def _overlapped(profile, profile_path, cfg: SolveConfig, main: CostModel,
         got, r = sim(0)
         why = r.budget_violations[0] if not r.fits else \
             "no unit's optimizer work can start before the backward ends"
-        if r.fits and r.overlapped_s <= 0 and cfg.clip == "global" and not cm.unified \
-                and not any(d.home.step is Tier.CPU for d in plan.layers):
+        if r.fits and r.overlapped_s <= 0 and cfg.clip == "global" and not any(
+                cm.reads_state_ahead(d.home) for d in plan.layers):
             why = ("under --clip global only the state reads of units stepped on the host "
                    "move into the backward, and this plan steps none there")
         elif r.fits and r.overlapped_s <= 0 and cfg.clip == "global":
