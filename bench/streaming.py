@@ -208,7 +208,7 @@ def worker(args) -> None:
             predicted_step_s=rep.predicted["step_s"],
             peak_nvme=statistics.median(s.peak_nvme_bytes for s in steps),
             predicted_nvme=rep.predicted["peak_nvme_bytes"],
-            hwm_reset=rep.hwm_reset)
+            hwm_reset=rep.hwm_reset, stages=[x.strip() for x in rep.stage_summary()])
         nvme = handle.plan.nvme_dir
         handle.remove()
         result["files_left"] = sorted(str(p) for p in Path(nvme).rglob("*") if p.is_file()) \
@@ -398,6 +398,9 @@ def main(argv=None) -> int:
                   if args.buffered_too else ""))
     print("\nplans:", *(f"  {r['name']} {r['family']}: {r['origin']}: {r['solve']}" for r in rows
                         if "no_fit" not in r), sep="\n")
+    print("\nwhere the device peak was (the memory run; docs/runtime.md, \"Peaks per stage\"):",
+          *(f"  {r['name']} {r['family']}: " + "; ".join(r.get("stages") or ["not measured"])
+            for r in rows if "no_fit" not in r), sep="\n")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     print("\nall checks hold" if ok else "\nSOME CHECK FAILED (see the table)")

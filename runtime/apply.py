@@ -40,7 +40,7 @@ from .files import OffloadError, planned_files
 from .offload import Counters, Group, Mover
 from .transfer import backend_for
 from .recompute import Placeholder, RecomputeMismatch, Segment
-from .report import malloc_trim, read_status, reset_hwm
+from .report import StagePeaks, malloc_trim, read_status, reset_hwm
 from .timing import StageClock
 from .stages import StageDriver, plan_actions
 from .staged import unit_for
@@ -357,6 +357,7 @@ class _Runner:
             world_size=plan.world_size, engine=plan.engine,
             units=[u.name for u in plan.units], structure_hash=plan.model.get("structure_hash"))
         self.clock = StageClock([u.name for u in plan.units], self.device)
+        self.stage_peaks = StagePeaks(self.mover.be, 2 * len(plan.units) + 2)
         self.wrapped: list[tuple] = []
 
     # -- helpers the segments use
@@ -443,6 +444,7 @@ class _Runner:
         """Stage ``stage`` begins (its transfers not yet issued): the unit that computed in the
         previous stage is done with its weights, the one that computes now needs them."""
         self.clock.mark(stage, self.driver.wait_s)
+        self.stage_peaks.cut(stage)
         prev = self.by_stage_unit.get(stage - 1)
         cur = self.by_stage_unit.get(stage)
         if prev is not None and not (prev == self.U - 1 and stage == self.U + 1):
@@ -758,6 +760,7 @@ class _Runner:
                 malloc_trim()
             self.hwm_ok = reset_hwm() and self.hwm_ok
             self.step_base = read_status().get("VmRSS")
+        self.stage_peaks.begin(None if be.allocated() is not None else self.step_base)
         self.counters.reset_step()
         self.driver.wait_s = 0.0
         self.step_passes = 0
@@ -806,7 +809,10 @@ class _Runner:
         t1 = time.perf_counter()
         c = self.counters
         stall = c.stall_s + self.driver.wait_s
-        if be.peak() is not None:
+        stage_peaks, top = self.stage_peaks.end()
+        if top is not None:          # every stage's interval read and reset: the largest
+            peak = top
+        elif be.peak() is not None:
             peak = be.peak()
         else:
             hwm = read_status().get("VmHWM")
@@ -823,7 +829,8 @@ class _Runner:
                              moved=dict(c.moved), stall_s=stall, units=units,
                              after_backward_s=after_backward, links=links,
                              overlapped_units=(self.overlap.overlapped() if self.overlap
-                                               is not None else 0))
+                                               is not None else 0),
+                             stage_peaks=stage_peaks)
         self.report.steps.append(rec)
         self.report.hwm_reset = self.hwm_ok
         if not self.report.nvme_io and self.mover.store is not None:

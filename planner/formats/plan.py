@@ -82,6 +82,9 @@ class Prediction:
     pass_s: float = 0.0              # one forward/backward pass (the first one)
     optimizer_s: float = 0.0         # the optimizer phase after the last pass
     flops: float = 0.0               # model FLOPs of one optimizer step (no recompute)
+    # device bytes held in each stage (0 .. 2U: the passes, the last pass's figure; 2U+1: the
+    # optimizer phase), the simulator's figures; empty in plans written before it was kept
+    stage_gpu_bytes: list = dataclasses.field(default_factory=list)
 
     @property
     def tflops(self) -> float:
@@ -104,7 +107,8 @@ _SOLVER_FIELDS = {"name": "text", "status": "text", "origin": "text?", "objectiv
                   "constraints": "count"}
 _PREDICTED_FIELDS = {"step_s": "number", "compute_s": "number", "pass_s": "number",
                      "optimizer_s": "number", "flops": "number", "peak_gpu_bytes": "bytes",
-                     "peak_cpu_bytes": "bytes", "peak_nvme_bytes": "bytes"}
+                     "peak_cpu_bytes": "bytes", "peak_nvme_bytes": "bytes",
+                     "stage_gpu_bytes": "bytes list"}
 
 
 @dataclass(frozen=True)
@@ -228,11 +232,16 @@ class Plan:
                 raise UserError(f"{where}: {k} {getattr(plan, k)!r} is not one of "
                                 f"{', '.join(allowed)}; {fix}")
         schedule = _schedule_from_dict(plan.schedule, {u.name for u in units}, where, fix)
+        predicted = Prediction.from_dict(d["predicted"], where, fix)
+        n = len(predicted.stage_gpu_bytes)
+        if n and n != 2 * len(units) + 2:
+            raise UserError(f"{where} predicted: stage_gpu_bytes has {n} entries, but "
+                            f"{len(units)} units make {2 * len(units) + 2} stages; {fix}")
         return dataclasses.replace(
             plan, units=units, layers=layers, schedule=schedule,
             budgets=Budgets.from_dict(d["budgets"], where, fix),
             solver=SolverRecord.from_dict(d["solver"], where, fix),
-            predicted=Prediction.from_dict(d["predicted"], where, fix),
+            predicted=predicted,
             executor=(None if d.get("executor") is None
                       else Executor.from_dict(d["executor"], where, fix)))
 

@@ -14,7 +14,8 @@ from planner.errors import UserError
 from planner.formats.fileio import read_json, write_json_atomic
 from planner.formats.enums import REPORT_SCHEMA
 from planner.formats.plan import Prediction
-from planner.formats.validate import check_fields, check_schema, require
+from planner.formats.validate import (MAX_BYTES, check_fields, check_schema, is_int, require,
+                                      short_repr)
 from planner.sizes import fmt_bytes, fmt_seconds
 
 LINKS = ("d2h", "h2d", "nvme_write", "nvme_read")
@@ -43,6 +44,11 @@ class StepRecord:
     # optimizer_overlap 'overlapped': units whose optimizer work (clip none: the step; clip
     # global: the state read ahead) started before the step's last backward ended
     overlapped_units: int = 0
+    # the device figure of each stage (0 .. 2U the passes, the largest over them; 2U+1 from
+    # the last backward to the optimizer step's end), measured as peak_gpu_bytes is, the
+    # peak reset as each stage begins; None for a stage that did not begin (and the whole
+    # list None where the plan runs no stages or the peak cannot be reset)
+    stage_peaks: list | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -61,6 +67,11 @@ class StepRecord:
             check_fields(v, {"bytes": "bytes", "busy_s": "seconds"}, f"{where} links {k}", _FIX)
         if d.get("after_backward_s") is not None:
             check_fields(d, {"after_backward_s": "seconds"}, where, _FIX)
+        sp = d.get("stage_peaks")
+        if sp is not None and not (isinstance(sp, list) and all(
+                x is None or (is_int(x) and 0 <= x <= MAX_BYTES) for x in sp)):
+            raise UserError(f"{where}: stage_peaks must be null or a list of byte counts (or "
+                            f"null), got {short_repr(sp)}; {_FIX}")
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 
@@ -182,6 +193,51 @@ class Report:
         return {k: {"bytes": b, "busy_s": t, "bytes_per_s": b / t if t > 0 else None}
                 for k, (b, t) in tot.items()}
 
+    def stage_peaks(self) -> list | None:
+        """Per stage, the median over the steps (after the first) of its measured device
+        figure (``StepRecord.stage_peaks``); None where no step measured it."""
+        rows = [s.stage_peaks for s in self._use() if s.stage_peaks]
+        if not rows:
+            return None
+        out = []
+        for k in range(max(len(r) for r in rows)):
+            vals = [r[k] for r in rows if k < len(r) and r[k] is not None]
+            out.append(statistics.median(vals) if vals else None)
+        return out
+
+    def stage_name(self, s: int) -> str:
+        """Stage s as the simulator names it: the prologue, a unit's forward or backward, the
+        optimizer phase."""
+        U = len(self.units)
+        if s == 0:
+            return "stage 0 (prologue)"
+        if s <= U:
+            return f"stage {s} (forward {self.units[s - 1]})"
+        if s <= 2 * U:
+            return f"stage {s} (backward {self.units[2 * U - s]})"
+        return f"stage {s} (to the optimizer step's end)"
+
+    def stage_summary(self) -> list:
+        """Where the device peak was, measured and predicted, each beside the other's figure
+        at that stage (the predicted figure as the measured one counts: on a CPU host less the
+        static state resident before the step)."""
+        got, pred = self.stage_peaks(), list(self.predicted.get("stage_gpu_bytes") or [])
+        if not got or not self.units or len(got) != 2 * len(self.units) + 2:
+            return []
+        off = 0 if self.device == "cuda" else int(self.predicted_static_bytes)
+        pred = [x - off for x in pred] if len(pred) == len(got) else []
+        m = max((k for k in range(len(got)) if got[k] is not None), key=lambda k: got[k])
+        line = (f"  measured peak in {self.stage_name(m)}: {fmt_bytes(got[m])}"
+                + (f" (predicted there {fmt_bytes(pred[m])})" if pred else ""))
+        out = [line]
+        if pred:
+            q = max(range(len(pred)), key=lambda k: pred[k])
+            if q != m:
+                there = fmt_bytes(got[q]) if got[q] is not None else "not measured"
+                out.append(f"  predicted peak in {self.stage_name(q)}: {fmt_bytes(pred[q])} "
+                           f"(measured there {there})")
+        return out
+
     def after_backward_s(self) -> float | None:
         vals = [s.after_backward_s for s in self._use() if s.after_backward_s is not None]
         return statistics.median(vals) if vals else None
@@ -279,6 +335,7 @@ class Report:
             lines.append("  note: glibc keeps freed tensors in RSS, so the RSS rise is only "
                          "indicative; run with MALLOC_MMAP_THRESHOLD_=65536 to measure it "
                          "(docs/runtime.md)")
+        lines += self.stage_summary()
         if self.nvme_io:
             lines.append(f"  nvme files: {self.nvme_io}")
         if not self.hwm_reset and self.device != "cuda":
