@@ -444,7 +444,6 @@ class _Runner:
         """Stage ``stage`` begins (its transfers not yet issued): the unit that computed in the
         previous stage is done with its weights, the one that computes now needs them."""
         self.clock.mark(stage, self.driver.wait_s)
-        self.stage_peaks.cut(stage)
         prev = self.by_stage_unit.get(stage - 1)
         cur = self.by_stage_unit.get(stage)
         if prev is not None and not (prev == self.U - 1 and stage == self.U + 1):
@@ -459,6 +458,8 @@ class _Runner:
                     s.on_grads_home is not None and not u.tied_to and not u.outside_params:
                 # its backward is done and its gradients stay on the device: complete
                 s.on_grads_home(s)
+        # after the release: the plan frees the unit's weights at the end of its stage
+        self.stage_peaks.cut(stage)
         if cur is not None and stage <= 2 * self.U:
             s = self.statics.get(self.plan.units[cur].name)
             if s is not None:
