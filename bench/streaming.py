@@ -164,7 +164,10 @@ def worker(args) -> None:
             for d in _batches(args.spec, cfg, inputs, args.batch, args.seq,
                               args.steps * args.k)]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    handle = apply_plan(model, args.plan, optimizer=opt) if args.mode != "plain" else None
+    # the memory run also measures the peak of every stage (it resets the peak as each stage
+    # begins: not in the timing run)
+    handle = apply_plan(model, args.plan, optimizer=opt, stage_peaks=args.mode == "plan") \
+        if args.mode != "plain" else None
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
     torch.manual_seed(123)                 # the same dropout masks in both runs
     for step in range(args.steps):

@@ -40,7 +40,7 @@ from .files import OffloadError, planned_files
 from .offload import Counters, Group, Mover
 from .transfer import backend_for
 from .recompute import Placeholder, RecomputeMismatch, Segment
-from .report import StagePeaks, malloc_trim, read_status, reset_hwm
+from .report import StagePeaks, malloc_trim, read_peak, read_status, reset_hwm
 from .timing import StageClock
 from .stages import StageDriver, plan_actions
 from .staged import unit_for
@@ -267,7 +267,7 @@ class _SegUnit:
 
 class _Runner:
     def __init__(self, model, plan: Plan, plan_path: str | None, blocks, nvme_dir, trim: bool,
-                 optimizer, executor: Executor):
+                 optimizer, executor: Executor, stage_peaks: bool = False):
         self.guard = InputGuard(model, plan, plan_path or "the plan")
         self.model = model
         self.plan = plan
@@ -357,7 +357,10 @@ class _Runner:
             world_size=plan.world_size, engine=plan.engine,
             units=[u.name for u in plan.units], structure_hash=plan.model.get("structure_hash"))
         self.clock = StageClock([u.name for u in plan.units], self.device)
-        self.stage_peaks = StagePeaks(self.mover.be, 2 * len(plan.units) + 2)
+        # apply_plan(..., stage_peaks=True): the peak of every stage (a diagnostic: it resets
+        # the peak each stage, so a peak read during a step is only its stage's)
+        self.stage_peaks = StagePeaks(self.mover.be, 2 * len(plan.units) + 2) \
+            if stage_peaks else None
         self.wrapped: list[tuple] = []
 
     # -- helpers the segments use
@@ -459,7 +462,8 @@ class _Runner:
                 # its backward is done and its gradients stay on the device: complete
                 s.on_grads_home(s)
         # after the release: the plan frees the unit's weights at the end of its stage
-        self.stage_peaks.cut(stage)
+        if self.stage_peaks is not None:
+            self.stage_peaks.cut(stage)
         if cur is not None and stage <= 2 * self.U:
             s = self.statics.get(self.plan.units[cur].name)
             if s is not None:
@@ -761,7 +765,8 @@ class _Runner:
                 malloc_trim()
             self.hwm_ok = reset_hwm() and self.hwm_ok
             self.step_base = read_status().get("VmRSS")
-        self.stage_peaks.begin(None if be.allocated() is not None else self.step_base)
+        if self.stage_peaks is not None:
+            self.stage_peaks.begin(None if be.allocated() is not None else self.step_base)
         self.counters.reset_step()
         self.driver.wait_s = 0.0
         self.step_passes = 0
@@ -810,17 +815,16 @@ class _Runner:
         t1 = time.perf_counter()
         c = self.counters
         stall = c.stall_s + self.driver.wait_s
-        stage_peaks, top = self.stage_peaks.end()
-        if top is not None:          # every stage's interval read and reset: the largest
-            peak = top
-        elif be.peak() is not None:
-            peak = be.peak()
+        stage_peaks = self.stage_peaks.end() if self.stage_peaks is not None else None
+        if stage_peaks is not None and not self.stage_peaks.failed:
+            # the intervals cover the step: the largest is its peak (the mark was reset)
+            peak = max(x for x in stage_peaks if x is not None)
         else:
-            hwm = read_status().get("VmHWM")
-            # max: the kernel's per-thread RSS counters can leave VmHWM a few pages below the
-            # VmRSS read at the start
-            peak = (max(0, hwm - self.step_base) if hwm is not None and self.step_base is not None
-                    else None)
+            # the kernel's per-thread RSS counters can leave VmHWM a few pages below the VmRSS
+            # read at the start: read_peak takes the rise as 0 then
+            peak = read_peak(be, self.step_base)
+        if self.stage_peaks is not None and self.stage_peaks.failed:
+            self.hwm_ok = False
         units, after_backward, links = self.clock.end_step()
         with c.lock:
             rec = StepRecord(step_s=t1 - self.step_t0, passes=self.step_passes,
@@ -1241,7 +1245,7 @@ def _compute_threads(runner: _Runner, executor: Executor) -> list:
 def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
                optimizer: torch.optim.Optimizer | None = None,
                nvme_dir: str | Path | None = None, trim_heap: bool = False,
-               checkpoint: str | Path | None = None) -> Handle:
+               checkpoint: str | Path | None = None, stage_peaks: bool = False) -> Handle:
     """Make ``model`` train under ``plan``; return a handle with ``report()``, ``remove()``
     and, for plans whose gradients may live off the device, ``clip_grad_norm_()``.
 
@@ -1251,7 +1255,10 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
     plan's blocks differ from the model's, ``UnsupportedModelError`` for torch.compile'd,
     FSDP1- or DataParallel-wrapped or self-checkpointing models. On a CPU device,
     ``trim_heap=True`` gives freed heap pages back to the kernel before each step (costly; see
-    docs/runtime.md).
+    docs/runtime.md). ``stage_peaks=True`` also measures the device peak of every stage
+    (``report().stage_peaks()``, and two lines of the printed report naming the stage where
+    the measured and the predicted peak fell): a diagnostic, off by default, since it resets
+    the peak as each stage begins (a peak read inside a step is then its stage's).
 
     ``checkpoint`` (a safetensors file, its index, or a directory with either) fills the
     model's parameters from it, each straight into its home: a model built under
@@ -1373,7 +1380,8 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
         except BaseException:
             ck.close()
             raise
-    runner = _Runner(model, plan, plan_path, blocks, nvme, trim_heap, optimizer, executor)
+    runner = _Runner(model, plan, plan_path, blocks, nvme, trim_heap, optimizer, executor,
+                     stage_peaks)
     if nvme_needed:
         # Up front (docs/reliability.md): the directory is made, writable and has room for the
         # plan's NVMe peak, or one line says why; not a raw OSError at the first forward, nor

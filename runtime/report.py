@@ -69,59 +69,68 @@ def malloc_trim() -> None:
 
 # ----------------------------------------------------------------------------- peaks per stage
 
+def read_peak(be, base, reset: bool = False):
+    """The device figure since the last reset: where the backend counts device memory (CUDA)
+    its allocator's peak, else the rise of the process's peak RSS (VmHWM) over ``base`` (the
+    RSS at the step's start); None where it cannot be read, or, with ``reset``, reset (the
+    peak mark is then reset to what is held now)."""
+    got = be.peak()
+    if got is not None:
+        if reset:
+            be.reset_peak()
+        return int(got)
+    hwm = read_status().get("VmHWM")
+    if hwm is None or base is None or (reset and not reset_hwm()):
+        return None
+    return max(0, hwm - base)
+
+
 class StagePeaks:
-    """The device figure of each stage of a step, as the step's own peak is measured: where
-    the backend counts device memory (CUDA) its allocator's peak, else the rise of the
-    process's peak RSS (VmHWM) over the RSS at the step's start. As each stage begins the
-    peak since the last one is read and reset, and kept for the stage that ran, the largest
-    over the step's passes; the interval before the first stage is the prologue's (stage 0),
-    the one after the last backward up to the step's end the optimizer phase's (2U+1).
-    Two /proc calls per stage on a CPU host (about 20 us each), two counters on CUDA."""
+    """The device figure of each stage of a step (``apply_plan(..., stage_peaks=True)``), as
+    the step's own peak is measured (``read_peak``): as each stage begins the peak since the
+    previous one is read and reset, and kept for the stage that ran, the largest over the
+    step's passes. The interval before the first stage is the prologue's (stage 0); the one
+    from a pass's last backward to the next pass's start is that backward stage's (2U); the
+    one from the last pass's backward to the step's close is the optimizer phase's (2U+1),
+    read without a reset, so that the peak read after the step is still the step's.
+    Per stage: two /proc calls on a CPU host (about 10 us here), one peak read and one reset
+    of the allocator's statistics on CUDA."""
 
     def __init__(self, be, n_stages: int):
         self.be, self.n = be, int(n_stages)
         self.peaks: list | None = None
         self.cur = 0
         self.base = None
-        self.cuts = 0
+        self.failed = False              # a reset failed: the stages' figures are incomplete
 
     def begin(self, base) -> None:
         """A step starts; its peak was just reset; ``base`` the RSS then (None on CUDA)."""
-        self.peaks, self.cur, self.base, self.cuts = [None] * self.n, 0, base, 0
+        self.peaks, self.cur, self.base, self.failed = [None] * self.n, 0, base, False
 
-    def _read(self):
-        """The peak since the last reset, and reset (None where it cannot be)."""
-        if self.be.peak() is not None:
-            got = int(self.be.peak())
-            self.be.reset_peak()
-            return got
-        hwm = read_status().get("VmHWM")
-        if hwm is None or self.base is None or not reset_hwm():
-            return None
-        return max(0, hwm - self.base)
-
-    def _close(self):
-        got = self._read()
-        if got is not None and 0 <= self.cur < self.n:
-            old = self.peaks[self.cur]
-            self.peaks[self.cur] = got if old is None else max(old, got)
-        return got
+    def _close(self, reset: bool) -> None:
+        got = read_peak(self.be, self.base, reset)
+        if got is None:
+            self.failed = True
+            return
+        k = self.cur
+        if k == self.n - 1 and reset:    # a pass ended and another began: its last backward's
+            k = self.n - 2
+        if 0 <= k < self.n:
+            old = self.peaks[k]
+            self.peaks[k] = got if old is None else max(old, got)
 
     def cut(self, stage: int) -> None:
         """Stage ``stage`` begins."""
         if self.peaks is None:
             return
-        self._close()
+        self._close(reset=True)
         self.cur = stage
-        self.cuts += 1
 
-    def end(self) -> tuple[list | None, int | None]:
-        """The step ends: (peaks per stage, None where no stage began; the step's peak, the
-        largest of every interval, None where none could be read)."""
+    def end(self) -> list | None:
+        """The step ends: the peaks per stage (None where no stage began; None altogether
+        where none was read)."""
         if self.peaks is None:
-            return None, None
-        last = self._close()
+            return None
+        self._close(reset=False)
         peaks, self.peaks = self.peaks, None
-        got = [x for x in peaks if x is not None]
-        top = max(got) if got else last
-        return (peaks if self.cuts else None), top
+        return peaks if any(x is not None for x in peaks) else None

@@ -84,7 +84,7 @@ class Prediction:
     flops: float = 0.0               # model FLOPs of one optimizer step (no recompute)
     # device bytes held in each stage (0 .. 2U: the passes, the last pass's figure; 2U+1: the
     # optimizer phase), the simulator's figures; empty in plans written before it was kept
-    stage_gpu_bytes: list = dataclasses.field(default_factory=list)
+    stage_gpu_bytes: tuple = ()
 
     @property
     def tflops(self) -> float:
@@ -98,6 +98,7 @@ class Prediction:
         require(d, ("step_s", "compute_s", "peak_gpu_bytes", "peak_cpu_bytes",
                      "peak_nvme_bytes"), f"{where} predicted", fix)
         check_fields(d, _PREDICTED_FIELDS, f"{where} predicted", fix)
+        d = {**d, "stage_gpu_bytes": tuple(d.get("stage_gpu_bytes", ()))}
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 

@@ -219,19 +219,18 @@ class Report:
 
     def stage_summary(self) -> list:
         """Where the device peak was, measured and predicted, each beside the other's figure
-        at that stage (the predicted figure as the measured one counts: on a CPU host less the
-        static state resident before the step)."""
+        at that stage (the predicted figure as the measured one counts: ``as_measured``).
+        Empty where the steps measured no stage (``apply_plan(..., stage_peaks=False)``)."""
         got, pred = self.stage_peaks(), list(self.predicted.get("stage_gpu_bytes") or [])
-        if not got or not self.units or len(got) != 2 * len(self.units) + 2:
+        n = 2 * len(self.units) + 2
+        if not got or len(got) != n or all(x is None for x in got):
             return []
-        off = 0 if self.device == "cuda" else int(self.predicted_static_bytes)
-        pred = [x - off for x in pred] if len(pred) == len(got) else []
-        m = max((k for k in range(len(got)) if got[k] is not None), key=lambda k: got[k])
-        line = (f"  measured peak in {self.stage_name(m)}: {fmt_bytes(got[m])}"
-                + (f" (predicted there {fmt_bytes(pred[m])})" if pred else ""))
-        out = [line]
+        pred = [self.as_measured(x) for x in pred] if len(pred) == n else []
+        m = max((k for k in range(n) if got[k] is not None), key=lambda k: got[k])
+        out = [f"  measured peak in {self.stage_name(m)}: {fmt_bytes(got[m])}"
+               + (f" (predicted there {fmt_bytes(pred[m])})" if pred else "")]
         if pred:
-            q = max(range(len(pred)), key=lambda k: pred[k])
+            q = max(range(n), key=lambda k: pred[k])
             if q != m:
                 there = fmt_bytes(got[q]) if got[q] is not None else "not measured"
                 out.append(f"  predicted peak in {self.stage_name(q)}: {fmt_bytes(pred[q])} "
@@ -253,9 +252,14 @@ class Report:
         allocator counts everything), on a CPU host the predicted peak less the static state
         that is resident before the step (the RSS rise leaves it out)."""
         p = self.predicted.get("peak_gpu_bytes")
-        if p is None:
-            return None
-        return int(p) if self.device == "cuda" else int(p) - int(self.predicted_static_bytes)
+        return None if p is None else self.as_measured(p)
+
+    def as_measured(self, predicted_bytes) -> int:
+        """A predicted device figure as the measured one counts it: on CUDA whole, on a CPU
+        host less the static state resident before the step (not in the RSS rise)."""
+        if self.device == "cuda":
+            return int(predicted_bytes)
+        return max(0, int(predicted_bytes) - int(self.predicted_static_bytes))
 
     def to_dict(self) -> dict:
         med = self.measured

@@ -81,7 +81,7 @@ _KINDS = {
               "a non-negative integer number of bytes, at most 2^60"),
     "bytes?": (lambda v: v is None or (is_int(v) and 0 <= v <= MAX_BYTES),
                "null or a non-negative integer number of bytes, at most 2^60"),
-    "bytes list": (lambda v: isinstance(v, list) and len(v) <= MAX_COUNT
+    "bytes list": (lambda v: isinstance(v, (list, tuple)) and len(v) <= MAX_COUNT
                    and all(is_int(x) and 0 <= x <= MAX_BYTES for x in v),
                    "a list of non-negative integer numbers of bytes, each at most 2^60"),
     "count": (lambda v: is_int(v) and 0 <= v <= MAX_COUNT, "a non-negative integer below 2^53"),

@@ -106,7 +106,7 @@ def plan_and_sim(profile: Profile, profile_path: str | None, hw: HardwareSpec, b
                            peak_gpu_bytes=r.peak_gpu_bytes, peak_cpu_bytes=r.peak_cpu_bytes,
                            peak_nvme_bytes=r.peak_nvme_bytes, pass_s=r.pass_s,
                            optimizer_s=r.optimizer_s, flops=r.flops,
-                           stage_gpu_bytes=[x.memory["gpu"] for x in r.stages])
+                           stage_gpu_bytes=tuple(x.memory["gpu"] for x in r.stages))
     return dataclasses.replace(plan, predicted=predicted, executor=executor_of(cm, plan, r)), r
 
 
