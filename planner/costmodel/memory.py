@@ -222,6 +222,7 @@ class MemoryRules:
             g.append((1, float(self.A[i])))
             g += self._one_at_a_time(i, [(v.x(i, ch), -1.0) for ch in REC
                                          if ch in self.choices[i]])
+            g += self._input_held(i, v)
         if 2 <= s <= U + 1:                  # the checkpoint of unit s-2, kept after its forward
             i = s - 2
             for ch in ("rg", "rc", "rn"):
@@ -258,6 +259,21 @@ class MemoryRules:
             g.append((v.y(ch, k, e), float(self.X[k])))
         return out
 
+    def _input_held(self, i: int, v: View) -> list:
+        """Layer-major: the K micro-batches' inputs of unit i (i >= 1), held on the device from
+        its forward to the end of the backward of the unit below, under every choice that does
+        not count them there already. runtime/layer_major.py cuts the graph at each unit's
+        input (a detached leaf of the same storage, whose gradient the piece below waits for),
+        so that storage stays even where the unit's saved tensors or its checkpoint went to
+        the host or NVMe, or it is rebuilt from an earlier checkpoint ('keep' counts it among
+        its saved bytes, 'rg' as its checkpoint). Measured (docs/benchmarks.md, "Peaks per
+        stage"): the built-in LLaMA's forward of its last block 3.3 MiB above the prediction,
+        its ten blocks before offloaded, 2 x 0.125 MiB of input each."""
+        if self.micro_batch_order != "layer-major" or i < 1 or not self.X[i]:
+            return []
+        return [(v.x(i, ch), float(self.X[i])) for ch in ("cpu", "nvme", "rc", "rn", "rz")
+                if ch in self.choices[i]]
+
     def _one_at_a_time(self, i: int, terms) -> list:
         """``terms`` scaled by what unit i's saved bytes of one micro-batch are short of its
         stage's (layer-major: A_i - A1_i; batch-major: nothing): where it holds only one
@@ -288,6 +304,8 @@ class MemoryRules:
             for ch in ("rc", "rn"):
                 if ch in self.choices[i]:
                     g.append((v.x(i, ch), float(self.X[i])))
+        if U + 1 < s <= 2 * U:               # end of B:i-1: unit i's input leaves go
+            g += self._input_held(2 * U - s + 1, v)
         if U + 1 <= s <= 2 * U:              # end of B:i: everything of unit i goes
             i = 2 * U - s
             g.append((1, float(self.A[i])))
