@@ -92,7 +92,8 @@ class StagePeaks:
     step's passes. The interval before the first stage is the prologue's (stage 0); the one
     from a pass's last backward to the next pass's start is that backward stage's (2U); the
     one from the last pass's backward to the step's close is the optimizer phase's (2U+1),
-    read without a reset, so that the peak read after the step is still the step's.
+    read without a reset (the next step's start resets it; a peak read after the step is
+    that interval's, not the step's).
     Per stage: two /proc calls on a CPU host (about 10 us here), one peak read and one reset
     of the allocator's statistics on CUDA."""
 

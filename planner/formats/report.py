@@ -46,8 +46,8 @@ class StepRecord:
     overlapped_units: int = 0
     # the device figure of each stage (0 .. 2U the passes, the largest over them; 2U+1 from
     # the last backward to the optimizer step's end), measured as peak_gpu_bytes is, the
-    # peak reset as each stage begins; None for a stage that did not begin (and the whole
-    # list None where the plan runs no stages or the peak cannot be reset)
+    # peak reset as each stage begins (apply_plan(..., stage_peaks=True)); None for a stage
+    # that did not begin, and the whole list None where it was off or no peak could be read
     stage_peaks: list | None = None
 
     def to_dict(self) -> dict:
