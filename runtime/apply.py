@@ -815,16 +815,16 @@ class _Runner:
         t1 = time.perf_counter()
         c = self.counters
         stall = c.stall_s + self.driver.wait_s
-        stage_peaks = self.stage_peaks.end() if self.stage_peaks is not None else None
-        if stage_peaks is not None and not self.stage_peaks.failed:
+        sp = self.stage_peaks
+        stage_peaks = sp.end() if sp is not None else None
+        if stage_peaks is not None and not sp.failed:
             # the intervals cover the step: the largest is its peak (the mark was reset)
             peak = max(x for x in stage_peaks if x is not None)
         else:
             # the kernel's per-thread RSS counters can leave VmHWM a few pages below the VmRSS
             # read at the start: read_peak takes the rise as 0 then
             peak = read_peak(be, self.step_base)
-        if self.stage_peaks is not None and self.stage_peaks.failed:
-            self.hwm_ok = False
+            self.hwm_ok = self.hwm_ok and not (sp is not None and sp.failed)
         units, after_backward, links = self.clock.end_step()
         with c.lock:
             rec = StepRecord(step_s=t1 - self.step_t0, passes=self.step_passes,

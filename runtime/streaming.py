@@ -1047,15 +1047,12 @@ class OptimizerPhase:
         ``ahead`` (the pipelined phase: the unit stepped next) that unit's weights are read
         while this one steps, this one's state pieces are read ahead and written behind, and
         its write-back is left in flight: the function that ends it is returned."""
-        if getattr(u, "steps_on_host", False):    # the staged path (runtime/staged.py)
-            try:
-                u.step_host(self.opt, subs, type(self.opt) in ELEMENTWISE, hypers)
-            finally:
-                u.drop_ahead()       # state read ahead (clip global) is used; let it go
-            return None
-        by_pieces = type(self.opt) in ELEMENTWISE and u.state_out
-        pipelined = self.depth > 1 and hypers is None    # the phase after the backward
         try:
+            if getattr(u, "steps_on_host", False):    # the staged path (runtime/staged.py)
+                u.step_host(self.opt, subs, type(self.opt) in ELEMENTWISE, hypers)
+                return None
+            by_pieces = type(self.opt) in ELEMENTWISE and u.state_out
+            pipelined = self.depth > 1 and hypers is None    # the phase after the backward
             u.materialize(self.opt.state, state=not by_pieces)
             if ahead is not None:
                 ahead.prefetch()
@@ -1073,4 +1070,4 @@ class OptimizerPhase:
                 sub.step()
             return u.write_back(self.opt.state, state=not by_pieces, defer=ahead is not None)
         finally:
-            u.drop_ahead()
+            u.drop_ahead()       # state read ahead (clip global) is used, on either path
