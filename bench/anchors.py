@@ -129,8 +129,11 @@ def run(cell: Cell, args, tmp: Path, profiles: dict) -> dict:
                 parse_size(cell.nvme, "--nvme-mem"))
     tokens = cell.batch * 1024
     cands = [c for c in candidates(tokens, 1024) if c[0] * 8 >= cell.batch]
+    overlap = getattr(args, "optimizer_overlap", "auto")
+    if overlap == "paced" and cell.clip != "none":
+        overlap = "auto"          # paced needs --clip none: a cell that clips keeps its own
     kw = dict(policy="optimal", solver=args.solver, gap=0.005, clip=cell.clip,
-              micro_batch_order="auto", nvme_dir=str(tmp / "nvme"))
+              micro_batch_order="auto", nvme_dir=str(tmp / "nvme"), optimizer_overlap=overlap)
     t0 = time.perf_counter()
     cells = search(profile_at, hw, b, kw, cands, tokens, t0 + args.time_limit)
     best = fastest(cells)
@@ -151,6 +154,8 @@ def main(argv=None) -> int:
     ap.add_argument("--time-limit", type=float, default=120.0,
                     help="seconds per cell, shared by its micro-batch sizes and orders")
     ap.add_argument("--solver", default=None)
+    ap.add_argument("--optimizer-overlap", choices=["auto", "off", "paced"], default="auto",
+                    help="as plan solve's (paced: the cells that do not clip; the others auto)")
     args = ap.parse_args(argv)
     args.solver = args.solver or default_solver()
     cells = _cells()

@@ -44,6 +44,7 @@ order). It is a bound, not a schedule: it may be far below anything that runs.
     python bench/bound.py --cases llama3-8b/4090/k8 --time-limit 60
     python bench/bound.py --plans DIR           # plans already written by bench/capacity.py
                                                 # --save-plans DIR: bound them, solve nothing
+    python bench/bound.py --optimizer-overlap auto,paced   # each case under both schedules
 """
 from __future__ import annotations
 
@@ -193,7 +194,15 @@ def main(argv=None) -> int:
     ap.add_argument("--clip", default="none", choices=["none", "global"])
     ap.add_argument("--micro-batch-order", default="auto",
                     choices=["batch-major", "layer-major", "auto"])
+    ap.add_argument("--optimizer-overlap", default="auto", metavar="MODES",
+                    help="as plan solve --optimizer-overlap; several, comma-separated (e.g. "
+                    "auto,paced): each case solved under each, a row each (default auto)")
     args = ap.parse_args(argv)
+    modes = args.optimizer_overlap.split(",")
+    if not set(modes) <= {"auto", "on", "off", "paced"}:
+        print(f"bench/bound.py: --optimizer-overlap {args.optimizer_overlap!r}: use auto, on, "
+              "off or paced, comma-separated", file=sys.stderr)
+        return 2
     capacity = _capacity()
     from planner.plans.load import load_plan
     from planner.sizes import parse_size
@@ -206,24 +215,30 @@ def main(argv=None) -> int:
         return 2
     rows = []
     with tempfile.TemporaryDirectory(prefix="tierplan-bound-") as d:
-        out = Path(args.plans) if args.plans else Path(d)
-        if not args.plans:
-            cap_args = ["--time-limit", str(args.time_limit), "--clip", args.clip,
-                        "--micro-batch-order", args.micro_batch_order, "--save-plans", str(out),
-                        "--cases", ",".join(keys)]
-            capacity.main(cap_args)
-        for c in cases:
-            p = out / (c.key.replace("/", "_") + ".json")
-            if not p.exists():
-                rows.append(f"| {c.key} | no plan (exit 3 or not solved) | - | - | - | - |")
-                continue
-            plan = load_plan(p)
-            hw = capacity._spec(c)
-            cpu = min(parse_size(c.cpu, "--cpu-mem"), hw.pinned_limit)
-            rows.append(_row(c.key, plan, hw, cpu))
+        for mode in modes:
+            out = Path(args.plans) if args.plans else Path(d) / mode
+            if not args.plans:
+                cap_args = ["--time-limit", str(args.time_limit), "--clip", args.clip,
+                            "--micro-batch-order", args.micro_batch_order,
+                            "--optimizer-overlap", mode, "--save-plans", str(out),
+                            "--cases", ",".join(keys)]
+                capacity.main(cap_args)
+            label = "" if len(modes) == 1 else f" ({mode})"
+            for c in cases:
+                p = out / (c.key.replace("/", "_") + ".json")
+                if not p.exists():
+                    rows.append(f"| {c.key}{label} | no plan (exit 3 or not solved) | - | - | - "
+                                "| - |")
+                    continue
+                plan = load_plan(p)
+                hw = capacity._spec(c)
+                cpu = min(parse_size(c.cpu, "--cpu-mem"), hw.pinned_limit)
+                rows.append(_row(c.key + label, plan, hw, cpu))
+            if args.plans:
+                break
     print("\nStep against an independent lower bound (bench/bound.py's LP; every resource at "
           f"once, exact reorderings allowed); plans: --clip {args.clip}, --micro-batch-order "
-          f"{args.micro_batch_order}\n")
+          f"{args.micro_batch_order}, --optimizer-overlap {args.optimizer_overlap}\n")
     print("| case | plan step | plan (order, optimizer, origin) | bound (order) | step / bound "
           "| bound's busy resources, s |")
     print("|---|---:|---|---:|---:|---|")

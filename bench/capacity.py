@@ -168,7 +168,8 @@ def run_case(case: Case, args, tmp: Path) -> dict:
         out = solve_profile(prof, None, hw, b, "optimal", solver=args.solver,
                             time_limit=args.time_limit, gap=args.gap, micro_batches=case.K,
                             stream=case.stream, nvme_dir=str(tmp / "nvme"),
-                            clip=args.clip, micro_batch_order=args.micro_batch_order)
+                            clip=args.clip, micro_batch_order=args.micro_batch_order,
+                            optimizer_overlap=getattr(args, "optimizer_overlap", "auto"))
     except NoFitError as e:
         row.update(exit=3, short=getattr(e, "budget", "?"), msg=str(e),
                    solve_s=time.perf_counter() - t1)
@@ -269,6 +270,8 @@ def main(argv=None) -> int:
                     help="as plan solve --clip (none: updates may run beside the backward)")
     ap.add_argument("--micro-batch-order", choices=["batch-major", "layer-major", "auto"],
                     default="batch-major", help="as plan solve --micro-batch-order")
+    ap.add_argument("--optimizer-overlap", choices=["auto", "on", "off", "paced"],
+                    default="auto", help="as plan solve --optimizer-overlap")
     ap.add_argument("--solver", default=None, help="cbc or highs (default: as plan solve)")
     ap.add_argument("--cases", default=None,
                     help="comma-separated case keys or prefixes (default: all)")

@@ -160,11 +160,15 @@ def _solve_options(q) -> None:
                    help="global: the loop clips gradients by their global norm (the Hugging "
                    "Face Trainer's default), so no update starts before the whole backward; "
                    "none: it does not, and updates may run beside it (default global)")
-    q.add_argument("--optimizer-overlap", choices=["auto", "on", "off"], default="auto",
+    q.add_argument("--optimizer-overlap", choices=["auto", "on", "off", "paced"],
+                   default="auto",
                    help="auto: units' optimizer work (state reads; with --clip none also the "
                    "update and writes) may run beside the backward where it pays; on: the "
                    "fastest plan's decisions run that schedule even where it does not pay; "
-                   "off: after the whole backward (default auto)")
+                   "off: after the whole backward; paced (with --clip none, one pass per "
+                   "step): each unit's step in the stage after its backward, which waits for "
+                   "it, so no gradient waits for the optimizer (priced; the runtime does not "
+                   "execute it yet) (default auto)")
     q.add_argument("--nvme-drives", type=int, default=None, metavar="N",
                    help="N of the spec's NVMe drives in its array (same per-drive rates and "
                    "striping efficiency; the spec must give its NVMe tier as drives)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from planner.costmodel.layout import KINDS, REC, View
+from planner.costmodel.overlap import PACED_PARTS
 from planner.formats import Home, Tier
 
 # Host-side gradient accumulation reads the accumulator and the arriving bytes and writes the
@@ -85,6 +86,9 @@ class TimeRules:
                 h2d.append((yv, nb))
             if ch == "rn":
                 rd.append((yv, nb))
+        for j, k, part in self.paced_at.get(s, ()):
+            # paced: a part of unit j's step beside this stage's backward
+            self._step_terms(j, k, self.homes[j][k], v, (part,), comp, d2h, h2d, rd, wr, host)
         out = self._resource_terms(comp, d2h, h2d, rd, wr, host)
         if self.distributed:
             # net: the engine's collectives (``collectives``), beside compute on their own stream
@@ -113,31 +117,49 @@ class TimeRules:
         comp, d2h, h2d, rd, wr, host = [], [], [], [], [], []
         for j in range(self.U):
             for k, h in enumerate(self.homes[j]):
-                hv = v.h(j, k)
-                r, w = self.step_reads(j, h), self.step_writes(j, h)
-                dev, cpu = self.step_seconds(j, h)
-                for lst, n in ((rd, r["nvme"]), (d2h, r["d2h"] + w["d2h"]), (wr, w["nvme"]),
-                               (h2d, w["h2d"] + r["h2d"]), (comp, dev), (host, cpu)):
-                    if n:
-                        lst.append((hv, float(n)))
+                self._step_terms(j, k, h, v, self._phase_parts(j, h),
+                                 comp, d2h, h2d, rd, wr, host)
         return self._resource_terms(comp, d2h, h2d, rd, wr, host)
 
+    def _phase_parts(self, j: int, h) -> tuple:
+        """The parts of unit j's step under home h that run in the optimizer phase (all of
+        them unless paced: ``in_phase``)."""
+        return tuple(p for p in PACED_PARTS if self.in_phase(j, h, p))
+
+    def _step_parts(self, j: int, h) -> dict:
+        """Unit j's step under home h by part (``PACED_PARTS``): per part, the (list name,
+        bytes or seconds) it adds; the lists are ``_step_terms``'."""
+        r, w = self.step_reads(j, h), self.step_writes(j, h)
+        dev, cpu = self.step_seconds(j, h)
+        return {"read": (("rd", r["nvme"]), ("d2h", r["d2h"]), ("h2d", r["h2d"])),
+                "step": (("comp", dev), ("host", cpu)),
+                "write": (("wr", w["nvme"]), ("d2h", w["d2h"]), ("h2d", w["h2d"]))}
+
+    def _step_terms(self, j, k, h, v, parts, comp, d2h, h2d, rd, wr, host) -> None:
+        """``parts`` of unit j's step under its home k (``h``), appended to the lists of bytes
+        per link and seconds per processor (``_resource_terms`` makes them seconds)."""
+        hv = v.h(j, k)
+        lists = {"rd": rd, "d2h": d2h, "wr": wr, "h2d": h2d, "comp": comp, "host": host}
+        got = self._step_parts(j, h)
+        for part in parts:
+            for name, n in got[part]:
+                if n:
+                    lists[name].append((hv, float(n)))
+
     def opt_chains(self, v: View, units=None) -> list:
-        """One Lin per unit (of ``units``, default all) with optimizer work: its read, step
-        and write back to back (seconds)."""
+        """One Lin per unit (of ``units``, default all) with optimizer work in the optimizer
+        phase: its read, step and write back to back (seconds; paced, the parts left for the
+        phase)."""
         hw = self.hw
+        rate = {"rd": hw.nvme_read_bandwidth, "wr": hw.nvme_write_bandwidth,
+                "d2h": hw.d2h_bandwidth, "h2d": hw.h2d_bandwidth}
         out = []
         for j in (range(self.U) if units is None else units):
             terms = []
             for k, h in enumerate(self.homes[j]):
-                r, w = self.step_reads(j, h), self.step_writes(j, h)
-                dev, cpu = self.step_seconds(j, h)
-                t = (r["nvme"] / hw.nvme_read_bandwidth if r["nvme"] else 0.0) + \
-                    (r["d2h"] / hw.d2h_bandwidth if r["d2h"] else 0.0) + \
-                    (r["h2d"] / hw.h2d_bandwidth if r["h2d"] else 0.0) + dev + cpu + \
-                    (w["nvme"] / hw.nvme_write_bandwidth if w["nvme"] else 0.0) + \
-                    (w["h2d"] / hw.h2d_bandwidth if w["h2d"] else 0.0) + \
-                    (w["d2h"] / hw.d2h_bandwidth if w["d2h"] else 0.0)
+                got = self._step_parts(j, h)
+                t = sum(n / rate[name] if name in rate else n
+                        for part in self._phase_parts(j, h) for name, n in got[part] if n)
                 if t:
                     terms.append((v.h(j, k), t))
             if terms:
@@ -152,7 +174,7 @@ class TimeRules:
         in parallel (the split that balances the two, fractional). When the update itself may
         run beside the backward (overlapped, clip none) only the passes are a floor."""
         passes = self.passes * (sum(self.f) + sum(self.b))
-        if self.optimizer_overlap == "overlapped" and self.clip == "none":
+        if self.optimizer_overlap in ("overlapped", "paced") and self.clip == "none":
             return passes
         return passes + self.optimizer_floor()
 

@@ -169,8 +169,10 @@ class MemoryRules:
         late = self.grads_from_backward() and not optimizer_phase
         for i in range(self.U):
             for k, h in enumerate(self.homes[i]):
+                # paced: a gradient stepped in the stage after its backward is gone by the phase
+                gone = late or (optimizer_phase and not self.in_phase(i, h))
                 for t, n in self.resident(i, h).items():
-                    if late and t == "gpu" and h.grads is Tier.GPU:
+                    if gone and t == "gpu" and h.grads is Tier.GPU:
                         n -= self.G[i]
                     if n:
                         out[t].append((v.h(i, k), float(n)))
@@ -327,6 +329,11 @@ class MemoryRules:
                 (g if self.unified else c).extend(self._readback(v, i, nb))
         for k, e, ch in v.ck_returns(s):     # a checkpoint's copy was read back
             (c if ch == "rc" else n).append((v.y(ch, k, e), float(self.X[k])))
+        # paced: a unit's gradient (kept on the device, made at its backward) goes with its
+        # update in this stage
+        for j, k, part in self.paced_at.get(s, ()):
+            if part == "step":
+                g.append((v.h(j, k), float(self.G[j])))
         # streamed weights: the forward copy goes when the forward ends (the last unit's stays
         # for its backward in the next stage), the backward copy when the backward ends
         for i in self._weight_frees().get(s, ()):

@@ -84,7 +84,7 @@ class CostModel(OptionRules, MemoryRules, TimeRules, OverlapRules, RankRules, Ob
     chain_breaks: frozenset = frozenset()  # blocks whose input is not the previous block's output
     not_replayable: frozenset = frozenset()  # blocks that cannot be recomputed (a cache written)
     margin_bytes: int = 0             # kept free below the device budget besides the reserve
-    optimizer_overlap: str = "after-backward"  # or "overlapped" (``OverlapRules``)
+    optimizer_overlap: str = "after-backward"  # or "overlapped", "paced" (``OverlapRules``)
     clip: str = "global"              # the loop clips by the global norm ("global") or not
     prefetch_bytes: int = 0           # clip global, overlapped: state read ahead and held
     micro_batch_order: str = "batch-major"  # or "layer-major": K micro-batches per unit stage
@@ -143,9 +143,7 @@ class CostModel(OptionRules, MemoryRules, TimeRules, OverlapRules, RankRules, Ob
         # write back), 3 reads the next and writes the previous back while one steps
         if optimizer_depth not in (1, 3):
             raise ValueError(f"optimizer_depth {optimizer_depth}: use 1 or 3")
-        if self.optimizer_overlap not in ("after-backward", "overlapped") or \
-                self.clip not in ("global", "none") or self.state_up_homes not in ("auto", "all"):
-            raise ValueError(f"{self.optimizer_overlap!r}, {self.clip!r}, {self.state_up_homes!r}")
+        self._check_schedule_family()
         put("opt_depth", optimizer_depth)
         # a key/value cache the blocks fill (Hugging Face use_cache): the model's output holds
         # it, and a loop may keep that output until the next forward replaces it, so it is
@@ -171,6 +169,18 @@ class CostModel(OptionRules, MemoryRules, TimeRules, OverlapRules, RankRules, Ob
             put("engine_mem", self._engine_memory())
             put("shared", [a + b for a, b in zip(self.shared, self.engine_mem)])
             put("net_s", self._net_seconds())
+
+    def _check_schedule_family(self) -> None:
+        """The family's fields are known values, and a paced one is possible: each unit's step
+        right after its backward needs its gradient complete there (one pass per step), no clip
+        by the global norm, and the plan's own path stepping it (no engine)."""
+        if self.optimizer_overlap not in ("after-backward", "overlapped", "paced") or \
+                self.clip not in ("global", "none") or self.state_up_homes not in ("auto", "all"):
+            raise ValueError(f"{self.optimizer_overlap!r}, {self.clip!r}, {self.state_up_homes!r}")
+        if self.optimizer_overlap == "paced" and (self.clip != "none" or self.passes != 1
+                                                  or self.engine != "none"):
+            raise ValueError(f"paced needs clip none, one pass and no engine: {self.clip!r}, "
+                             f"{self.passes} passes, engine {self.engine!r}")
 
     def _staging(self, hw: HardwareSpec) -> tuple[int, int, int]:
         """The staging pool NVMe traffic goes through: (each buffer's cap, buffers, bytes a

@@ -42,6 +42,15 @@ class OptionRules:
         return sum(self.P[i] + self.G[i] + self.O[i] for i in range(self.U)) > self.budget["gpu"]
 
     def _homes(self, i: int, allow_streaming: bool) -> list[Home]:
+        """``_all_homes``; paced, those whose gradient stays on the device: its step runs in the
+        stage after its backward and frees it there, so a gradient sent off to wait for its
+        step (the homes that keep gradients on the host or NVMe all step) is not needed."""
+        out = self._all_homes(i, allow_streaming)
+        if self.optimizer_overlap == "paced":
+            out = [h for h in out if h.grads is Tier.GPU]
+        return out
+
+    def _all_homes(self, i: int, allow_streaming: bool) -> list[Home]:
         """The homes unit i may take on this spec under these budgets. A unit with tied
         parameters keeps its weights and gradients on the device (another unit uses them
         between its own uses), and so does a block charged parameters outside its module

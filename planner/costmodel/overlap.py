@@ -26,10 +26,14 @@ step's forward waits for every unit's writes, as it does after the optimizer pha
 """
 from __future__ import annotations
 
+from functools import cached_property
+
 from planner.costmodel.layout import View
 from planner.formats import Tier
 
 OVERLAP_RESOURCES = ("compute", "d2h", "h2d", "duplex", "nvme", "host")
+# the parts of one unit's step, in order: its reads, its update, its writes
+PACED_PARTS = ("read", "step", "write")
 
 
 class OverlapRules:
@@ -39,6 +43,51 @@ class OverlapRules:
     def overlapped(self) -> bool:
         """Whether this model prices the overlapped family (either optimizer depth)."""
         return self.optimizer_overlap == "overlapped"
+
+    @property
+    def paced(self) -> bool:
+        """Whether this model prices the paced family: each unit's step pipelined through the
+        backward stages after its own, each stage lasting until its parts are done
+        (``paced_part_stage``)."""
+        return self.optimizer_overlap == "paced"
+
+    def paced_part_stage(self, j: int, h, part: str) -> int:
+        """Paced: the stage that carries ``part`` (read, step, write: ``PACED_PARTS``) of unit
+        j's step under home h. The read is in the stage after its release (``release_stage``:
+        its backward, or the last stage for a resident home, the user's optimizer, and a tied
+        unit), the update in the next, the write in the one after: the pipeline of the
+        optimizer phase at depth 3, its units fed by the backward. Above 2U: the optimizer
+        phase (the last units' parts)."""
+        return self.release_stage(j, h) + 1 + PACED_PARTS.index(part)
+
+    def in_phase(self, j: int, h, part: str = "step") -> bool:
+        """Whether ``part`` of unit j's step under home h runs in the optimizer phase (every
+        part of every step but the paced ones)."""
+        return (not self.paced or h.resident or not self.G[j]
+                or self.paced_part_stage(j, h, part) > 2 * self.U)
+
+    @cached_property
+    def paced_at(self) -> dict:
+        """Paced: pass stage -> the (unit, home index, part) it carries."""
+        out = {}
+        if self.paced:
+            for j in range(self.U):
+                for k, h in enumerate(self.homes[j]):
+                    if h.resident or not self.G[j]:
+                        continue                 # the user's optimizer, at opt.step()
+                    for part in PACED_PARTS:
+                        s = self.paced_part_stage(j, h, part)
+                        if s <= 2 * self.U:
+                            out.setdefault(s, []).append((j, k, part))
+        return out
+
+    def backward_steps_held(self) -> int:
+        """How many units' steps in flight a backward stage holds beside its own bytes:
+        overlapped (clip none), ``opt_depth``; paced, three (one read, one stepped, one
+        written); else none."""
+        if self.paced:
+            return len(PACED_PARTS)
+        return self.opt_depth if (self.overlapped and self.clip == "none") else 0
 
     def overlap_resources(self) -> tuple:
         """The resources of the Hall rows: the physical ones, and at depth 1 the one worker

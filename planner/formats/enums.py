@@ -51,6 +51,6 @@ ENGINES = ("none", "fsdp2", "ddp")   # how the ranks share the model
 # The schedule families a plan names (``tierplan.plan/3``; docs/file-formats.md, Schedule):
 # when a unit's optimizer step may run, whether the loop clips by the global gradient norm,
 # and the order micro-batches take through the units.
-OPTIMIZER_OVERLAPS = ("after-backward", "overlapped")
+OPTIMIZER_OVERLAPS = ("after-backward", "overlapped", "paced")
 CLIPS = ("global", "none")
 MICRO_BATCH_ORDERS = ("batch-major", "layer-major")

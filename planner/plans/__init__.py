@@ -87,18 +87,22 @@ def plan_and_sim(profile: Profile, profile_path: str | None, hw: HardwareSpec, b
         world_size=cm.world, ranks_per_node=cm.rpn, engine=cm.engine,
         optimizer_s=float(profile.optimizer_s),
         optimizer_workspace_bytes=int(profile.optimizer_workspace_bytes),
-        optimizer_overlap="overlapped" if cm.overlapped else "after-backward", clip=cm.clip,
+        optimizer_overlap=cm.optimizer_overlap, clip=cm.clip,
         optimizer_prefetch_bytes=int(cm.prefetch_bytes) if cm.overlapped else 0,
         micro_batch_order=cm.micro_batch_order)
     r = simulate(plan)
-    if cm.overlapped and not keep_overlap:
+    if (cm.overlapped or cm.paced) and not keep_overlap:
         # the plan is overlapped only where that is faster than the same decisions after the
-        # backward (what today's runtime executes, and never more memory)
+        # backward (what today's runtime executes, and never more memory); paced, where those
+        # fit too (after the backward every gradient waits for the phase) and are no slower
         after = plan_and_sim(profile, profile_path, hw, budgets, policy, layers, shares, solver,
                              nvme_dir, micro_batches,
                              dataclasses.replace(cm, optimizer_overlap="after-backward",
                                                  prefetch_bytes=0))
-        if r.overlapped_s <= 0.0 or after[1].step_s <= r.step_s * (1 + 1e-9):
+        if cm.paced:
+            if after[1].fits and after[1].step_s <= r.step_s * (1 + 1e-9):
+                return after
+        elif r.overlapped_s <= 0.0 or after[1].step_s <= r.step_s * (1 + 1e-9):
             return after
     # the runtime's own check (no cost model there) must accept every plan the planner makes
     check_homes(plan, "a plan being made")

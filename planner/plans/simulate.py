@@ -273,7 +273,7 @@ def simulate(plan: Plan) -> SimResult:
             ws = max(evaluate(c) for c in cm.transient(s, v))
             mem = {t: base[t] + carried[t] for t in TIERS}
             mem["gpu"] += cm.shared[s] + ws
-            if cm.overlapped and s > cm.U:
+            if (cm.overlapped or cm.paced) and s > cm.U:
                 _overlap_memory(cm, mem, held, opt_ws)
         else:
             mem = _opt_memory(cm, base_opt, held, opt_ws)
@@ -341,11 +341,11 @@ def _overlap_memory(cm: CostModel, mem: dict, held: dict, opt_ws: dict) -> None:
     """What the optimizer work beside a backward stage holds (``OverlapRules``): with clip
     none, ``opt_depth`` units' steps in flight and the device step's workspace (as in the
     optimizer phase); with clip global,
-    the state read ahead, held until the phase. Counted in every pass's backward (the last
-    pass's figure, the largest)."""
+    the state read ahead, held until the phase; paced, the one step of the stage. Counted in
+    every pass's backward (the last pass's figure, the largest)."""
     if cm.clip == "none":
         for t in TIERS:
-            mem[t] += cm.opt_depth * held[t] + opt_ws[t]    # a step's own workspace
+            mem[t] += cm.backward_steps_held() * held[t] + opt_ws[t]    # and its workspace
     else:
         mem[cm.prefetch_tier()] += cm.prefetch_bytes
 

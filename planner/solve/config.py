@@ -19,7 +19,7 @@ from planner.formats import CLIPS, Budgets, HardwareSpec, Policy, Profile
 from planner.plans import cost_model
 
 STREAM_MODES = ("auto", "on", "off")
-OVERLAP_MODES = ("auto", "on", "off")
+OVERLAP_MODES = ("auto", "on", "off", "paced")
 ORDER_MODES = ("batch-major", "layer-major", "auto")
 # The MILP's rows bound memory in GB with the solvers' feasibility tolerance (1e-6 on the row,
 # i.e. a kilobyte) and bytes are rounded to whole numbers when written: solve against the
@@ -115,13 +115,24 @@ class SolveConfig:
             raise UserError(f"--optimizer-overlap on with --micro-batch-order "
                             f"{micro_batch_order}: the two are not run together yet; use "
                             "--micro-batch-order batch-major or --optimizer-overlap auto")
+        if optimizer_overlap == "paced":
+            if clip != "none":
+                raise UserError("--optimizer-overlap paced steps each unit during the backward, "
+                                "before a clip by the global norm could see every gradient; "
+                                "add --clip none (and clip nothing in the loop)")
+            if int(micro_batches) > 1 and micro_batch_order == "batch-major":
+                raise UserError(f"--optimizer-overlap paced with --micro-batches "
+                                f"{int(micro_batches)} needs each gradient complete after its "
+                                "unit's one backward; add --micro-batch-order layer-major")
+            micro_batch_order = "layer-major" if int(micro_batches) > 1 else micro_batch_order
         ranks = rank_options(world_size, ranks_per_node, engine)
         if ranks["engine"] != "none" and micro_batch_order != "batch-major":
             raise UserError(f"--micro-batch-order {micro_batch_order}: only batch-major is "
                             f"planned with --engine {ranks['engine']} yet; leave it out")
-        if ranks["engine"] != "none" and optimizer_overlap == "on":
-            raise UserError(f"--optimizer-overlap on: the optimizer beside the backward is not "
-                            f"run under --engine {ranks['engine']} yet; leave it out")
+        if ranks["engine"] != "none" and optimizer_overlap in ("on", "paced"):
+            raise UserError(f"--optimizer-overlap {optimizer_overlap}: the optimizer beside the "
+                            f"backward is not run under --engine {ranks['engine']} yet; leave "
+                            "it out")
         if ranks["engine"] == "ddp" and stream == "on":
             raise UserError("--stream on: homes off the device are not planned under --engine "
                             "ddp (it replicates every tensor); use --engine fsdp2 or --stream "
@@ -148,7 +159,7 @@ class SolveConfig:
                           shard_homes=self.shard_homes,
                           clip=self.clip, optimizer_overlap="after-backward"
                           if self.optimizer_overlap == "off" or self.engine != "none"
-                          else "overlapped",
+                          else "paced" if self.optimizer_overlap == "paced" else "overlapped",
                           micro_batch_order="layer-major"
                           if self.micro_batch_order == "layer-major" else "batch-major")
 
