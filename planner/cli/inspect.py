@@ -29,7 +29,8 @@ def time_breakdown(plan: Plan, sim) -> dict:
     """Where the step's time above compute-only goes, in seconds per optimizer step."""
     K = sim.micro_batches
     passes = 1 if plan.micro_batch_order == "layer-major" else K   # stage sequences per step
-    out = {"recompute": sim.recompute_s * passes}
+    out = {"recompute": sim.recompute_s * passes,
+           "optimizer updates in the backward (paced)": sim.paced_compute_s}
     for r in sim.stages:
         if r.phase == "optimizer":
             continue

@@ -121,6 +121,15 @@ class TimeRules:
                                  comp, d2h, h2d, rd, wr, host)
         return self._resource_terms(comp, d2h, h2d, rd, wr, host)
 
+    def paced_compute(self, s: int, v: View) -> list:
+        """Paced: Lin of the device seconds of the updates stage s carries (in its compute)."""
+        out = []
+        for j, k, part in self.paced_at.get(s, ()):
+            dev = self.step_seconds(j, self.homes[j][k])[0] if part == "step" else 0.0
+            if dev:
+                out.append((v.h(j, k), dev))
+        return out
+
     def _phase_parts(self, j: int, h) -> tuple:
         """The parts of unit j's step under home h that run in the optimizer phase (all of
         them unless paced: ``in_phase``)."""

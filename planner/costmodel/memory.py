@@ -96,6 +96,17 @@ class MemoryRules:
         written_only = self.P[i] if (h.weights is Tier.NVME and self.M[i] > 0) else 0
         return held + written_only
 
+    def paced_held(self, i: int, h: Home) -> tuple[str, int]:
+        """Paced: (tier, bytes) unit i's step holds from its read's stage to the end of its
+        write's (``paced_part_stage``). Its parts are in separate stages, so all it reads
+        (its state from NVMe or up to the device, its gradient's copy on the host, weights a
+        step without a master updates) waits for the update, and what it writes for the write:
+        the whole of it, not one piece (``step_transient``'s phase pipeline)."""
+        r = self.step_reads(i, h)
+        written_only = self.P[i] if (h.weights is Tier.NVME and self.M[i] > 0) else 0
+        where = "gpu" if (self.unified or h.step is Tier.GPU) else "cpu"
+        return where, r["nvme"] + r["d2h"] + r["h2d"] + written_only
+
 
     # -- constant memory: shared tensors -----------------------------------------------------
 
@@ -169,11 +180,17 @@ class MemoryRules:
         late = self.grads_from_backward() and not optimizer_phase
         for i in range(self.U):
             for k, h in enumerate(self.homes[i]):
-                # paced: a gradient stepped in the stage after its backward is gone by the phase
+                # paced: a gradient updated in a backward stage is gone by the phase
                 gone = late or (optimizer_phase and not self.in_phase(i, h))
                 for t, n in self.resident(i, h).items():
                     if gone and t == "gpu" and h.grads is Tier.GPU:
                         n -= self.G[i]
+                    if n:
+                        out[t].append((v.h(i, k), float(n)))
+                if optimizer_phase and not self.in_phase(i, h, "read") and \
+                        self.in_phase(i, h, "write"):
+                    # paced: read in the backward, written in the phase: held into it
+                    t, n = self.paced_held(i, h)
                     if n:
                         out[t].append((v.h(i, k), float(n)))
         if self.cache:
@@ -245,6 +262,12 @@ class MemoryRules:
                 late = self.grads_from_backward()
                 g += [(v.h(i, k), float(self.G[i])) for k, h in enumerate(self.homes[i])
                       if late or h.grads is not Tier.GPU]
+        for j, k, part in self.paced_at.get(s, ()):
+            # paced: what the step reads, held to its write; its update's workspace
+            t, nb = self.paced_held(j, self.homes[j][k]) if part == "read" else \
+                self.step_workspace(j, self.homes[j][k]) if part == "step" else ("gpu", 0)
+            if nb:
+                out[t].append((v.h(j, k), float(nb)))
         for kind, i in v.at(s):              # transfers arriving in stage s
             K = KINDS[kind]
             nb = float(self.size(kind, i))
@@ -330,10 +353,15 @@ class MemoryRules:
         for k, e, ch in v.ck_returns(s):     # a checkpoint's copy was read back
             (c if ch == "rc" else n).append((v.y(ch, k, e), float(self.X[k])))
         # paced: a unit's gradient (kept on the device, made at its backward) goes with its
-        # update in this stage
+        # update in this stage, what its step held with its write
         for j, k, part in self.paced_at.get(s, ()):
+            h = self.homes[j][k]
             if part == "step":
                 g.append((v.h(j, k), float(self.G[j])))
+            t, nb = self.paced_held(j, h) if part == "write" else \
+                self.step_workspace(j, h) if part == "step" else ("gpu", 0)
+            if nb:
+                out[t].append((v.h(j, k), float(nb)))
         # streamed weights: the forward copy goes when the forward ends (the last unit's stays
         # for its backward in the next stage), the backward copy when the backward ends
         for i in self._weight_frees().get(s, ()):

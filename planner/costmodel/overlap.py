@@ -81,14 +81,6 @@ class OverlapRules:
                             out.setdefault(s, []).append((j, k, part))
         return out
 
-    def backward_steps_held(self) -> int:
-        """How many units' steps in flight a backward stage holds beside its own bytes:
-        overlapped (clip none), ``opt_depth``; paced, three (one read, one stepped, one
-        written); else none."""
-        if self.paced:
-            return len(PACED_PARTS)
-        return self.opt_depth if (self.overlapped and self.clip == "none") else 0
-
     def overlap_resources(self) -> tuple:
         """The resources of the Hall rows: the physical ones, and at depth 1 the one worker
         that runs each unit's read, step and write back to back (``worker``: no backward

@@ -80,7 +80,9 @@ def validate_layers(cm: CostModel, layers: list[LayerDecision]) -> None:
                             "(tied weights, and a block's weights used between blocks, stay "
                             "on the device; a CPU step needs a host tier and "
                             "the spec's cpu_adam_params_per_s; a gradient that leaves needs a "
-                            "stage after its backward)")
+                            "stage after its backward"
+                            + ("; under optimizer_overlap paced a gradient stays on the device)"
+                               if cm.paced else ")"))
         if d.home.streams_weights:
             nxt = layers[i + 1] if i + 1 < len(layers) else None
             if (c == "rz") or (nxt is not None and decision_choice(nxt) == "rz"):

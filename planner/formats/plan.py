@@ -232,6 +232,14 @@ class Plan:
             if getattr(plan, k) not in allowed:
                 raise UserError(f"{where}: {k} {getattr(plan, k)!r} is not one of "
                                 f"{', '.join(allowed)}; {fix}")
+        if plan.optimizer_overlap == "paced" and (
+                plan.clip != "none" or plan.engine != "none"
+                or (plan.micro_batches > 1 and plan.micro_batch_order != "layer-major")):
+            raise UserError(f"{where}: optimizer_overlap 'paced' steps each unit right after "
+                            "its one backward, so it needs clip 'none', engine 'none' and "
+                            "micro_batches 1 or micro_batch_order 'layer-major' (this plan: "
+                            f"clip {plan.clip!r}, engine {plan.engine!r}, {plan.micro_batches} "
+                            f"{plan.micro_batch_order}); {fix}")
         schedule = _schedule_from_dict(plan.schedule, {u.name for u in units}, where, fix)
         predicted = Prediction.from_dict(d["predicted"], where, fix)
         n = len(predicted.stage_gpu_bytes)

@@ -100,7 +100,7 @@ def plan_and_sim(profile: Profile, profile_path: str | None, hw: HardwareSpec, b
                              dataclasses.replace(cm, optimizer_overlap="after-backward",
                                                  prefetch_bytes=0))
         if cm.paced:
-            if after[1].fits and after[1].step_s <= r.step_s * (1 + 1e-9):
+            if after[1].fits and (not r.fits or after[1].step_s <= r.step_s * (1 + 1e-9)):
                 return after
         elif r.overlapped_s <= 0.0 or after[1].step_s <= r.step_s * (1 + 1e-9):
             return after

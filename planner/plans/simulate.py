@@ -69,6 +69,7 @@ class SimResult:
     events: dict                     # event id -> (start, end) in the first pass / the optimizer phase
     flops: float                     # model FLOPs of one step (no recompute)
     overlapped_s: float = 0.0        # optimizer seconds run beside the backward (busiest resource)
+    paced_compute_s: float = 0.0     # paced: the device's update seconds in the backward stages
 
     @property
     def overhead(self) -> float | None:
@@ -85,7 +86,7 @@ class SimResult:
                 "budget_violations": list(self.budget_violations), "busy_s": dict(self.busy_s),
                 "stall_s": self.stall_s, "static_bytes": self.static_bytes,
                 "staging_bytes": self.staging_bytes, "flops": self.flops,
-                "overlapped_s": self.overlapped_s,
+                "overlapped_s": self.overlapped_s, "paced_compute_s": self.paced_compute_s,
                 "tflops": self.flops / self.step_s / 1e12 if self.step_s > 0 else 0.0}
 
 
@@ -259,7 +260,7 @@ def simulate(plan: Plan) -> SimResult:
     carried = {t: 0.0 for t in TIERS}
     prev_free = {t: 0.0 for t in TIERS}
     t0 = 0.0
-    pass_s = rest_s = opt_s = recompute_s = stall = overlapped_s = 0.0
+    pass_s = rest_s = opt_s = recompute_s = stall = overlapped_s = in_backward_s = 0.0
     busy = {r: 0.0 for r in RESOURCES}
     last = {}                       # backward stage -> the last pass's (seconds, loads)
     held, opt_ws = _largest(cm.opt_transients(v)), _largest(cm.opt_workspaces(v))
@@ -273,7 +274,7 @@ def simulate(plan: Plan) -> SimResult:
             ws = max(evaluate(c) for c in cm.transient(s, v))
             mem = {t: base[t] + carried[t] for t in TIERS}
             mem["gpu"] += cm.shared[s] + ws
-            if (cm.overlapped or cm.paced) and s > cm.U:
+            if cm.overlapped and s > cm.U:
                 _overlap_memory(cm, mem, held, opt_ws)
         else:
             mem = _opt_memory(cm, base_opt, held, opt_ws)
@@ -293,7 +294,9 @@ def simulate(plan: Plan) -> SimResult:
             rest_s += dur_r
             i = L.unit_of(s)
             if s > cm.U and i is not None:
-                recompute_s += loads["compute"] - cm.b[i]
+                paced = evaluate(cm.paced_compute(s, v))     # paced updates: no recompute
+                recompute_s += loads["compute"] - cm.b[i] - paced
+                in_backward_s += paced
             stall += (dur - loads["compute"]) + (n_pass - 1) * (dur_r - loads["compute"])
         else:
             opt_s += dur
@@ -319,7 +322,7 @@ def simulate(plan: Plan) -> SimResult:
         budgets=budgets.to_dict(), fits=not violations, budget_violations=tuple(violations),
         busy_s=busy, stall_s=stall, static_bytes=int(base["gpu"]), staging_bytes=int(staging),
         stages=tuple(stages), events=_event_times(plan, cm, stages), flops=float(flops),
-        overlapped_s=overlapped_s)
+        overlapped_s=overlapped_s, paced_compute_s=in_backward_s)
 
 
 def _largest(per_tier: dict) -> dict:
@@ -341,11 +344,11 @@ def _overlap_memory(cm: CostModel, mem: dict, held: dict, opt_ws: dict) -> None:
     """What the optimizer work beside a backward stage holds (``OverlapRules``): with clip
     none, ``opt_depth`` units' steps in flight and the device step's workspace (as in the
     optimizer phase); with clip global,
-    the state read ahead, held until the phase; paced, the one step of the stage. Counted in
-    every pass's backward (the last pass's figure, the largest)."""
+    the state read ahead, held until the phase. Counted in every pass's backward (the last
+    pass's figure, the largest). (Paced steps are the stages' own allocations: ``alloc``.)"""
     if cm.clip == "none":
         for t in TIERS:
-            mem[t] += cm.backward_steps_held() * held[t] + opt_ws[t]    # and its workspace
+            mem[t] += cm.opt_depth * held[t] + opt_ws[t]    # a step's own workspace
     else:
         mem[cm.prefetch_tier()] += cm.prefetch_bytes
 

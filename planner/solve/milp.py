@@ -390,7 +390,7 @@ class Model:
                         row += ws
                 if t == pool_tier:
                     row += self.pool
-                if (cm.overlapped or cm.paced) and s > cm.U:
+                if cm.overlapped and s > cm.U:
                     row += self._overlap_held(t, tmax)
                 self._c(row - self.budget(t) <= 0, f"mem_{t}_{s}")
         for t in tmax:
@@ -420,7 +420,7 @@ class Model:
         if self.Vpre is not None:
             return self.Vpre if t == self.cm.prefetch_tier() else 0
         # a step's own workspace where it runs
-        return self.cm.backward_steps_held() * tmax.get(t, 0) + self.wsopt.get(t, 0)
+        return self.cm.opt_depth * tmax.get(t, 0) + self.wsopt.get(t, 0)
 
     def c_time(self):
         """A stage lasts as long as its longest resource (transfers overlap compute):

@@ -260,6 +260,12 @@ def _search(profile, profile_path, cfg: SolveConfig, models: _Models, clock,
                 best = _pick(cands)
             return got
         main = joint(models.main, "milp", 0.5)
+        if models.main.paced:
+            # paced offers only homes that keep gradients on the device: the same depth after
+            # the backward with every home too, which the runtime executes (and can be faster:
+            # on an h200 model a gradient parked on the host freed the device for state)
+            joint(dataclasses.replace(models.main, optimizer_overlap="after-backward"),
+                  "milp", 0.5)
         if models.main.overlapped and (main is None
                                        or main.plan.optimizer_overlap != "overlapped"):
             # the overlapped model found no plan that overlaps: the same depth after the
