@@ -23,6 +23,11 @@ The resources are taken one at a time (a unit's read, step and write are one flu
 each), as the pipelined optimizer phase already takes them, and each unit's own read, step and
 write back to back must fit between its release and the phase's end (its chain); the next
 step's forward waits for every unit's writes, as it does after the optimizer phase.
+
+Under ``optimizer_overlap: paced`` (clip none, one pass per step) nothing floats: each unit's
+read, update and write are in the three stages after its release (``paced_part_stage``), whose
+loads carry them (``TimeRules.loads``), and what the step holds is allocated and freed with
+them (``MemoryRules.alloc``/``free``); the phase has what is left of the first units.
 """
 from __future__ import annotations
 
@@ -74,7 +79,7 @@ class OverlapRules:
             for j in range(self.U):
                 for k, h in enumerate(self.homes[j]):
                     if h.resident or not self.G[j]:
-                        continue                 # the user's optimizer, at opt.step()
+                        continue     # the user's optimizer steps it at opt.step(); or no step
                     for part in PACED_PARTS:
                         s = self.paced_part_stage(j, h, part)
                         if s <= 2 * self.U:
