@@ -198,8 +198,9 @@ def main(argv=None) -> int:
                     help="as plan solve --optimizer-overlap; several, comma-separated (e.g. "
                     "auto,paced): each case solved under each, a row each (default auto)")
     args = ap.parse_args(argv)
-    modes = args.optimizer_overlap.split(",")
-    if not set(modes) <= {"auto", "on", "off", "paced"}:
+    # plans read from --plans were solved elsewhere: one set, named by nothing here
+    modes = [""] if args.plans else args.optimizer_overlap.split(",")
+    if not set(modes) <= {"", "auto", "on", "off", "paced"}:
         print(f"bench/bound.py: --optimizer-overlap {args.optimizer_overlap!r}: use auto, on, "
               "off or paced, comma-separated", file=sys.stderr)
         return 2
@@ -223,7 +224,7 @@ def main(argv=None) -> int:
                             "--optimizer-overlap", mode, "--save-plans", str(out),
                             "--cases", ",".join(keys)]
                 capacity.main(cap_args)
-            label = "" if len(modes) == 1 else f" ({mode})"
+            label = f" ({mode})" if len(modes) > 1 else ""
             for c in cases:
                 p = out / (c.key.replace("/", "_") + ".json")
                 if not p.exists():
@@ -234,8 +235,6 @@ def main(argv=None) -> int:
                 hw = capacity._spec(c)
                 cpu = min(parse_size(c.cpu, "--cpu-mem"), hw.pinned_limit)
                 rows.append(_row(c.key + label, plan, hw, cpu))
-            if args.plans:
-                break
     print("\nStep against an independent lower bound (bench/bound.py's LP; every resource at "
           f"once, exact reorderings allowed); plans: --clip {args.clip}, --micro-batch-order "
           f"{args.micro_batch_order}, --optimizer-overlap {args.optimizer_overlap}\n")

@@ -93,8 +93,16 @@ class MemoryRules:
             # from host memory, when it comes up to a device that steps it)
             held -= (self.opt_copy(i, h) if h.optimizer is Tier.NVME else 0) - \
                 self.state_held(i, h)
-        written_only = self.P[i] if (h.weights is Tier.NVME and self.M[i] > 0) else 0
-        return held + written_only
+        return held + self._written_only(i, h)
+
+    def _written_only(self, i: int, h: Home) -> int:
+        """Bytes unit i's step writes without reading them: weights homed on NVMe, updated from
+        the fp32 master."""
+        return self.P[i] if (h.weights is Tier.NVME and self.M[i] > 0) else 0
+
+    def step_tier(self, h: Home) -> str:
+        """Where a step under home h runs, as a memory tier (on a unified device: the device)."""
+        return "gpu" if (self.unified or h.step is Tier.GPU) else "cpu"
 
     def paced_held(self, i: int, h: Home) -> tuple[str, int]:
         """Paced: (tier, bytes) unit i's step holds from its read's stage to the end of its
@@ -103,9 +111,25 @@ class MemoryRules:
         step without a master updates) waits for the update, and what it writes for the write:
         the whole of it, not one piece (``step_transient``'s phase pipeline)."""
         r = self.step_reads(i, h)
-        written_only = self.P[i] if (h.weights is Tier.NVME and self.M[i] > 0) else 0
-        where = "gpu" if (self.unified or h.step is Tier.GPU) else "cpu"
-        return where, r["nvme"] + r["d2h"] + r["h2d"] + written_only
+        return self.step_tier(h), r["nvme"] + r["d2h"] + r["h2d"] + self._written_only(i, h)
+
+    def _paced_memory(self, s: int, v: View, out: dict, freed: bool) -> None:
+        """Paced: what the step parts of stage s allocate at its start (a read: what its step
+        holds to its write; an update: its workspace) or, ``freed``, free at its end (an
+        update: the unit's gradient and its workspace; a write: what the step held), added to
+        ``out`` (tier -> Lin)."""
+        for j, k, part in self.paced_at.get(s, ()):
+            h = self.homes[j][k]
+            got = []
+            if part == "step":
+                got.append(self.step_workspace(j, h))
+                if freed:
+                    got.append(("gpu", self.G[j]))
+            elif part == ("write" if freed else "read"):
+                got.append(self.paced_held(j, h))
+            for t, nb in got:
+                if nb:
+                    out[t].append((v.h(j, k), float(nb)))
 
 
     # -- constant memory: shared tensors -----------------------------------------------------
@@ -262,12 +286,7 @@ class MemoryRules:
                 late = self.grads_from_backward()
                 g += [(v.h(i, k), float(self.G[i])) for k, h in enumerate(self.homes[i])
                       if late or h.grads is not Tier.GPU]
-        for j, k, part in self.paced_at.get(s, ()):
-            # paced: what the step reads, held to its write; its update's workspace
-            t, nb = self.paced_held(j, self.homes[j][k]) if part == "read" else \
-                self.step_workspace(j, self.homes[j][k]) if part == "step" else ("gpu", 0)
-            if nb:
-                out[t].append((v.h(j, k), float(nb)))
+        self._paced_memory(s, v, out, freed=False)
         for kind, i in v.at(s):              # transfers arriving in stage s
             K = KINDS[kind]
             nb = float(self.size(kind, i))
@@ -354,14 +373,7 @@ class MemoryRules:
             (c if ch == "rc" else n).append((v.y(ch, k, e), float(self.X[k])))
         # paced: a unit's gradient (kept on the device, made at its backward) goes with its
         # update in this stage, what its step held with its write
-        for j, k, part in self.paced_at.get(s, ()):
-            h = self.homes[j][k]
-            if part == "step":
-                g.append((v.h(j, k), float(self.G[j])))
-            t, nb = self.paced_held(j, h) if part == "write" else \
-                self.step_workspace(j, h) if part == "step" else ("gpu", 0)
-            if nb:
-                out[t].append((v.h(j, k), float(nb)))
+        self._paced_memory(s, v, out, freed=True)
         # streamed weights: the forward copy goes when the forward ends (the last unit's stays
         # for its backward in the next stage), the backward copy when the backward ends
         for i in self._weight_frees().get(s, ()):
@@ -418,7 +430,7 @@ class MemoryRules:
         (two fp32) per element it steps at once: a piece where the runtime steps by pieces
         (state on NVMe; on a unified device, any state off it: ``STEP_PIECE_BYTES``), else the
         unit's own parameters."""
-        where = "gpu" if (self.unified or h.step is Tier.GPU) else "cpu"
+        where = self.step_tier(h)
         if not self.opt_ws or not self.G[i]:
             return where, 0
         n = self.N[i]
@@ -455,8 +467,7 @@ class MemoryRules:
             for k, h in enumerate(self.homes[j]):
                 n = self.step_transient(j, h)
                 if n:
-                    where = "gpu" if (self.unified or h.step is Tier.GPU) else "cpu"
-                    per[where].append((v.h(j, k), float(n)))
+                    per[self.step_tier(h)].append((v.h(j, k), float(n)))
             for t in TIERS:
                 if per[t]:
                     out[t].append(per[t])

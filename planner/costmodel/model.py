@@ -41,6 +41,7 @@ from planner.costmodel.options import OptionRules
 from planner.costmodel.overlap import OverlapRules
 from planner.costmodel.ranks import RankRules
 from planner.formats import IO_BLOCK_BYTES, HardwareSpec, io_requests
+from planner.formats.enums import paced_possible
 
 
 def device_budget(gpu_bytes: int, hw: HardwareSpec, margin_bytes: int = 0) -> int:
@@ -177,8 +178,8 @@ class CostModel(OptionRules, MemoryRules, TimeRules, OverlapRules, RankRules, Ob
         if self.optimizer_overlap not in ("after-backward", "overlapped", "paced") or \
                 self.clip not in ("global", "none") or self.state_up_homes not in ("auto", "all"):
             raise ValueError(f"{self.optimizer_overlap!r}, {self.clip!r}, {self.state_up_homes!r}")
-        if self.optimizer_overlap == "paced" and (self.clip != "none" or self.passes != 1
-                                                  or self.engine != "none"):
+        if self.optimizer_overlap == "paced" and not paced_possible(
+                self.clip, self.engine, self.K, self.micro_batch_order):
             raise ValueError(f"paced needs clip none, one pass and no engine: {self.clip!r}, "
                              f"{self.passes} passes, engine {self.engine!r}")
 

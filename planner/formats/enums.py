@@ -54,3 +54,10 @@ ENGINES = ("none", "fsdp2", "ddp")   # how the ranks share the model
 OPTIMIZER_OVERLAPS = ("after-backward", "overlapped", "paced")
 CLIPS = ("global", "none")
 MICRO_BATCH_ORDERS = ("batch-major", "layer-major")
+
+
+def paced_possible(clip: str, engine: str, micro_batches: int, order: str) -> bool:
+    """Whether ``optimizer_overlap: paced`` can run: each unit's step right after its one
+    backward needs the gradient complete there (one pass per step: K = 1 or layer-major), no
+    clip by the global norm, and the plan's own path stepping it (no engine)."""
+    return clip == "none" and engine == "none" and (micro_batches == 1 or order == "layer-major")

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from planner.errors import UserError
 from planner.formats.decisions import LayerDecision
 from planner.formats.enums import (CLIPS, ENGINES, MICRO_BATCH_ORDERS, OPTIMIZER_OVERLAPS,
-                                   PLAN_SCHEMA, Activation, PLAN_SCHEMA_V1, PLAN_SCHEMA_V2, Tier)
+                                   PLAN_SCHEMA, Activation, PLAN_SCHEMA_V1, PLAN_SCHEMA_V2, Tier,
+                                   paced_possible)
 from planner.formats.executor import Executor
 from planner.formats.events import Event, Op, Passes, Stream, TensorClass
 from planner.formats.fileio import read_json
@@ -232,9 +233,8 @@ class Plan:
             if getattr(plan, k) not in allowed:
                 raise UserError(f"{where}: {k} {getattr(plan, k)!r} is not one of "
                                 f"{', '.join(allowed)}; {fix}")
-        if plan.optimizer_overlap == "paced" and (
-                plan.clip != "none" or plan.engine != "none"
-                or (plan.micro_batches > 1 and plan.micro_batch_order != "layer-major")):
+        if plan.optimizer_overlap == "paced" and not paced_possible(
+                plan.clip, plan.engine, plan.micro_batches, plan.micro_batch_order):
             raise UserError(f"{where}: optimizer_overlap 'paced' steps each unit right after "
                             "its one backward, so it needs clip 'none', engine 'none' and "
                             "micro_batches 1 or micro_batch_order 'layer-major' (this plan: "
