@@ -1281,8 +1281,8 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
         plan = load_plan(plan)     # the format's checks; a /1 plan refused, naming 'plan upgrade'
     src = plan_path or "the plan"
     if plan.optimizer_overlap == "paced":
-        raise UserError(f"{src}: its optimizer is paced (each unit's step in the stage after its "
-                        "backward, the backward waiting for it), which this runtime does not "
+        raise UserError(f"{src}: its optimizer is paced (each unit's step in the backward stages "
+                        "after its own, the backward waiting for it), which this runtime does not "
                         "execute yet; re-solve with --optimizer-overlap auto")
     if plan.micro_batch_order == "layer-major" and plan.optimizer_overlap == "overlapped":
         # runtime/overlap.py counts the step's passes; runtime/layer_major.py runs them in

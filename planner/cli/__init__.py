@@ -166,7 +166,7 @@ def _solve_options(q) -> None:
                    "update and writes) may run beside the backward where it pays; on: the "
                    "fastest plan's decisions run that schedule even where it does not pay; "
                    "off: after the whole backward; paced (with --clip none, one pass per "
-                   "step): each unit's step in the stage after its backward, which waits for "
+                   "step): each unit's step in the backward stages after its own, which wait for "
                    "it, so no gradient waits for the optimizer (priced; the runtime does not "
                    "execute it yet) (default auto)")
     q.add_argument("--nvme-drives", type=int, default=None, metavar="N",

@@ -43,7 +43,7 @@ class OptionRules:
 
     def _homes(self, i: int, allow_streaming: bool) -> list[Home]:
         """``_all_homes``; paced, those whose gradient stays on the device: its step runs in the
-        stage after its backward and frees it there, so a gradient sent off to wait for its
+        backward stages after its own and frees it there, so a gradient sent off to wait for its
         step (the homes that keep gradients on the host or NVMe all step) is not needed."""
         out = self._all_homes(i, allow_streaming)
         if self.optimizer_overlap == "paced":
