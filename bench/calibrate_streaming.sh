@@ -5,12 +5,19 @@
 # bandwidths the run's I/O achieved), re-planned and trained again. Prints predicted against
 # measured median step (steps 2-6) for both plans and each run's disk rates; with --buffered
 # the runs read and write their files through the page cache (TIERPLAN_NVME_IO=buffered).
+# A model file as an argument replaces the GPT (bench/models/llama-stream.yaml: the LLaMA).
 # Run it on a quiet host.
 set -euo pipefail
 R=$(cd "$(dirname "$0")/.." && pwd); P=$R/.venv/bin/python; PLAN=$R/.venv/bin/plan
-[ "${1:-}" = "--buffered" ] && export TIERPLAN_NVME_IO=buffered
-D=$(mktemp -d); trap 'rm -rf "$D"' EXIT; cd "$D"
 M=$R/bench/models/gpt-stream.yaml
+for a in "$@"; do
+  case "$a" in
+    --buffered) export TIERPLAN_NVME_IO=buffered ;;
+    *.yaml|*.yml) M=$(cd "$(dirname "$a")" && pwd)/$(basename "$a") ;;
+    *) echo "usage: $0 [--buffered] [MODEL.yaml]" >&2; exit 2 ;;
+  esac
+done
+D=$(mktemp -d); trap 'rm -rf "$D"' EXIT; cd "$D"
 ARGS=(--batch 2 --seq 64 --dtype fp32)
 $PLAN profile "$M" "${ARGS[@]}" --device cpu -o prof.json >/dev/null
 BUDGET=$($P -c "import json; L=json.load(open('prof.json'))['layers']; print(int(sum(u['param_bytes']+u['grad_bytes']+u['optimizer_bytes'] for u in L)/4.2))")

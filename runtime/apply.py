@@ -357,6 +357,8 @@ class _Runner:
             world_size=plan.world_size, engine=plan.engine,
             units=[u.name for u in plan.units], structure_hash=plan.model.get("structure_hash"))
         self.clock = StageClock([u.name for u in plan.units], self.device)
+        if self.phase is not None:
+            self.phase.clock = self.clock     # times the updates (plan calibrate's optimizer_s)
         # apply_plan(..., stage_peaks=True): the peak of every stage (a diagnostic: it resets
         # the peak each stage, so a peak read during a step is only its stage's)
         self.stage_peaks = StagePeaks(self.mover.be, 2 * len(plan.units) + 2) \
@@ -826,6 +828,7 @@ class _Runner:
             peak = read_peak(be, self.step_base)
             self.hwm_ok = self.hwm_ok and not (sp is not None and sp.failed)
         units, after_backward, links = self.clock.end_step()
+        opt_s, opt_n = self.clock.optimizer_compute()
         with c.lock:
             rec = StepRecord(step_s=t1 - self.step_t0, passes=self.step_passes,
                              peak_gpu_bytes=peak, peak_cpu_bytes=c.peak_host,
@@ -833,6 +836,7 @@ class _Runner:
                              static_bytes=self.step_static, base_bytes=self.step_base,
                              moved=dict(c.moved), stall_s=stall, units=units,
                              after_backward_s=after_backward, links=links,
+                             optimizer_compute_s=opt_s, optimizer_elements=opt_n,
                              overlapped_units=(self.overlap.overlapped() if self.overlap
                                                is not None else 0),
                              stage_peaks=stage_peaks)

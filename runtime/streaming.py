@@ -659,7 +659,7 @@ class UnitStatic:
         return out
 
     def step_in_pieces(self, make_optimizer, ps: list, opt_state, host=None,
-                       pipelined: bool = False) -> None:
+                       pipelined: bool = False, timed=None) -> None:
         """Step the parameters ``ps`` piece by piece (``pieces``): each piece's state is read
         from the state file, stepped by ``make_optimizer(views)`` over flat views of the
         parameters' elements, and written back in place. For elementwise optimizers only
@@ -669,7 +669,8 @@ class UnitStatic:
         (weights, gradient or None): host tensors, the staged path's step on the CPU), those.
         One piece at a time; ``pipelined`` (the plan's optimizer depth 3): the next piece's
         state is read while one steps and its writes go behind (three pieces in flight, the
-        pieces' file ranges disjoint), all written before this returns."""
+        pieces' file ranges disjoint), all written before this returns. ``timed(fn, n)``
+        (``OptimizerPhase.timed``), where given, runs each piece's update of n elements."""
         self._state_file()
         store = self.store_of()
         # the state as the step found it: a tensor's later slices must read what its first
@@ -694,7 +695,10 @@ class UnitStatic:
                 for c, (_, _, _, st) in zip(views, slots):
                     if st:
                         sub.state[c] = st
-                sub.step()
+                if timed is None:
+                    sub.step()
+                else:
+                    timed(sub.step, sum(v.numel() for v in views))
                 writing.append(store.submit(self._write_slices,
                                             self._piece_writes(sub, views, slots, opt_state)))
                 del sub, views, slots
@@ -940,6 +944,9 @@ class OptimizerPhase:
         self.depth = depth
         streamed = {id(p) for u in units for _, p in u.params}
         self.streamed = streamed
+        # the runner's StageClock: what the updates on the device take (``timed``), so that
+        # ``plan calibrate`` can tell the optimizer's compute from the phase's waiting
+        self.clock = None
         group_of = {}
         for gi, g in enumerate(opt.param_groups):
             for p in g["params"]:
@@ -994,6 +1001,17 @@ class OptimizerPhase:
         changes the groups between steps)."""
         return {k: v for k, v in self.opt.param_groups[gi].items() if k != "params"}
 
+    def timed(self, fn, params: int):
+        """``fn()``, an update of ``params`` elements on the device, timed on the clock."""
+        clock = self.clock
+        if clock is None or not params:
+            return fn()
+        t0 = clock.now()
+        try:
+            return fn()
+        finally:
+            clock.optimizer(t0, clock.now(), params)
+
     def step(self, original_step, closure=None, done=()):
         """The step: the user's optimizer over the units at home on the device, then every
         other unit but those in ``done`` (stepped already, beside the backward:
@@ -1001,9 +1019,11 @@ class OptimizerPhase:
         if closure is not None:
             raise UserError("opt.step(closure) re-runs the forward, which a streaming plan does "
                             "not support; call loss.backward() and then opt.step()")
+        own = sum(p.numel() for g in self.opt.param_groups for p in g["params"]
+                  if id(p) not in self.streamed and p.grad is not None)
         loss = step_with_grads_hidden(
             [p for g in self.opt.param_groups for p in g["params"] if id(p) in self.streamed],
-            original_step)
+            lambda: self.timed(original_step, own))
         todo = [(u, subs) for u, subs in self.subs if u not in done]
         if self.depth > 1 and not any(getattr(u, "steps_on_host", False) for u, _ in todo):
             self._pipelined(todo)
@@ -1063,11 +1083,12 @@ class OptimizerPhase:
                 if by_pieces:
                     u.step_in_pieces(lambda views, h=hyper: type(self.opt)([dict(h, params=views)]),
                                      sub.param_groups[0]["params"], self.opt.state,
-                                     pipelined=pipelined)
+                                     pipelined=pipelined, timed=self.timed)
                     continue
                 sub.state = self.opt.state
                 sub.param_groups[0].update(hyper)
-                sub.step()
+                self.timed(sub.step, sum(p.numel() for p in sub.param_groups[0]["params"]
+                                         if p.grad is not None))
             return u.write_back(self.opt.state, state=not by_pieces, defer=ahead is not None)
         finally:
             u.drop_ahead()       # state read ahead (clip global) is used, on either path

@@ -87,6 +87,9 @@ class StageClock:
         self.passes: list[dict] = []
         self.after_backward_t0 = None
         self.link0: dict = {}
+        # the optimizer's updates on the device in this step: (t0, t1, elements), appended by
+        # the training thread and the overlapped worker (``OptimizerPhase.timed``)
+        self.updates: list = []
 
     # -- timestamps
     def now(self):
@@ -105,6 +108,7 @@ class StageClock:
     # -- hooks the runner calls
     def begin_step(self) -> None:
         self.passes = []
+        self.updates = []
         self.after_backward_t0 = None
         self.link0 = LINKS.snapshot()
 
@@ -130,6 +134,20 @@ class StageClock:
             p["marks"][stage] = (t, wait_s)
             if stage == 2 * self.U + 1:
                 self.after_backward_t0 = t
+
+    def optimizer(self, t0, t1, elements: int) -> None:
+        """An update of ``elements`` parameter elements ran on the device from ``t0`` to
+        ``t1`` (timestamps of ``now``)."""
+        self.updates.append((t0, t1, int(elements)))
+
+    def optimizer_compute(self) -> tuple[float | None, int]:
+        """``(seconds, elements)`` of the step's timed updates, ``(None, 0)`` where none ran
+        (after ``end_step``, whose synchronize completes the CUDA events)."""
+        ups = list(self.updates)
+        if not ups:
+            return None, 0
+        return (sum(max(0.0, self._seconds(a, b)) for a, b, _ in ups),
+                sum(n for _, _, n in ups))
 
     def forward_done(self) -> None:
         if self.passes:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 import threading
 import time
 
@@ -15,6 +16,7 @@ from planner.cli import main
 from planner.formats import load_profile, write_json_atomic
 from planner.models import build_model, load_config, make_inputs
 from planner.formats.report import Report, StepRecord, load_report
+from planner.sizes import fmt_seconds
 from runtime import apply_plan
 from runtime.timing import LinkClock, StageClock
 
@@ -117,9 +119,9 @@ def test_link_busy_time_is_the_union_of_overlapping_transfers():
 
 # ----------------------------------------------------------------------------- the runtime
 
-def _train(plan, model, cfg, steps=3, K=1):
+def _train(plan, model, cfg, steps=3, K=1, streams=False):
     opt = torch.optim.AdamW(model.parameters())
-    h = apply_plan(model, plan)
+    h = apply_plan(model, plan, optimizer=opt if streams else None)
     for k in range(steps):
         for j in range(K):
             model(**make_inputs(cfg, B, S, seed=k * K + j)).loss.backward()
@@ -327,3 +329,88 @@ def test_a_step_whose_rss_mark_lags_its_base_records_no_negative_rise(tmp_path, 
     rep = _train(plan_for(model, "keep-all", B, S), model, cfg, steps=2)
     assert all(s.peak_gpu_bytes == 0 for s in rep.steps)
     assert load_report(rep.save(tmp_path / "r.json")).steps[1].peak_gpu_bytes == 0
+
+
+# ----------------------------------------------------------------------------- the optimizer's own time
+
+@pytest.mark.parametrize("home", ["state on disk, stepped in pieces",
+                                  "weights and gradients on disk, state on the device"])
+def test_a_streaming_step_times_every_update_and_calibrate_takes_that_not_the_phase(tmp_path,
+                                                                                    home):
+    """A plan whose optimizer phase reads and writes state on the disk: the report times the
+    device's updates (every trainable element once a step, the plan's per-unit steps and the
+    user's optimizer over what stays on the device), apart from the phase's waiting; the
+    calibrated optimizer_s is that rate times the model's parameters, not the phase's time,
+    which also holds the transfers the cost model charges to the links."""
+    from planner.formats import Home, Tier as T
+    cfg = dict(load_config("gpt-tiny"), dtype="fp32", n_layers=3)
+    torch.manual_seed(0)
+    model = build_model(cfg, dtype="fp32")
+    plan = plan_for(model, "keep-all", B, S, nvme_dir=tmp_path / "n",
+                    homes={"blocks": Home(T.GPU, T.GPU, T.NVME, T.GPU) if "pieces" in home
+                           else Home(T.NVME, T.NVME, T.GPU, T.GPU)})
+    rep = _train(plan, model, cfg, steps=4, streams=True)
+    n = sum(p.numel() for p in model.parameters())
+    for st in rep.steps:
+        assert st.optimizer_elements == n
+        assert 0 < st.optimizer_compute_s < st.after_backward_s
+    line = next(x for x in str(rep).splitlines() if "of which the device's updates" in x)
+    assert fmt_seconds(statistics.median(s.optimizer_compute_s for s in rep.steps[1:])) in line
+    back = load_report(rep.save(tmp_path / "r.json"))
+    assert [s.optimizer_compute_s for s in back.steps] == [s.optimizer_compute_s
+                                                           for s in rep.steps]
+    use = rep.steps[1:]
+    per = sum(s.optimizer_compute_s for s in use) / sum(s.optimizer_elements for s in use)
+    assert rep.optimizer_seconds_per_element() == pytest.approx(per, rel=1e-12)
+    pp, rp, _ = _profile_and_report(tmp_path, (None, None, plan, rep))
+    prof = load_profile(pp)
+    assert prof.model.get("param_count", sum(u.param_count for u in prof.layers)) == n
+    cal, summary = calibrate(prof, rep, str(pp), str(rp))
+    assert cal.optimizer_s == pytest.approx(per * n, rel=1e-12)
+    assert cal.optimizer_s < rep.after_backward_s()
+    assert summary["provenance"]["optimizer_from"] == "updates"
+
+
+def _rec(**kw):
+    base = dict(step_s=1.0, passes=1, peak_gpu_bytes=0, peak_cpu_bytes=0, peak_nvme_bytes=0,
+                peak_activation_bytes=0, static_bytes=0, base_bytes=0, after_backward_s=0.5)
+    return StepRecord(**{**base, **kw})
+
+
+def test_calibrate_prices_the_timed_updates_per_element_and_falls_back_without_them(
+        tmp_path, trained):
+    pp, _, rep = _profile_and_report(tmp_path, trained)
+    prof = load_profile(pp)
+    n = sum(u.param_count for u in prof.layers)
+    rp = tmp_path / "r.json"
+    # the first step is left out; the others' seconds over their elements, times the model's
+    steps = [_rec(optimizer_compute_s=9.0, optimizer_elements=10),
+             _rec(optimizer_compute_s=0.2, optimizer_elements=100),
+             _rec(optimizer_compute_s=0.4, optimizer_elements=300)]
+    timed = dataclasses.replace(rep, steps=[dataclasses.replace(s, **{
+        k: getattr(t, k) for k in ("optimizer_compute_s", "optimizer_elements")})
+        for s, t in zip(rep.steps, steps)])
+    timed.save(rp)
+    cal, summary = calibrate(prof, load_report(rp), str(pp), str(rp))
+    assert cal.optimizer_s == pytest.approx(0.6 / 400 * n, rel=1e-12)
+    assert summary["provenance"]["optimizer_from"] == "updates"
+    # no timed update (a plan without a streaming phase): the time after the backward
+    cal, summary = calibrate(prof, rep, str(pp), str(rp))
+    assert cal.optimizer_s == rep.after_backward_s()
+    assert summary["provenance"]["optimizer_from"] == "after_backward"
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"optimizer_compute_s": -1.0}, "optimizer_compute_s must be"),
+    ({"optimizer_compute_s": "fast"}, "optimizer_compute_s must be"),
+    ({"optimizer_elements": -3}, "optimizer_elements must be"),
+    ({"optimizer_elements": 2.5}, "optimizer_elements must be"),
+])
+def test_a_bad_timed_update_in_a_report_is_one_line(tmp_path, trained, capsys, change, needle):
+    pp, rp, _ = _profile_and_report(tmp_path, trained)
+    d = json.loads(rp.read_text())
+    d["steps"][1].update(change)
+    rp.write_text(json.dumps(d))
+    assert main(["calibrate", str(pp), "--report", str(rp), "-o", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1

@@ -49,6 +49,12 @@ class StepRecord:
     # peak reset as each stage begins (apply_plan(..., stage_peaks=True)); None for a stage
     # that did not begin, and the whole list None where it was off or no peak could be read
     stage_peaks: list | None = None
+    # the optimizer's updates on the device in the step (streaming plans: the plan's own
+    # updates and the user's optimizer over what stays on the device), timed alone: their
+    # seconds (None: none timed) and the parameter elements they stepped. Not the time the
+    # phase waited for reads and writes, which after_backward_s holds as well
+    optimizer_compute_s: float | None = None
+    optimizer_elements: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -65,8 +71,9 @@ class StepRecord:
                 raise UserError(f"{where} links: {str(k)[:40]!r} is not one of "
                                 f"{', '.join(LINKS)}; {_FIX}")
             check_fields(v, {"bytes": "bytes", "busy_s": "seconds"}, f"{where} links {k}", _FIX)
-        if d.get("after_backward_s") is not None:
-            check_fields(d, {"after_backward_s": "seconds"}, where, _FIX)
+        for k in ("after_backward_s", "optimizer_compute_s"):
+            if d.get(k) is not None:
+                check_fields(d, {k: "seconds"}, where, _FIX)
         sp = d.get("stage_peaks")
         if sp is not None and not (isinstance(sp, list) and all(
                 x is None or (is_int(x) and 0 <= x <= MAX_BYTES) for x in sp)):
@@ -102,7 +109,7 @@ _STEP_FIELDS = {"step_s": "seconds", "passes": "count", "peak_gpu_bytes": "bytes
                 "peak_cpu_bytes": "bytes", "peak_nvme_bytes": "bytes",
                 "peak_activation_bytes": "bytes", "static_bytes": "bytes", "base_bytes": "bytes?",
                 "moved": "dict", "stall_s": "seconds", "units": "dict", "links": "dict",
-                "overlapped_units": "count"}
+                "overlapped_units": "count", "optimizer_elements": "count"}
 
 
 @dataclass(frozen=True)
@@ -237,6 +244,16 @@ class Report:
                            f"(measured there {there})")
         return out
 
+    def optimizer_seconds_per_element(self) -> float | None:
+        """The device's optimizer update time per parameter element, over the steps (after
+        the first) that timed updates (``StepRecord.optimizer_compute_s``); None where none
+        did (no streaming phase, or a report written before the field existed)."""
+        use = [s for s in self._use() if s.optimizer_compute_s is not None
+               and s.optimizer_elements > 0]
+        if not use:
+            return None
+        return sum(s.optimizer_compute_s for s in use) / sum(s.optimizer_elements for s in use)
+
     def after_backward_s(self) -> float | None:
         vals = [s.after_backward_s for s in self._use() if s.after_backward_s is not None]
         return statistics.median(vals) if vals else None
@@ -293,6 +310,10 @@ class Report:
                        fmt_seconds(p["step_s"] - p["optimizer_s"])),
                       ("  optimizer phase (after it)", fmt_seconds(after),
                        fmt_seconds(p["optimizer_s"]))]
+            upd = [s.optimizer_compute_s for s in self._use() if s.optimizer_compute_s is not None]
+            if upd:     # the rest of the phase waited for its reads and writes
+                phases.append(("    of which the device's updates", fmt_seconds(
+                    statistics.median(upd)), ""))
         n = max(1, len(self._use()))
         links = [(f"busy {k} per step ({v['bytes_per_s'] / 1e9:.2f} GB/s)",
                   fmt_seconds(v["busy_s"] / n), "")

@@ -4,8 +4,9 @@ The runtime's report (``tierplan.report/1``, ``runtime/timing.py``) holds, per s
 unit's forward, backward and recompute seconds per pass and each disk link's bytes and busy
 seconds. The calibrated profile is the input profile with, per unit that the run measured,
 ``fwd_s``/``bwd_s`` the medians over the steps after the first (``samples`` the number of
-steps behind them), ``optimizer_s`` the median time from the last backward's end to the
-optimizer step's end, and ``nvme_read_bandwidth``/``nvme_write_bandwidth`` of its hardware the
+steps behind them), ``optimizer_s`` the optimizer's update time on the device (the run's
+timed updates, per parameter element, times the model's parameters; a report without them: the
+median time from the last backward's end to the optimizer step's end), and ``nvme_read_bandwidth``/``nvme_write_bandwidth`` of its hardware the
 bytes the run moved over their busy seconds (links that moved at least ``MIN_LINK_BYTES``).
 Everything else (bytes, FLOPs, structure) is unchanged. Provenance goes into the profile:
 ``model.calibration`` (report path and sha256, when, steps, the load average of this host at
@@ -100,7 +101,7 @@ def calibrate(profile: Profile, report: Report, ppath: str, rpath: str) -> tuple
     hw["sources"] = sources
     if links:      # a measured tier rate replaces what the array of drives gave
         hw = without_nvme_array(hw, f"array fields dropped: the NVMe tier calibrated {when}")
-    opt = report.after_backward_s()
+    opt, opt_from = _optimizer_s(profile, report)
     try:
         load = list(os.getloadavg())
     except OSError:
@@ -108,7 +109,7 @@ def calibrate(profile: Profile, report: Report, ppath: str, rpath: str) -> tuple
     prov = {"report": str(rpath), "report_sha256": sha256_file(rpath), "at": when,
             "steps": len(report._use()), "device": report.device, "plan": report.plan_path,
             "units": len(changed), "links": sorted(links), "load_average": load,
-            "optimizer_s": opt is not None}
+            "optimizer_s": opt is not None, "optimizer_from": opt_from}
     model = dict(profile.model, calibration=prov)
     out = dataclasses.replace(profile, layers=units, hardware=hw, model=model, timing="measured",
                               optimizer_s=float(opt) if opt is not None else profile.optimizer_s)
@@ -117,6 +118,26 @@ def calibrate(profile: Profile, report: Report, ppath: str, rpath: str) -> tuple
     summary = {"units": changed, "bandwidths": links,
                "optimizer_s": [profile.optimizer_s, out.optimizer_s], "provenance": prov}
     return out, summary
+
+
+def _optimizer_s(profile: Profile, report: Report) -> tuple[float | None, str | None]:
+    """The optimizer step's seconds on the device as the run measured them, and whence.
+
+    The runtime times each update the device ran (``StepRecord.optimizer_compute_s``: a
+    streaming plan's per-unit steps, the user's optimizer over what stays on the device):
+    seconds per element times the model's parameters is the whole model's step, which is what
+    the profile's ``optimizer_s`` is. The time after the last backward is not: under a plan
+    whose phase reads and writes the optimizer state, weights or gradients it holds those
+    transfers too, which the cost model charges to the links again (a streaming plan on this
+    host's disk was re-planned 17% slow with it; docs/benchmarks.md). It is the fallback for a
+    report without timed updates (no streaming phase, where it is the step itself; an older
+    runtime's report)."""
+    per = report.optimizer_seconds_per_element()
+    n = int(profile.model.get("param_count") or sum(u.param_count for u in profile.layers))
+    if per is not None and n > 0:
+        return per * n, "updates"
+    opt = report.after_backward_s()
+    return opt, ("after_backward" if opt is not None else None)
 
 
 def cli_calibrate(args) -> int:
