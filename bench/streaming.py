@@ -64,8 +64,13 @@ follows the bytes that are alive, not what the heap kept from earlier steps (run
 "Measuring memory on a CPU host"). That setting makes every such allocation a fresh mapping
 whose pages fault in on first touch: on this host it doubles a plain step (156 ms -> 333 ms for
 the built-in GPT), so the step time is measured in a third run of the plan without it
-("step meas/pred", with the time the runtime waited on transfers). On CUDA one run gives both
-(the allocator's peak is the device figure).
+("step meas/pred", with the time the runtime waited on transfers; ``--timing-steps`` steps,
+default 6, the median of those after the first). On CUDA one run gives both (the allocator's
+peak is the device figure).
+
+``--calibrate`` (CPU): ``plan calibrate`` of the profile from that timing run's report, the
+plan solved again on the calibrated profile with the same flags, and a timing run of it: the
+"calibrated meas/pred" column (docs/planning-loop.md).
 """
 from __future__ import annotations
 
@@ -189,6 +194,8 @@ def worker(args) -> None:
         torch.save({k: v.cpu() for k, v in model.state_dict().items()}, args.ref)
     elif args.mode == "time":
         rep = handle.report()
+        if args.report_out:
+            rep.save(args.report_out)
         steps = rep.steps[1:] or rep.steps
         result.update(step_s=statistics.median(s.step_s for s in steps),
                       stall_s=statistics.median(s.stall_s for s in steps),
@@ -288,16 +295,21 @@ def bench_family(name, spec, B, S, family, prof: Path, static: int, args, tmp: P
               "--device", args.device] + (["--clip"] if clip else []) + \
         (["--through-handle"] if through else [])
     runs = [("plain", memory_env, out), ("plan", memory_env, out)]
+    timing = ["--steps", str(args.timing_steps)]
+    rout = tmp / f"{tag}-report.json"
     if args.device == "cpu":
-        runs.append(("time", timing_env, tout))
+        runs.append(("time", timing_env, tout, timing + ["--report-out", str(rout)]))
     bout = tmp / f"{tag}-buffered.json"
     if args.buffered_too:             # the same timing run, its files through the page cache
-        runs.append(("time", dict(timing_env, TIERPLAN_NVME_IO="buffered"), bout))
-    for mode, env, dest in runs:
-        _run([py, __file__, "--worker", mode, *common, "--out", str(dest)], env=env)
+        runs.append(("time", dict(timing_env, TIERPLAN_NVME_IO="buffered"), bout, timing))
+    for mode, env, dest, *more in runs:
+        _run([py, __file__, "--worker", mode, *common, "--out", str(dest), *(more[0] if more
+                                                                            else [])], env=env)
     res = json.loads(out.read_text())
     if args.device == "cpu":          # the step time from the run without the mmap threshold
         res.update(json.loads(tout.read_text()))
+    if args.calibrate and args.device == "cpu":
+        res.update(_calibrated(prof, rout, cmd, plan, tag, common, timing, timing_env, tmp))
     if args.buffered_too:
         res["buffered_step_s"] = json.loads(bout.read_text())["step_s"]
     sched = f"{p.get('micro_batch_order', 'batch-major')[:5]}/" \
@@ -308,6 +320,26 @@ def bench_family(name, spec, B, S, family, prof: Path, static: int, args, tmp: P
                origin=p["solver"].get("origin"), solve=r.stdout.strip().splitlines()[-1]
                + (f"; state read ahead {ahead / MiB:.3f} MiB" if ahead else ""))
     return res
+
+
+def _calibrated(prof, report, cmd, plan, tag, common, timing, env, tmp: Path) -> dict:
+    """``--calibrate``: the profile calibrated from the timing run's report (plan calibrate),
+    the plan solved again on it with the same flags, and a timing run of that plan: its
+    measured and predicted step (``cal_step_s``, ``cal_predicted_s``), or why there is none."""
+    py = sys.executable
+    cal, plan2 = tmp / f"{tag}-calibrated.json", tmp / f"{tag}-calibrated-plan.json"
+    _run([py, "-m", "planner.cli", "calibrate", str(prof), "--report", str(report), "-o",
+          str(cal)])
+    solve = [str(cal) if str(x) == str(prof) else (str(plan2) if str(x) == str(plan) else x)
+             for x in cmd]
+    r = subprocess.run(solve, cwd=ROOT, capture_output=True, text=True)
+    if r.returncode != 0:
+        return {"cal_error": f"plan solve exit {r.returncode}: {r.stderr.strip()[-200:]}"}
+    out = tmp / f"{tag}-calibrated-time.json"
+    args2 = [str(plan2) if str(x) == str(plan) else x for x in common]
+    _run([py, __file__, "--worker", "time", *args2, "--out", str(out), *timing], env=env)
+    t = json.loads(out.read_text())
+    return {"cal_step_s": t["step_s"], "cal_predicted_s": t["predicted_step_s"]}
 
 
 def main(argv=None) -> int:
@@ -326,6 +358,13 @@ def main(argv=None) -> int:
                     help="time each plan a second time with its files through the page cache "
                          "(TIERPLAN_NVME_IO=buffered), as the runtime wrote them before it "
                          "used O_DIRECT: the 'buffered' column")
+    ap.add_argument("--timing-steps", type=int, default=6,
+                    help="optimizer steps of each timing run (its step time is the median of "
+                         "those after the first)")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="also calibrate the profile from the timing run's report (plan "
+                         "calibrate), solve again on it and time that plan: the 'calibrated' "
+                         "column")
     ap.add_argument("--keep", help="keep the profiles, plans and results in this directory")
     ap.add_argument("--json", help="also write the rows as JSON to this file")
     # the worker's own arguments
@@ -337,6 +376,7 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int)
     ap.add_argument("--clip", action="store_true")
     ap.add_argument("--through-handle", action="store_true")
+    ap.add_argument("--report-out")
     args = ap.parse_args(argv)
     if args.worker:
         args.mode = args.worker
@@ -370,7 +410,8 @@ def main(argv=None) -> int:
     hdr = (f"{'model':11} {'family':14} {'sched':14} {'static':>9} {'budget':>9} {'off':>5} "
            f"{'diff':>8} {'peak rise meas/pred':>21} {'ratio':>6} {'total/budget':>13} "
            f"{'NVMe meas/pred':>17} {'step meas/pred':>15} {'ratio':>6} {'waited':>7} "
-           f"{'files':>5}" + (f" {'buffered':>8} {'ratio':>6}" if args.buffered_too else ""))
+           f"{'files':>5}" + (f" {'buffered':>8} {'ratio':>6}" if args.buffered_too else "")
+           + (f" {'calibrated meas/pred':>20} {'ratio':>6}" if args.calibrate else ""))
     print(hdr)
     print("-" * len(hdr))
     ok = True
@@ -398,7 +439,10 @@ def main(argv=None) -> int:
               f"{r['step_s'] / r['predicted_step_s']:6.2f} {r['stall_s'] * 1e3:5.0f}ms "
               f"{len(r['files_left']):>5}" + (
                   f" {r['buffered_step_s']:7.2f}s {r['buffered_step_s'] / r['predicted_step_s']:6.2f}"
-                  if args.buffered_too else ""))
+                  if args.buffered_too else "") + (_cal_cells(r) if args.calibrate else ""))
+    for r in rows:
+        if r.get("cal_error"):
+            print(f"  {r['name']} {r['family']} calibrated: {r['cal_error']}")
     print("\nplans:", *(f"  {r['name']} {r['family']}: {r['origin']}: {r['solve']}" for r in rows
                         if "no_fit" not in r), sep="\n")
     print("\nwhere the device peak was (the memory run; docs/runtime.md, \"Peaks per stage\"):",
@@ -408,6 +452,13 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     print("\nall checks hold" if ok else "\nSOME CHECK FAILED (see the table)")
     return 0 if ok else 1
+
+
+def _cal_cells(r: dict) -> str:
+    if "cal_step_s" not in r:
+        return f" {'-':>20} {'-':>6}"
+    return (f" {r['cal_step_s']:12.2f}/{r['cal_predicted_s']:6.2f}s "
+            f"{r['cal_step_s'] / r['cal_predicted_s']:6.2f}")
 
 
 if __name__ == "__main__":

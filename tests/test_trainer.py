@@ -105,6 +105,12 @@ def test_the_trainer_trains_under_a_plan_exactly_as_without(setup, kind, tmp_pat
         assert abs(loss - rl) <= 1e-6 and abs(norm - rn) <= 1e-6, (logs, ref_logs)
     assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) <= 1e-6
     assert len(handle.report().steps) == STEPS
+    if kind == "streaming":
+        # each optimizer step the Trainer makes (through accelerate's wrapper) times every
+        # trainable element's update once (plan calibrate's optimizer_s)
+        n = sum(p.numel() for p in base.parameters() if p.requires_grad)
+        assert all(s.optimizer_elements == n and s.optimizer_compute_s > 0
+                   for s in handle.report().steps)
     # the Trainer's checkpoint, saved under the plan, is a plain model's
     ckpt = tmp_path / "planned" / f"checkpoint-{STEPS}"
     plain = transformers.LlamaForCausalLM.from_pretrained(str(ckpt))
