@@ -11,7 +11,7 @@ few optimizer steps under the plan, beside plain PyTorch, for each schedule fami
     python bench/streaming.py --families batch-major,overlap-none
     python bench/streaming.py --device cuda --hardware this-gpu.yaml   # on a GPU (bench/gpu.sh)
 
-Families (``--families``, default all four; each solved with the flags shown, the loop as
+Families (``--families``, default all five; each solved with the flags shown, the loop as
 said):
 
   batch-major     --optimizer-overlap off: K whole passes, the optimizer after the backward;
@@ -27,6 +27,10 @@ said):
                   backward of the units before it; the loop does not clip (neither does plain)
   overlap-global  --optimizer-overlap on --clip global: only state reads move into the
                   backward; the loop clips
+  paced           --optimizer-overlap paced --clip none --micro-batches 1: each unit's step
+                  in the three stages after its backward, the backward waiting for it (K = 1:
+                  paced needs one pass per step, and the runtime does not run it layer-major);
+                  written after-backward where paced is no faster at the budget
 
 With ``on`` the plan runs the overlapped schedule even where it is not the fastest (``auto``
 labels a plan overlapped only where that is faster: docs/streaming.md); where the overlapped
@@ -97,12 +101,14 @@ MODELS = {
 }
 MiB = 2 ** 20
 FAMILIES = {
-    # name: (plan solve flags, the loop clips, the loop runs micro-batches through the handle)
-    "batch-major": (["--optimizer-overlap", "off"], True, False),
+    # name: (plan solve flags, the loop clips, the loop runs micro-batches through the handle,
+    #        micro-batches per step: None for --micro-batches)
+    "batch-major": (["--optimizer-overlap", "off"], True, False, None),
     "layer-major": (["--micro-batch-order", "layer-major", "--optimizer-overlap", "off"],
-                    True, True),
-    "overlap-none": (["--optimizer-overlap", "on", "--clip", "none"], False, False),
-    "overlap-global": (["--optimizer-overlap", "on", "--clip", "global"], True, False),
+                    True, True, None),
+    "overlap-none": (["--optimizer-overlap", "on", "--clip", "none"], False, False, None),
+    "overlap-global": (["--optimizer-overlap", "on", "--clip", "global"], True, False, None),
+    "paced": (["--optimizer-overlap", "paced", "--clip", "none"], False, False, 1),
 }
 
 
@@ -261,13 +267,14 @@ def profile_model(name, spec, B, S, args, tmp: Path) -> tuple[Path, int]:
 
 def bench_family(name, spec, B, S, family, prof: Path, static: int, args, tmp: Path) -> dict:
     py = sys.executable
-    flags, clip, through = FAMILIES[family]
+    flags, clip, through, k = FAMILIES[family]
+    k = k or args.micro_batches
     tag = f"{name}-{family}"
     plan = tmp / f"{tag}-plan.json"
     budget = int(static / args.ratio)
     nvme_dir = tmp / f"{tag}-nvme"
     cmd = [py, "-m", "planner.cli", "solve", str(prof), "--gpu-mem", str(budget),
-           "--nvme-mem", "50G", "--micro-batches", str(args.micro_batches),
+           "--nvme-mem", "50G", "--micro-batches", str(k),
            "--nvme-dir", str(nvme_dir), *flags, "-o", str(plan)]
     if args.cpu_mem:
         cmd += ["--cpu-mem", args.cpu_mem]
@@ -291,7 +298,7 @@ def bench_family(name, spec, B, S, family, prof: Path, static: int, args, tmp: P
     memory_env = dict(memory_env, MKL_CBWR="AUTO,STRICT")
     ref, out, tout = tmp / f"{tag}-ref.pt", tmp / f"{tag}-out.json", tmp / f"{tag}-time.json"
     common = ["--spec", spec, "--batch", str(B), "--seq", str(S), "--steps", str(args.steps),
-              "--k", str(args.micro_batches), "--plan", str(plan), "--ref", str(ref),
+              "--k", str(k), "--plan", str(plan), "--ref", str(ref),
               "--device", args.device] + (["--clip"] if clip else []) + \
         (["--through-handle"] if through else [])
     runs = [("plain", memory_env, out), ("plan", memory_env, out)]
@@ -406,7 +413,8 @@ def main(argv=None) -> int:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
     print(f"Layer streaming on {args.hardware} ({args.device}): {args.steps} optimizer steps x "
-          f"{args.micro_batches} micro-batches, budget = static state / {args.ratio:g}")
+          f"{args.micro_batches} micro-batches (paced: 1), budget = static state / "
+          f"{args.ratio:g}")
     hdr = (f"{'model':11} {'family':14} {'sched':14} {'static':>9} {'budget':>9} {'off':>5} "
            f"{'diff':>8} {'peak rise meas/pred':>21} {'ratio':>6} {'total/budget':>13} "
            f"{'NVMe meas/pred':>17} {'step meas/pred':>15} {'ratio':>6} {'waited':>7} "

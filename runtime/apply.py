@@ -45,7 +45,7 @@ from .timing import StageClock
 from .stages import StageDriver, plan_actions
 from .staged import unit_for
 from .streaming import OffloadedGrad, OptimizerPhase, UnitStatic
-from .overlap import OverlapScheduler
+from .overlap import OverlapScheduler, SteppedGrad
 
 
 __all__ = ["apply_plan", "Handle", "PlanMismatchError", "InputTooLargeError",
@@ -327,9 +327,9 @@ class _Runner:
         if optimizer is not None and self.statics:
             self.phase = OptimizerPhase(optimizer, list(self.statics.values()), self.param_ids,
                                         depth=int(plan.optimizer_depth))
-        # optimizer_overlap 'overlapped': units' optimizer work beside the backward
+        # optimizer_overlap 'overlapped' or 'paced': units' optimizer work beside the backward
         self.overlap = (OverlapScheduler(self.phase, plan) if self.phase is not None
-                        and plan.optimizer_overlap == "overlapped" else None)
+                        and plan.optimizer_overlap != "after-backward" else None)
         self.predicted_moved = _predicted_moved(plan)
         # step measurement
         self.step_open = False
@@ -448,6 +448,8 @@ class _Runner:
     def _on_stage(self, ctx, stage: int) -> None:
         """Stage ``stage`` begins (its transfers not yet issued): the unit that computed in the
         previous stage is done with its weights, the one that computes now needs them."""
+        if self.overlap is not None:     # paced: the steps due by this stage have ended
+            self.driver.wait_s += self.overlap.stage_begins(stage)
         self.clock.mark(stage, self.driver.wait_s)
         prev = self.by_stage_unit.get(stage - 1)
         cur = self.by_stage_unit.get(stage)
@@ -745,6 +747,8 @@ class _Runner:
         return n
 
     def _begin_step(self):
+        if self.overlap is not None:
+            self.overlap.new_step()      # paced: the gradients its steps used, zeroed
         params = self._live_params()
         if self.grads_late and not self.grads_warned and any(
                 p.grad is not None for p in params):
@@ -1015,6 +1019,8 @@ class Handle:
         self._r.quiesce()
         for n, p in self._r.model.named_parameters():
             g = p.grad
+            if isinstance(g, SteppedGrad):
+                raise SteppedGrad.refusal(g.unit, "handle.gradients()")
             out[n] = None if g is None else (None if isinstance(g, OffloadedGrad) else g.detach())
         for s in self._r.statics.values():
             if s.grads_out:
@@ -1284,16 +1290,16 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
         plan_path = str(plan)
         plan = load_plan(plan)     # the format's checks; a /1 plan refused, naming 'plan upgrade'
     src = plan_path or "the plan"
-    if plan.optimizer_overlap == "paced":
-        raise UserError(f"{src}: its optimizer is paced (each unit's step in the backward stages "
-                        "after its own, the backward waiting for it), which this runtime does not "
-                        "execute yet; re-solve with --optimizer-overlap auto")
-    if plan.micro_batch_order == "layer-major" and plan.optimizer_overlap == "overlapped":
+    if plan.micro_batch_order == "layer-major" and plan.optimizer_overlap != "after-backward":
         # runtime/overlap.py counts the step's passes; runtime/layer_major.py runs them in
         # threads taking turns: the two have not been run together
-        raise UserError(f"{src}: its schedule is layer-major with the optimizer overlapped, "
-                        "which this runtime does not execute together yet; re-solve with "
-                        "--optimizer-overlap off (or --micro-batch-order batch-major)")
+        fix = ("--optimizer-overlap off (or --micro-batch-order batch-major)"
+               if plan.optimizer_overlap == "overlapped" else
+               "--optimizer-overlap off, or with --micro-batches 1 and --micro-batch-order "
+               "batch-major to keep it paced")
+        raise UserError(f"{src}: its schedule is layer-major with the optimizer "
+                        f"{plan.optimizer_overlap}, which this runtime does not execute "
+                        f"together yet; re-solve with {fix}")
     if plan.micro_batch_order == "layer-major" and plan.engine != "none":
         raise UserError(f"{src} is layer-major under {plan.engine}, which this runtime does not "
                         "run; solve with --micro-batch-order batch-major")

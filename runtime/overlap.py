@@ -30,6 +30,16 @@ backward runs, so the bits are the same.
   their backward, and their gradients have left), so the training thread does not touch them
   until ``opt.step()``; anything else that reads a unit (a no-grad forward, a state dict,
   ``zero_grad``, ``handle.gradients()``, ``remove``) waits for the worker first.
+- ``paced`` (``clip none``, one pass per step): the same jobs, started as each unit's backward
+  ends, and two more rules (docs/formulation.md, "The optimizer paced into the backward"). The
+  backward waits for them: the plan prices unit j's read, update and write in the three
+  stages after its backward, so stage bwd(j) + 4 does not begin before j's job has ended
+  (``stage_begins``; the seconds join the driver's wait, the unit's ``stall_s``). And the
+  gradient is freed by its update: the job replaces each ``.grad`` it consumed with a
+  ``SteppedGrad``, which keeps the gradient's 2-norm (a clip that does not clip runs) and
+  zeroing, and refuses anything else (a clip that scales, a read) in one line; at the next step's first forward a zeroed one becomes ``None`` (an unzeroed one, a
+  gradient that plain PyTorch would accumulate into, is refused), and ``remove`` leaves zeros
+  for a zeroed one and ``None`` for the others.
 - Faults: an exception in a job is kept and raised, as the original exception, by the next
   ``opt.step()`` (or by ``remove``, where no step came). The worker thread exists only while
   it has work: it ends when its queue is empty, so no thread outlives a step, an exception in
@@ -41,8 +51,10 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from planner.formats import UserError
 
@@ -52,6 +64,90 @@ CLIP_REFUSAL = ("this plan was solved with --clip none, so each unit's optimizer
                 "during the backward, before a clip could scale its gradient; re-solve with "
                 "--clip global to clip (torch.nn.utils.clip_grad_norm_ or "
                 "handle.clip_grad_norm_)")
+
+
+PACED_WAIT = 3          # unit j's job ends before stage bwd(j) + 1 + PACED_WAIT begins
+
+
+class SteppedGrad(torch.Tensor):
+    """A parameter's ``.grad`` after a paced plan's step consumed it during the backward: same
+    shape, dtype and device, no storage, and the gradient's 2-norm as it was stepped. Zeroing
+    it (``zero_``, ``_foreach_zero_``: what ``zero_grad(set_to_none=False)`` does) is recorded;
+    its 2-norm is the recorded one and a scale by exactly 1 changes nothing, so a clip that
+    does not clip (the Hugging Face Trainer's logged norm: ``clip_grad_norm_(..., inf)``; a
+    total norm under ``max_norm``) runs as on the gradient; its aliases are the same
+    placeholder. Anything else is refused in one line: a scale by another factor (the clip
+    would have changed an update that already ran) names ``--clip global``."""
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, unit: str, norm: torch.Tensor,
+                mark: dict | None = None):
+        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype,
+                                                device=like.device, requires_grad=False)
+        t.unit = unit
+        t.norm2 = norm
+        t.mark = mark if mark is not None else {"zeroed": False}
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.__name__.split(".")[0]
+        first = args[0] if args else None
+        many = isinstance(first, (list, tuple))
+        ts = list(first) if many else [first]
+        if name in ("zero_", "_foreach_zero_"):
+            for t in ts:
+                if isinstance(t, SteppedGrad):
+                    t.mark["zeroed"] = True
+                else:
+                    t.zero_()
+            return None if many else first
+        if isinstance(first, SteppedGrad) and name in ("detach", "alias"):
+            return SteppedGrad(first, first.unit, first.norm2, first.mark)
+        if name in ("linalg_vector_norm", "_foreach_norm") and _l2(args[1:], kwargs):
+            out = [t.norm2.clone() if isinstance(t, SteppedGrad) else
+                   torch.linalg.vector_norm(t) for t in ts]
+            return out if many else out[0]
+        if name in ("mul_", "_foreach_mul_") and len(args) == 2 and not kwargs:
+            fs = args[1] if isinstance(args[1], (list, tuple)) else [args[1]] * len(ts)
+            if all(_one(f) for f in fs):
+                for t, f in zip(ts, fs):
+                    if not isinstance(t, SteppedGrad):
+                        t.mul_(f)
+                return None if many else first
+        unit = next(t.unit for t in tree_flatten((args, kwargs))[0]
+                    if isinstance(t, SteppedGrad))
+        if name in ("linalg_vector_norm", "_foreach_norm", "norm", "mul_", "_foreach_mul_",
+                    "div_", "_foreach_div_", "clamp_", "_foreach_clamp_max_"):
+            raise UserError(f"the gradients of {unit} were used by its optimizer step during "
+                            f"the backward (optimizer_overlap 'paced'), so {name} cannot "
+                            f"clip or scale them; {CLIP_REFUSAL}")
+        raise SteppedGrad.refusal(unit, name)
+
+    @staticmethod
+    def refusal(unit: str, what: str) -> UserError:
+        return UserError(f"the gradients of {unit} were used by its optimizer step during the "
+                         f"backward and freed (optimizer_overlap 'paced'), so {what} cannot "
+                         "read or change them; read gradients before the step (a hook on the "
+                         "parameter), or re-solve with --optimizer-overlap auto to keep them "
+                         "until opt.step()")
+
+
+def _l2(rest, kwargs) -> bool:
+    """``linalg_vector_norm(t, *rest, **kwargs)`` / ``_foreach_norm`` asks for the plain 2-norm."""
+    ord_ = rest[0] if rest else kwargs.get("ord", 2)
+    extra = [a for a in rest[1:] if a not in (None, False)]
+    return (ord_ in (2, 2.0) and not extra
+            and all(v in (None, False) for k, v in kwargs.items() if k != "ord"))
+
+
+def _one(f) -> bool:
+    """A scale factor that is exactly 1 (a Python number or a one-element tensor)."""
+    if isinstance(f, (int, float)):
+        return f == 1
+    return isinstance(f, torch.Tensor) and not isinstance(f, SteppedGrad) and f.numel() == 1 \
+        and bool(f.item() == 1)
 
 
 class _Worker:
@@ -116,14 +212,16 @@ def _same(a, b) -> bool:
 
 
 class _Job:
-    __slots__ = ("unit", "kind", "future", "hypers", "t_submit", "t_start", "t_end", "grads")
+    __slots__ = ("unit", "kind", "future", "hypers", "t_submit", "t_start", "t_end", "grads",
+                 "due")
 
-    def __init__(self, unit, kind, hypers):
-        self.unit, self.kind, self.hypers = unit, kind, hypers
+    def __init__(self, unit, kind, hypers, paced=False, due=None):
+        self.unit, self.kind, self.hypers, self.due = unit, kind, hypers, due
         self.future = None
         # gradients kept on the device: each with its version as the step took it (a clip
-        # or scale in the loop after that changes it, and is refused at opt.step())
-        self.grads = [] if unit.grads_out else [
+        # or scale in the loop after that changes it, and is refused at opt.step()); paced:
+        # none kept (the step frees them, and what is left refuses a clip itself)
+        self.grads = [] if unit.grads_out or paced else [
             (n, p.grad, p.grad._version) for n, p in unit.params if p.grad is not None]
         self.t_submit = time.perf_counter()
         self.t_start = self.t_end = None
@@ -136,6 +234,10 @@ class OverlapScheduler:
     def __init__(self, phase, plan):
         self.phase = phase
         self.clip = plan.clip
+        self.family = plan.optimizer_overlap            # overlapped or paced
+        self.paced = self.family == "paced"
+        self.stage = 0                                  # the stage the backward is in
+        self.consumed: list = []                        # (param, SteppedGrad) of paced steps
         self.K = int(plan.micro_batches)
         self.budget = int(plan.optimizer_prefetch_bytes)
         self.subs = {id(u): subs for u, subs in phase.subs}
@@ -157,7 +259,7 @@ class OverlapScheduler:
         """Forward pass ``n`` of the step (with gradients) begins."""
         if n > self.K and any(j.kind == "step" for j in self.jobs):
             # (state read ahead under clip global stays valid: nothing was updated)
-            raise UserError(f"this plan (optimizer_overlap 'overlapped') steps each unit "
+            raise UserError(f"this plan (optimizer_overlap '{self.family}') steps each unit "
                             f"during the backward of micro-batch {self.K} of a step, but a "
                             f"forward pass {n} began before opt.step(); call opt.step() every "
                             f"{self.K} micro-batches, or re-solve with --micro-batches {n} or "
@@ -174,6 +276,34 @@ class OverlapScheduler:
     def busy(self) -> bool:
         return bool(self.jobs)
 
+    def stage_begins(self, stage: int) -> float:
+        """The backward reaches ``stage`` (training thread). Paced: wait for the jobs due by
+        then; the seconds waited."""
+        self.stage = stage
+        due = [j.future for j in self.jobs if j.due is not None and j.due <= stage]
+        if not due:
+            return 0.0
+        t0 = time.perf_counter()
+        wait_futures(due)               # an error stays in its future, for opt.step()
+        return time.perf_counter() - t0
+
+    def new_step(self) -> None:
+        """A step's first forward (training thread): the gradients paced steps consumed are
+        zeroed (then ``None``: the next backward makes them afresh, the same values as added
+        into zeros) or refused."""
+        consumed, self.consumed = self.consumed, []
+        left = sorted({g.unit for p, g in consumed if p.grad is g and not g.mark["zeroed"]})
+        if left:
+            self.consumed = consumed
+            raise UserError(f"the gradients of {', '.join(left)} were used by their optimizer "
+                            "step during the last backward and freed (optimizer_overlap "
+                            "'paced'), but not zeroed before this forward, so they cannot be "
+                            "accumulated into; call opt.zero_grad() or model.zero_grad() after "
+                            "opt.step(), or re-solve with --optimizer-overlap auto")
+        for p, g in consumed:
+            if p.grad is g:
+                p.grad = None
+
     def _grads_home(self, u) -> None:
         """Unit ``u``'s gradients have all arrived home (training thread)."""
         if not self.armed or any(j.unit is u for j in self.jobs) or id(u) not in self.subs:
@@ -185,7 +315,9 @@ class OverlapScheduler:
         # not on the worker thread's default one
         ctx = u.be.compute_context()
         if self.clip == "none":
-            job = _Job(u, "step", {gi: _snapshot(self.phase.hyper(gi)) for _, gi in subs})
+            job = _Job(u, "step", {gi: _snapshot(self.phase.hyper(gi)) for _, gi in subs},
+                       paced=self.paced,
+                       due=self.stage + PACED_WAIT if self.paced else None)
             job.future = self.worker.submit(lambda j=job: self._run(j, self._step, ctx))
         else:
             if not u.state_out:
@@ -212,7 +344,19 @@ class OverlapScheduler:
             job.t_end = time.perf_counter()
 
     def _step(self, job: _Job) -> None:
-        self.phase.step_unit(job.unit, self.subs[id(job.unit)], job.hypers)
+        u = job.unit
+        # paced: each gradient kept on the device, with its 2-norm as the step takes it
+        kept = [(p, p.grad, torch.linalg.vector_norm(p.grad)) for _, p in u.params
+                if type(p.grad) is torch.Tensor] if self.paced else []
+        self.phase.step_unit(u, self.subs[id(u)], job.hypers)
+        # the plan frees the gradient with its update: the training thread is past this
+        # unit's backward (its weights released, nothing tied to it), so nothing else holds or
+        # accumulates into these gradients until opt.step()
+        for p, g, norm in kept:
+            if p.grad is g:
+                stub = SteppedGrad(g, u.name, norm)
+                p.grad = stub
+                self.consumed.append((p, stub))
 
     def _read(self, job: _Job) -> None:
         u = job.unit
@@ -266,7 +410,7 @@ class OverlapScheduler:
                             f"the optimizer's {key!r} of param group {gi} changed between the "
                             f"last backward and opt.step() ({h.get(key)!r} -> "
                             f"{now.get(key)!r}), but under this plan (optimizer_overlap "
-                            f"'overlapped', clip 'none') {stepped} unit(s) were stepped during "
+                            f"'{self.family}', clip 'none') {stepped} unit(s) were stepped during "
                             "that backward with the old value, so this step is left "
                             "incomplete; change hyper-parameters after opt.step() "
                             "(scheduler.step() after it), or re-solve with "
@@ -282,6 +426,10 @@ class OverlapScheduler:
         jobs, err = self._drain()
         for j in jobs:
             j.unit.drop_ahead()
+        for p, g in self.consumed:      # a plain model's gradients: zeros where zeroed
+            if p.grad is g:
+                p.grad = torch.zeros_like(p) if g.mark["zeroed"] else None
+        self.consumed = []
         for u, _ in self.phase.subs:
             u.on_grads_home = None
             u.scale_refusal = None

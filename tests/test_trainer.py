@@ -50,13 +50,13 @@ def setup():
     return base, data, hw, prof
 
 
-def _train(base, data, tmp, plan=None, optimizers=True):
+def _train(base, data, tmp, plan=None, optimizers=True, accum=K, max_grad_norm=1.0):
     model = copy.deepcopy(base)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     handle = apply_plan(model, plan, optimizer=opt) if plan is not None else None
     args = transformers.TrainingArguments(
-        output_dir=str(tmp), per_device_train_batch_size=B, gradient_accumulation_steps=K,
-        max_steps=STEPS, max_grad_norm=1.0, learning_rate=1e-3, logging_steps=1,
+        output_dir=str(tmp), per_device_train_batch_size=B, gradient_accumulation_steps=accum,
+        max_steps=STEPS, max_grad_norm=max_grad_norm, learning_rate=1e-3, logging_steps=1,
         save_strategy="steps", save_steps=STEPS, report_to=[], use_cpu=True, seed=7,
         disable_tqdm=True)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
@@ -161,3 +161,35 @@ def test_a_plain_accelerate_loop_trains_under_a_streaming_plan_exactly(setup, tm
     (n0, w0), (n1, w1) = out
     assert len(n0) == STEPS and n0 == n1
     assert max((w1[k] - w0[k]).abs().max().item() for k in w0) <= 1e-6
+
+
+def test_the_trainer_under_a_paced_plan(setup, tmp_path):
+    """A paced plan (each unit's step in the backward, its gradient freed by it) under the
+    Trainer with one micro-batch a step: without clipping (``max_grad_norm=0``; transformers
+    5 still takes the norm to log it, ``clip_grad_norm_(..., inf)``) the same losses, logged
+    norms and weights as without a plan; with the Trainer's default clip (1.0, below these
+    norms) the first clip is refused in one line naming --clip global, and nothing is left
+    behind."""
+    from planner.errors import UserError
+    base, data, hw, prof = setup
+    static = sum(u.param_bytes + u.grad_bytes + u.optimizer_bytes for u in prof.layers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        budgets = Budgets(gpu_bytes=static // 2, cpu_bytes=0, nvme_bytes=1 << 30)
+        plan = solve_profile(prof, None, hw, budgets, "optimal", time_limit=30,
+                             nvme_dir=str(tmp_path / "nvme"), micro_batches=1, clip="none",
+                             optimizer_overlap="paced").plan
+        assert plan.optimizer_overlap == "paced"
+        ref_logs, ref_w, _ = _train(base, data, tmp_path / "plain", accum=1, max_grad_norm=0)
+        logs, w, handle = _train(base, data, tmp_path / "planned", plan, accum=1,
+                                 max_grad_norm=0)
+        assert len(logs) == STEPS
+        for (loss, norm), (rl, rn) in zip(logs, ref_logs):
+            assert abs(loss - rl) <= 1e-6 and abs(norm - rn) <= 1e-6, (logs, ref_logs)
+        assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) <= 1e-6
+        assert all(s.overlapped_units >= 1 for s in handle.report().steps)
+        with pytest.raises(UserError, match="paced.*--clip global") as e:
+            _train(base, data, tmp_path / "clipped", plan, accum=1)
+        assert "\n" not in str(e.value)
+    assert not os.path.exists(tmp_path / "nvme") or not any(
+        fs for _, _, fs in os.walk(tmp_path / "nvme"))
