@@ -33,7 +33,9 @@ backward runs, so the bits are the same.
 - ``paced`` (``clip none``, one pass per step): the same jobs, started as each unit's backward
   ends, and two more rules (docs/formulation.md, "The optimizer paced into the backward"). The
   backward waits for them: the plan prices unit j's read, update and write in the three
-  stages after its backward, so stage bwd(j) + 4 does not begin before j's job has ended
+  stages after its backward (the read is issued on the unit's I/O thread as the job is handed
+  over, so it runs beside the update of the unit before), so stage bwd(j) + 4 does not begin
+  before j's job has ended
   (``stage_begins``; the seconds join the driver's wait, the unit's ``stall_s``). And the
   gradient is freed by its update: the job replaces each ``.grad`` it consumed with a
   ``SteppedGrad``, which keeps the gradient's 2-norm (a clip that does not clip runs) and
@@ -213,11 +215,12 @@ def _same(a, b) -> bool:
 
 class _Job:
     __slots__ = ("unit", "kind", "future", "hypers", "t_submit", "t_start", "t_end", "grads",
-                 "due")
+                 "due", "read")
 
     def __init__(self, unit, kind, hypers, paced=False, due=None):
         self.unit, self.kind, self.hypers, self.due = unit, kind, hypers, due
         self.future = None
+        self.read = None             # paced: the unit's state read, issued at the job's stage
         # gradients kept on the device: each with its version as the step took it (a clip
         # or scale in the loop after that changes it, and is refused at opt.step()); paced:
         # none kept (the step frees them, and what is left refuses a clip itself)
@@ -318,6 +321,11 @@ class OverlapScheduler:
             job = _Job(u, "step", {gi: _snapshot(self.phase.hyper(gi)) for _, gi in subs},
                        paced=self.paced,
                        due=self.stage + PACED_WAIT if self.paced else None)
+            if self.paced and u.state_out:
+                # the plan's read part, in this stage: the state from its file on the I/O
+                # thread now, beside the update the worker may still be running for the unit
+                # before (the step takes it from there, ``read_ahead``)
+                job.read = u.store_of().submit(u.read_ahead, u.state_regions())
             job.future = self.worker.submit(lambda j=job: self._run(j, self._step, ctx))
         else:
             if not u.state_out:
@@ -348,6 +356,8 @@ class OverlapScheduler:
         # paced: each gradient kept on the device, with its 2-norm as the step takes it
         kept = [(p, p.grad, torch.linalg.vector_norm(p.grad)) for _, p in u.params
                 if type(p.grad) is torch.Tensor] if self.paced else []
+        if job.read is not None:
+            job.read.result()
         self.phase.step_unit(u, self.subs[id(u)], job.hypers)
         # the plan frees the gradient with its update: the training thread is past this
         # unit's backward (its weights released, nothing tied to it), so nothing else holds or

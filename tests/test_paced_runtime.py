@@ -195,19 +195,29 @@ def test_the_backward_waits_for_each_step_where_the_plan_priced_its_write(tmp_pa
                                                                           monkeypatch):
     """A slow update (20 ms a unit, longer than a tiny unit's backward) must still end before
     the stage PACED_WAIT after the one it started in: the training thread waits there, and the
-    wait is the unit's stall. Without the wait the later units' steps end after the backward."""
+    wait is the unit's stall. Without the wait the later units' steps end after the backward.
+    Each unit's state read was issued when its job was handed over, not by the step."""
     model, data, plan = _setup("llama", tmp_path / "nvme")
     opt, _ = _optimizer(model)
     handle = apply_plan(model, plan, optimizer=opt)
     r = handle._r
     real = r.phase.step_unit
 
+    read_first = []
+
     def slow(u, subs, hypers=None, ahead=None):
+        # the plan's read part was issued when the job was handed over: a unit whose state
+        # lives in a file steps on what was read ahead
+        read_first.append(bool(u.ahead) == bool(u.state_out))
         time.sleep(0.02)
         return real(u, subs, hypers, ahead)
-    monkeypatch.setattr(r.phase, "step_unit", slow)
     try:
+        # a first step makes the optimizer state (there is none to read before it)
         model(**data[0]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        monkeypatch.setattr(r.phase, "step_unit", slow)
+        model(**data[1]).loss.backward()
         jobs = list(r.overlap.jobs)
         marks = r.clock.passes[-1]["marks"]
         top = max(marks)
@@ -219,8 +229,9 @@ def test_the_backward_waits_for_each_step_where_the_plan_priced_its_write(tmp_pa
                 assert j.t_end <= marks[j.due][0], (j.unit.name, j.due)
                 checked += 1
         assert checked >= len(jobs) - PACED_WAIT and checked >= 3, (checked, len(jobs))
-        # during that backward every stepped unit's gradient was freed by its step
         opt.step()
+        assert len(read_first) == len(jobs) and all(read_first), read_first
+        assert any(u.state_out for u in r.statics.values())
         waited = sum(v.get("stall_s", 0.0) for v in handle.report().steps[-1].units.values())
         assert waited >= 0.02
         opt.zero_grad()
