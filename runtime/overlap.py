@@ -60,6 +60,8 @@ from torch.utils._pytree import tree_flatten
 
 from planner.formats import UserError
 
+from .streaming import zero_each
+
 WORKER_THREAD = "tierplan-optimizer"
 
 CLIP_REFUSAL = ("this plan was solved with --clip none, so each unit's optimizer step runs "
@@ -99,12 +101,7 @@ class SteppedGrad(torch.Tensor):
         many = isinstance(first, (list, tuple))
         ts = list(first) if many else [first]
         if name in ("zero_", "_foreach_zero_"):
-            for t in ts:
-                if isinstance(t, SteppedGrad):
-                    t.mark["zeroed"] = True
-                else:
-                    t.zero_()
-            return None if many else first
+            return zero_each(first, SteppedGrad, lambda t: t.mark.update(zeroed=True))
         if isinstance(first, SteppedGrad) and name in ("detach", "alias"):
             return SteppedGrad(first, first.unit, first.norm2, first.mark)
         if name in ("linalg_vector_norm", "_foreach_norm") and _l2(args[1:], kwargs):

@@ -61,12 +61,7 @@ class OffloadedGrad(torch.Tensor):
         name = func.__name__.split(".")[0]
         first = args[0] if args else None
         if name in ("zero_", "_foreach_zero_"):
-            for t in (first if isinstance(first, (list, tuple)) else [first]):
-                if isinstance(t, OffloadedGrad):
-                    t.owner.grad_zeroed(t.k)
-                else:
-                    t.zero_()
-            return None if name.startswith("_foreach") else first   # foreach in-place: None
+            return zero_each(first, OffloadedGrad, lambda t: t.owner.grad_zeroed(t.k))
         if name in ("mul_", "_foreach_mul_") and len(args) == 2 and not kwargs:
             many = isinstance(first, (list, tuple))
             ts = first if many else [first]
@@ -124,6 +119,19 @@ def step_with_grads_hidden(params, step):
 def _shape_of(x) -> tuple:
     """A view's target: a shape (list of ints) or, for ``view_as``, a tensor."""
     return tuple(x.shape) if isinstance(x, torch.Tensor) else tuple(x)
+
+
+def zero_each(first, placeholder: type, zeroed):
+    """``zero_`` or ``_foreach_zero_`` of ``first`` (a tensor or a list) inside a gradient
+    placeholder's dispatch: ``zeroed(t)`` records it for each ``placeholder``, a plain tensor
+    is zeroed; what the op returns (``None`` for the in-place foreach)."""
+    many = isinstance(first, (list, tuple))
+    for t in (first if many else [first]):
+        if isinstance(t, placeholder):
+            zeroed(t)
+        else:
+            t.zero_()
+    return None if many else first
 
 
 def _scalar(f) -> bool:

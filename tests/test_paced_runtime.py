@@ -15,8 +15,6 @@ and ``model.zero_grad()`` in turn.
 from __future__ import annotations
 
 import copy
-import os
-import threading
 import time
 import warnings
 
@@ -30,7 +28,10 @@ from planner.models import build_model, load_config, make_inputs
 from planner.profile import profile_module
 from planner.solve import solve_profile
 from runtime import apply_plan
-from runtime.overlap import PACED_WAIT, WORKER_THREAD, SteppedGrad
+from runtime.overlap import PACED_WAIT, SteppedGrad
+# the overlapped executor's tests' helpers; its fixture runs both runs of a test at one
+# intra-op thread (plain PyTorch is not bitwise reproducible across runs at two here)
+from test_overlap_runtime import _diff, _files, _one_line, _workers, one_compute_thread  # noqa: F401
 
 B, S, STEPS = 2, 16, 3
 
@@ -65,18 +66,6 @@ MODELS = {
     "hf-llama": _hf_llama,
 }
 _PLANS: dict = {}
-
-
-@pytest.fixture(autouse=True)
-def one_compute_thread():
-    """One intra-op thread for both runs: plain PyTorch is not bitwise reproducible from run to
-    run at two threads on this host (tests/test_overlap_runtime.py says what was measured)."""
-    was = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(was)
 
 
 def _setup(name, nvme):
@@ -123,25 +112,6 @@ def _train(model, data, opt, sched, steps=STEPS, zero=None):
             zero()
         else:
             (opt.zero_grad if step % 2 == 0 else model.zero_grad)()
-
-
-def _files(path) -> list:
-    return [f for _, _, fs in os.walk(path) for f in fs] if os.path.exists(path) else []
-
-
-def _workers() -> list:
-    return [t for t in threading.enumerate() if t.name == WORKER_THREAD]
-
-
-def _diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
-def _one_line(e) -> str:
-    msg = str(e.value)
-    assert "\n" not in msg
-    return msg
 
 
 def _paced_units(plan) -> list:
