@@ -31,17 +31,17 @@ backward runs, so the bits are the same.
   until ``opt.step()``; anything else that reads a unit (a no-grad forward, a state dict,
   ``zero_grad``, ``handle.gradients()``, ``remove``) waits for the worker first.
 - ``paced`` (``clip none``, one pass per step): the same jobs, started as each unit's backward
-  ends, and two more rules (docs/formulation.md, "The optimizer paced into the backward"). The
-  backward waits for them: the plan prices unit j's read, update and write in the three
-  stages after its backward (the read is issued on the unit's I/O thread as the job is handed
-  over, so it runs beside the update of the unit before), so stage bwd(j) + 4 does not begin
-  before j's job has ended
-  (``stage_begins``; the seconds join the driver's wait, the unit's ``stall_s``). And the
-  gradient is freed by its update: the job replaces each ``.grad`` it consumed with a
-  ``SteppedGrad``, which keeps the gradient's 2-norm (a clip that does not clip runs) and
-  zeroing, and refuses anything else (a clip that scales, a read) in one line; at the next step's first forward a zeroed one becomes ``None`` (an unzeroed one, a
-  gradient that plain PyTorch would accumulate into, is refused), and ``remove`` leaves zeros
-  for a zeroed one and ``None`` for the others.
+  ends, and three more rules (docs/formulation.md, "The optimizer paced into the backward";
+  docs/runtime.md, "Paced plans"). The backward waits for them: the plan prices unit j's
+  read, update and write in the three stages after its backward, so stage bwd(j) + 4 does not
+  begin before j's job has ended (``stage_begins``; the seconds join the driver's wait, the
+  unit's ``stall_s``). The read is issued on the unit's I/O thread as the job is handed over,
+  beside the update of the unit before. And the gradient is freed by its update: right after
+  it, the job replaces each device ``.grad`` with a ``SteppedGrad`` (no storage, the 2-norm
+  kept), which a clip that does not clip and the loop's ``zero_grad`` after ``opt.step()``
+  accept and anything else refuses in one line; at the next step's first forward a zeroed one
+  becomes ``None`` (and zeros again before its step where that backward gave no gradient), an
+  unzeroed one is refused; ``remove`` leaves zeros for a zeroed one, ``None`` for the others.
 - Faults: an exception in a job is kept and raised, as the original exception, by the next
   ``opt.step()`` (or by ``remove``, where no step came). The worker thread exists only while
   it has work: it ends when its queue is empty, so no thread outlives a step, an exception in
@@ -101,16 +101,17 @@ class SteppedGrad(torch.Tensor):
         many = isinstance(first, (list, tuple))
         ts = list(first) if many else [first]
         if name in ("zero_", "_foreach_zero_"):
-            return zero_each(first, SteppedGrad, lambda t: t.mark.update(zeroed=True))
+            return zero_each(first, SteppedGrad, _zeroed)
         if isinstance(first, SteppedGrad) and name in ("detach", "alias"):
             return SteppedGrad(first, first.unit, first.norm2, first.mark)
         if name in ("linalg_vector_norm", "_foreach_norm") and _l2(args[1:], kwargs):
-            out = [t.norm2.clone() if isinstance(t, SteppedGrad) else
-                   torch.linalg.vector_norm(t) for t in ts]
+            out = [(torch.zeros_like(t.norm2) if t.mark["zeroed"] else t.norm2.clone())
+                   if isinstance(t, SteppedGrad) else torch.linalg.vector_norm(t) for t in ts]
             return out if many else out[0]
         if name in ("mul_", "_foreach_mul_") and len(args) == 2 and not kwargs:
             fs = args[1] if isinstance(args[1], (list, tuple)) else [args[1]] * len(ts)
-            if all(_one(f) for f in fs):
+            if all(_one(f) or (isinstance(t, SteppedGrad) and t.mark["zeroed"])
+                   for t, f in zip(ts, fs)):
                 for t, f in zip(ts, fs):
                     if not isinstance(t, SteppedGrad):
                         t.mul_(f)
@@ -124,6 +125,11 @@ class SteppedGrad(torch.Tensor):
                             f"clip or scale them; {CLIP_REFUSAL}")
         raise SteppedGrad.refusal(unit, name)
 
+    def __repr__(self):
+        return (f"SteppedGrad(unit={self.unit!r}, shape={tuple(self.shape)}, "
+                f"norm={0.0 if self.mark['zeroed'] else float(self.norm2):.6g}, "
+                f"zeroed={self.mark['zeroed']})")
+
     @staticmethod
     def refusal(unit: str, what: str) -> UserError:
         return UserError(f"the gradients of {unit} were used by its optimizer step during the "
@@ -131,6 +137,17 @@ class SteppedGrad(torch.Tensor):
                          "read or change them; read gradients before the step (a hook on the "
                          "parameter), or re-solve with --optimizer-overlap auto to keep them "
                          "until opt.step()")
+
+
+def _zeroed(t: "SteppedGrad") -> None:
+    """A stand-in zeroed: after ``opt.step()`` (its step collected) that is the loop's usual
+    ``zero_grad``; before it, plain PyTorch's step would have used zeros, but this one ran."""
+    if not t.mark.get("collected"):
+        raise UserError(f"the gradients of {t.unit} were used by its optimizer step during the "
+                        "backward (optimizer_overlap 'paced'), so zeroing them before "
+                        "opt.step() cannot change that step; zero gradients after opt.step(), "
+                        "or re-solve with --optimizer-overlap auto")
+    t.mark["zeroed"] = True
 
 
 def _l2(rest, kwargs) -> bool:
@@ -238,6 +255,11 @@ class OverlapScheduler:
         self.paced = self.family == "paced"
         self.stage = 0                                  # the stage the backward is in
         self.consumed: list = []                        # (param, SteppedGrad) of paced steps
+        self.settled: list = []                         # ... of steps opt.step() gathered
+        self.zeroed: set = set()                        # ids of params zeroed in place
+        # unit name -> its backward stage, 2U - i (the plan's numbering, docs/runtime.md)
+        U = len(plan.units)
+        self.bwd = {u.name: 2 * U - i for i, u in enumerate(plan.units)}
         self.K = int(plan.micro_batches)
         self.budget = int(plan.optimizer_prefetch_bytes)
         self.subs = {id(u): subs for u, subs in phase.subs}
@@ -262,8 +284,10 @@ class OverlapScheduler:
             raise UserError(f"this plan (optimizer_overlap '{self.family}') steps each unit "
                             f"during the backward of micro-batch {self.K} of a step, but a "
                             f"forward pass {n} began before opt.step(); call opt.step() every "
-                            f"{self.K} micro-batches, or re-solve with --micro-batches {n} or "
-                            "with --optimizer-overlap off")
+                            f"{self.K} micro-batches, or re-solve with "
+                            + ("--optimizer-overlap auto (paced runs one pass a step)"
+                               if self.paced else f"--micro-batches {n} or with "
+                               "--optimizer-overlap off"))
         self.armed = n == self.K
         if self.armed:
             self.ahead_left = self.budget
@@ -291,15 +315,18 @@ class OverlapScheduler:
         """A step's first forward (training thread): the gradients paced steps consumed are
         zeroed (then ``None``: the next backward makes them afresh, the same values as added
         into zeros) or refused."""
-        consumed, self.consumed = self.consumed, []
+        consumed, self.settled = self.settled, []
         left = sorted({g.unit for p, g in consumed if p.grad is g and not g.mark["zeroed"]})
         if left:
-            self.consumed = consumed
+            self.settled = consumed
             raise UserError(f"the gradients of {', '.join(left)} were used by their optimizer "
                             "step during the last backward and freed (optimizer_overlap "
                             "'paced'), but not zeroed before this forward, so they cannot be "
                             "accumulated into; call opt.zero_grad() or model.zero_grad() after "
                             "opt.step(), or re-solve with --optimizer-overlap auto")
+        # zeroed in place: plain PyTorch keeps zeros, which the step still applies (weight
+        # decay, momentum) where the next backward gives the parameter no gradient
+        self.zeroed = {id(p) for p, g in consumed if p.grad is g}
         for p, g in consumed:
             if p.grad is g:
                 p.grad = None
@@ -317,7 +344,7 @@ class OverlapScheduler:
         if self.clip == "none":
             job = _Job(u, "step", {gi: _snapshot(self.phase.hyper(gi)) for _, gi in subs},
                        paced=self.paced,
-                       due=self.stage + PACED_WAIT if self.paced else None)
+                       due=self.bwd[u.name] + 1 + PACED_WAIT if self.paced else None)
             if self.paced and u.state_out:
                 # the plan's read part, in this stage: the state from its file on the I/O
                 # thread now, beside the update the worker may still be running for the unit
@@ -350,20 +377,44 @@ class OverlapScheduler:
 
     def _step(self, job: _Job) -> None:
         u = job.unit
-        # paced: each gradient kept on the device, with its 2-norm as the step takes it
-        kept = [(p, p.grad, torch.linalg.vector_norm(p.grad)) for _, p in u.params
-                if type(p.grad) is torch.Tensor] if self.paced else []
+        kept = []
+        if self.paced:
+            for _, p in u.params:
+                if p.grad is None and id(p) in self.zeroed:
+                    p.grad = torch.zeros_like(p)         # what zero_grad left in plain PyTorch
+            # each gradient kept on the device: its version and 2-norm as the step takes it
+            kept = [(n, p, p.grad, p.grad._version, torch.linalg.vector_norm(p.grad))
+                    for n, p in u.params if type(p.grad) is torch.Tensor]
         if job.read is not None:
             job.read.result()
-        self.phase.step_unit(u, self.subs[id(u)], job.hypers)
-        # the plan frees the gradient with its update: the training thread is past this
-        # unit's backward (its weights released, nothing tied to it), so nothing else holds or
-        # accumulates into these gradients until opt.step()
-        for p, g, norm in kept:
+        if not kept:
+            self.phase.step_unit(u, self.subs[id(u)], job.hypers)
+            return
+        changed: list = []
+        self.phase.step_unit(u, self.subs[id(u)], job.hypers,
+                             updated=lambda: changed.extend(self._free(u, kept)))
+        if changed:
+            raise UserError(f"the gradient of {changed[0]!r} changed while its unit's optimizer "
+                            "step ran during the backward (optimizer_overlap 'paced'), so the "
+                            "step used it unchanged; to clip, re-solve with --clip global; "
+                            "for other changes use a hook before the step, or re-solve with "
+                            "--optimizer-overlap auto")
+
+    def _free(self, u, kept: list) -> list:
+        """Paced: the update has run, and the plan frees the gradient with it. The training
+        thread is past this unit's backward (its weights released, nothing tied to it), so
+        nothing else holds or accumulates into these gradients until opt.step(). The names of
+        those the loop replaced or changed in place while the update read them (an error)."""
+        # (a scale by exactly 1, torch's clip under its max_norm, bumps the version and
+        # changes nothing: the norm tells the two apart)
+        changed = [n for n, p, g, ver, norm in kept if p.grad is not g or (
+            g._version != ver and not torch.equal(torch.linalg.vector_norm(g), norm))]
+        for _, p, g, _, norm in kept:
             if p.grad is g:
                 stub = SteppedGrad(g, u.name, norm)
                 p.grad = stub
                 self.consumed.append((p, stub))
+        return changed
 
     def _read(self, job: _Job) -> None:
         u = job.unit
@@ -392,6 +443,10 @@ class OverlapScheduler:
         """At ``opt.step()``: wait for the jobs, raise the first one's error as it was, check
         the hyper-parameters the steps used; the units already stepped."""
         jobs, err = self._drain()
+        stubs, self.consumed = self.consumed, []
+        for _, g in stubs:
+            g.mark["collected"] = True           # zeroing them is the loop's zero_grad now
+        self.settled += stubs
         end = self.backward_end if self.backward_end is not None else float("inf")
         self.last_log = [(j.unit.name, j.kind, j.t_start is not None and j.t_start < end,
                           (j.t_end or 0.0) - (j.t_start or 0.0)) for j in jobs]
@@ -399,6 +454,13 @@ class OverlapScheduler:
             for j in jobs:
                 j.unit.drop_ahead()
             raise err
+        dropped = sorted({g.unit for p, g in stubs if p.grad is not g})
+        if dropped:
+            raise UserError(f"the gradients of {', '.join(dropped)} were replaced or set to None "
+                            "after their optimizer step ran during the backward "
+                            "(optimizer_overlap 'paced'), which cannot change that step; "
+                            "change gradients in a hook before the step, or re-solve with "
+                            "--optimizer-overlap auto")
         done = set()
         for j in jobs:
             if j.kind != "step":
@@ -433,10 +495,10 @@ class OverlapScheduler:
         jobs, err = self._drain()
         for j in jobs:
             j.unit.drop_ahead()
-        for p, g in self.consumed:      # a plain model's gradients: zeros where zeroed
+        for p, g in self.settled + self.consumed:   # a plain model's: zeros where zeroed
             if p.grad is g:
                 p.grad = torch.zeros_like(p) if g.mark["zeroed"] else None
-        self.consumed = []
+        self.settled, self.consumed = [], []
         for u, _ in self.phase.subs:
             u.on_grads_home = None
             u.scale_refusal = None

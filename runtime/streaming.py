@@ -1069,15 +1069,19 @@ class OptimizerPhase:
             behind()
 
     def step_unit(self, u: UnitStatic, subs: list, hypers: dict | None = None,
-                  ahead: UnitStatic | None = None):
+                  ahead: UnitStatic | None = None, updated=None):
         """One unit's step: brought to where it runs, stepped, written back. ``hypers``
         (group index -> hyper-parameters): those to step with, else the user's now. With
         ``ahead`` (the pipelined phase: the unit stepped next) that unit's weights are read
         while this one steps, this one's state pieces are read ahead and written behind, and
-        its write-back is left in flight: the function that ends it is returned."""
+        its write-back is left in flight: the function that ends it is returned. ``updated()``,
+        where given, runs once the update has, before the write-back (the paced executor frees
+        the gradients there)."""
         try:
             if getattr(u, "steps_on_host", False):    # the staged path (runtime/staged.py)
                 u.step_host(self.opt, subs, type(self.opt) in ELEMENTWISE, hypers)
+                if updated is not None:
+                    updated()
                 return None
             by_pieces = type(self.opt) in ELEMENTWISE and u.state_out
             pipelined = self.depth > 1 and hypers is None    # the phase after the backward
@@ -1097,6 +1101,8 @@ class OptimizerPhase:
                 sub.param_groups[0].update(hyper)
                 self.timed(sub.step, sum(p.numel() for p in sub.param_groups[0]["params"]
                                          if p.grad is not None))
+            if updated is not None:
+                updated()
             return u.write_back(self.opt.state, state=not by_pieces, defer=ahead is not None)
         finally:
             u.drop_ahead()       # state read ahead (clip global) is used, on either path

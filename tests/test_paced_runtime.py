@@ -175,12 +175,12 @@ def test_the_backward_waits_for_each_step_where_the_plan_priced_its_write(tmp_pa
 
     read_first = []
 
-    def slow(u, subs, hypers=None, ahead=None):
+    def slow(u, subs, hypers=None, ahead=None, **kw):
         # the plan's read part was issued when the job was handed over: a unit whose state
         # lives in a file steps on what was read ahead
         read_first.append(bool(u.ahead) == bool(u.state_out))
         time.sleep(0.02)
-        return real(u, subs, hypers, ahead)
+        return real(u, subs, hypers, ahead, **kw)
     try:
         # a first step makes the optimizer state (there is none to read before it)
         model(**data[0]).loss.backward()
@@ -192,8 +192,13 @@ def test_the_backward_waits_for_each_step_where_the_plan_priced_its_write(tmp_pa
         marks = r.clock.passes[-1]["marks"]
         top = max(marks)
         checked = 0
+        U = len(plan.units)
+        index = {u.name: i for i, u in enumerate(plan.units)}
         for j in jobs:
-            assert j.due is not None
+            # handed over as the stage after its backward (2U - i) began, due three stages on
+            bwd = 2 * U - index[j.unit.name]
+            assert j.due == bwd + 4, (j.unit.name, j.due, bwd)
+            assert j.t_submit >= marks[bwd + 1][0], j.unit.name
             if j.due <= top:
                 j.future.result()
                 assert j.t_end <= marks[j.due][0], (j.unit.name, j.due)
@@ -227,6 +232,10 @@ def test_a_paced_step_frees_the_gradient_and_a_clip_or_read_is_refused_in_one_li
         assert "paced" in _one_line(e)
         with pytest.raises(UserError, match="--clip global") as e:
             handle.clip_grad_norm_(0.5)
+        _one_line(e)
+        assert "SteppedGrad" in repr(g) and "zeroed=False" in repr(g)
+        with pytest.raises(UserError, match="paced") as e:
+            torch.linalg.vector_norm(g, float("inf"))     # only the 2-norm is kept
         _one_line(e)
         g.mul_(1.0)                              # a scale by 1 changes nothing
         g.detach().mul_(torch.tensor(1.0))
@@ -299,10 +308,10 @@ def test_an_error_in_a_paced_step_surfaces_at_opt_step_as_it_was(tmp_path, monke
     real = phase.step_unit
     err = Boom("a unit's step failed")
 
-    def step_unit(u, subs, hypers=None, ahead=None):
+    def step_unit(u, subs, hypers=None, ahead=None, **kw):
         if u is victim:
             raise err
-        return real(u, subs, hypers, ahead)
+        return real(u, subs, hypers, ahead, **kw)
     monkeypatch.setattr(phase, "step_unit", step_unit)
     try:
         model(**data[0]).loss.backward()
@@ -335,13 +344,104 @@ def test_a_norm_that_does_not_clip_is_plain_pytorchs(tmp_path):
         weights.append({k: v.clone() for k, v in m.state_dict().items()})
         if handle is not None:
             m(**data[STEPS]).loss.backward()
+            handle._r.quiesce()      # every unit stepped: the clip reaches a stand-in first
             with pytest.raises(UserError, match="paced.*--clip global") as e:
                 torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3)
             _one_line(e)
-            opt.step()
-            opt.zero_grad()
             handle.remove()
         norms.append(got)
     assert norms[0] == norms[1], norms
     assert _diff(*weights) <= 1e-6
+    assert _files(tmp_path / "nvme") == [] and _workers() == []
+
+
+def test_changing_a_stepped_gradient_before_opt_step_is_refused_in_one_line(tmp_path):
+    """Plain PyTorch's step would see a gradient zeroed, dropped or replaced between the
+    backward and ``opt.step()``; a paced step ran already: refused (zeroing at once, a dropped
+    or replaced one at ``opt.step()``), never ignored."""
+    model, data, plan = _setup("gpt", tmp_path / "nvme")
+    for how in ("zero_", "none", "zero_grad"):
+        opt, _ = _optimizer(model)
+        with apply_plan(model, plan, optimizer=opt) as handle:
+            model(**data[0]).loss.backward()
+            handle._r.quiesce()
+            p = next(q for q in model.parameters() if isinstance(q.grad, SteppedGrad))
+            if how == "zero_":
+                with pytest.raises(UserError, match="before opt.step\\(\\)") as e:
+                    p.grad.zero_()
+                _one_line(e)
+                opt.step()
+            else:
+                if how == "none":
+                    p.grad = None
+                else:
+                    opt.zero_grad()
+                with pytest.raises(UserError, match="replaced or set to None") as e:
+                    opt.step()
+                _one_line(e)
+            opt.zero_grad()
+        assert _files(tmp_path / "nvme") == [] and _workers() == []
+
+
+def test_a_gradient_changed_while_its_step_runs_is_an_error_at_opt_step(tmp_path, monkeypatch):
+    """The update has read the gradient; a scale of it in place before its stand-in is in is
+    found (its version and its norm moved) and raised by ``opt.step()``; a scale by 1 is not."""
+    model, data, plan = _setup("llama", tmp_path / "nvme")
+    opt, _ = _optimizer(model)
+    handle = apply_plan(model, plan, optimizer=opt)
+    phase = handle._r.phase
+    real = phase.step_unit
+    victim = next(u for u, _ in phase.subs if u.name in _paced_units(plan))
+    factor = [0.5]
+
+    def step_unit(u, subs, hypers=None, ahead=None, updated=None):
+        def then():
+            if u is victim:
+                for _, q in u.params:
+                    q.grad.mul_(factor[0])
+            updated()
+        return real(u, subs, hypers, ahead, updated=then if updated is not None else None)
+    monkeypatch.setattr(phase, "step_unit", step_unit)
+    try:
+        model(**data[0]).loss.backward()
+        with pytest.raises(UserError, match="changed while its unit's optimizer step ran"
+                           ".*--clip global") as e:
+            opt.step()
+        _one_line(e)
+        opt.zero_grad()
+        factor[0] = 1.0
+        model(**data[1]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    finally:
+        handle.remove()
+    assert _files(tmp_path / "nvme") == [] and _workers() == []
+
+
+def test_zeroed_in_place_a_parameter_without_a_gradient_is_still_stepped(tmp_path):
+    """After ``zero_grad(set_to_none=False)`` plain PyTorch keeps zeros, so AdamW still steps a
+    parameter that the next backward leaves alone (weight decay, momentum); so does the plan.
+    The norm of a zeroed stand-in is zero."""
+    model, data, plan = _setup("llama", tmp_path / "nvme")
+    ref = copy.deepcopy(model)
+    frozen = "blocks.5."
+    out = []
+    for m, pl in ((ref, None), (model, plan)):
+        opt, _ = _optimizer(m)
+        handle = apply_plan(m, pl, optimizer=opt) if pl is not None else None
+        torch.manual_seed(123)
+        for step in range(STEPS):
+            for n, q in m.named_parameters():
+                if n.startswith(frozen):
+                    q.requires_grad_(step != 1)      # no gradient for blocks.5 in step 1
+            m(**data[step]).loss.backward()
+            opt.step()
+            m.zero_grad(set_to_none=False)
+            if handle is not None:
+                assert all(torch.linalg.vector_norm(q.grad).item() == 0.0
+                           for q in m.parameters() if q.grad is not None)
+        if handle is not None:
+            handle.remove()
+        out.append({k: v.clone() for k, v in m.state_dict().items()})
+    assert _diff(*out) <= 1e-6
     assert _files(tmp_path / "nvme") == [] and _workers() == []
