@@ -235,11 +235,12 @@ class _Job:
         self.unit, self.kind, self.hypers, self.due = unit, kind, hypers, due
         self.future = None
         self.read = None             # paced: the unit's state read, issued at the job's stage
-        # gradients kept on the device: each with its version as the step took it (a clip
-        # or scale in the loop after that changes it, and is refused at opt.step()); paced:
-        # none kept (the step frees them, and what is left refuses a clip itself)
+        # gradients kept on the device: each with its version and 2-norm as the step took it
+        # (set by the job: a clip or scale in the loop after that changes them, and is refused
+        # at opt.step(); a scale by 1 moves the version only); paced: none kept (the step
+        # frees them, and what is left refuses a clip itself)
         self.grads = [] if unit.grads_out or paced else [
-            (n, p.grad, p.grad._version) for n, p in unit.params if p.grad is not None]
+            (n, p.grad) for n, p in unit.params if p.grad is not None]
         self.t_submit = time.perf_counter()
         self.t_start = self.t_end = None
 
@@ -385,6 +386,8 @@ class OverlapScheduler:
             # each gradient kept on the device: its version and 2-norm as the step takes it
             kept = [(n, p, p.grad, p.grad._version, torch.linalg.vector_norm(p.grad))
                     for n, p in u.params if type(p.grad) is torch.Tensor]
+        else:
+            job.grads = [(n, g, g._version, torch.linalg.vector_norm(g)) for n, g in job.grads]
         if job.read is not None:
             job.read.result()
         if not kept:
@@ -466,8 +469,8 @@ class OverlapScheduler:
             if j.kind != "step":
                 continue
             done.add(j.unit)
-            for n, g, ver in j.grads:
-                if g._version != ver:
+            for n, g, ver, norm in j.grads:
+                if g._version != ver and not torch.equal(torch.linalg.vector_norm(g), norm):
                     raise UserError(f"the gradient of {n!r} changed after its unit's backward "
                                     f"(a clip or scale in the loop?); {CLIP_REFUSAL}")
             for gi, h in j.hypers.items():

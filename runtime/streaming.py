@@ -400,7 +400,12 @@ class UnitStatic:
         self.grad_norms.pop(k, None)
 
     def grad_scaled(self, k: int, f) -> None:
-        """``p.grad.mul_(f)`` on the placeholder: applied, in order, as the values are read."""
+        """``p.grad.mul_(f)`` on the placeholder: applied, in order, as the values are read. A
+        scale by exactly 1 (torch's clip under its ``max_norm``) changes nothing, also where
+        the plan refuses scales."""
+        if isinstance(f, (int, float)) and f == 1 or isinstance(f, torch.Tensor) and \
+                f.numel() == 1 and bool(f.item() == 1):
+            return
         if self.scale_refusal:
             raise UserError(self.scale_refusal)
         if self.grad_state.get(k) is HOME:

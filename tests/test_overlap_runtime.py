@@ -421,3 +421,32 @@ def test_the_trainer_under_an_overlapped_plan(clip, tmp_path):
     assert _diff(w, ref_w) == 0.0
     assert len(rep.steps) == STEPS and all(s.overlapped_units >= 1 for s in rep.steps[1:])
     assert _files(tmp_path / "nvme") == [] and _workers() == []
+
+
+@pytest.mark.parametrize("name", ["gpt", "hf-llama"])
+def test_a_clip_that_does_not_clip_runs_under_clip_none(name, tmp_path):
+    """torch's ``clip_grad_norm_`` at ``inf`` or above the total norm scales every gradient by
+    exactly 1, which changes no step that ran: accepted (gradients at home and kept on the
+    device alike), the same norms and weights as plain PyTorch."""
+    model, data, plan = _setup(name, "none", tmp_path / "nvme")
+    ref = copy.deepcopy(model)
+    out, norms = [], []
+    for m, p in ((ref, None), (model, plan)):
+        opt, _ = _optimizer(m)
+        handle = apply_plan(m, p, optimizer=opt) if p is not None else None
+        got = []
+        torch.manual_seed(123)
+        for step in range(STEPS):
+            for k in range(K):
+                (m(**data[step * K + k]).loss / K).backward()
+            got.append(torch.nn.utils.clip_grad_norm_(m.parameters(), float("inf")).item())
+            got.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9).item())
+            opt.step()
+            opt.zero_grad()
+        if handle is not None:
+            handle.remove()
+        out.append({k: v.clone() for k, v in m.state_dict().items()})
+        norms.append(got)
+    assert norms[0] == norms[1], norms
+    assert _diff(*out) <= 1e-6
+    assert _files(tmp_path / "nvme") == [] and _workers() == []

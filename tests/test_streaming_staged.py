@@ -848,3 +848,34 @@ def test_paced_staged_training_equals_plain_pytorch(name, home, tmp_path):
         handle.remove()
     assert _files(nvme) == []
     assert be.slab.in_use == 0
+
+
+@pytest.mark.parametrize("home", ["state-up", "state-only"])
+def test_a_clip_that_does_not_clip_gradients_kept_on_the_device_is_accepted(home, tmp_path,
+                                                                            monkeypatch):
+    """The same loop as above with a max_norm above the total norm: torch's clip scales each
+    kept gradient by exactly 1 (its version moves, its norm does not), which changes no step
+    that ran: accepted, bit for bit plain PyTorch."""
+    import dataclasses
+    model0, data = MODELS["gpt"]()
+    ref = copy.deepcopy(model0)
+    ropt, rsched = _optimizer(ref)
+    model = copy.deepcopy(model0)
+    be = RecordingBackend()
+    hw, h = HOMES[home]
+    plan = plan_for(model, "keep-all", B, S, inputs=data[0], nvme_dir=tmp_path / "n",
+                    hardware=hw, homes={"blocks": h}, micro_batches=K)
+    plan.hardware["device"] = "cpu"
+    plan = dataclasses.replace(plan, optimizer_overlap="overlapped", clip="none")
+    opt, sched = _optimizer(model)
+    real = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_",
+                        lambda ps, _n, *a, **k: real(ps, 1e9, *a, **k))
+    _train(ref, data, ropt, rsched, None, clip=True)
+    with using(be):
+        handle = apply_plan(model, plan, optimizer=opt)
+        try:
+            _train(model, data, opt, sched, None, clip=True)   # torch's own clip, max 1e9
+        finally:
+            handle.remove()
+    _assert_as_plain(model, ref, opt, ropt, be)
