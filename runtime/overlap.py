@@ -60,7 +60,7 @@ from torch.utils._pytree import tree_flatten
 
 from planner.formats import UserError
 
-from .streaming import zero_each
+from .streaming import is_one, zero_each
 
 WORKER_THREAD = "tierplan-optimizer"
 
@@ -110,7 +110,7 @@ class SteppedGrad(torch.Tensor):
             return out if many else out[0]
         if name in ("mul_", "_foreach_mul_") and len(args) == 2 and not kwargs:
             fs = args[1] if isinstance(args[1], (list, tuple)) else [args[1]] * len(ts)
-            if all(_one(f) or (isinstance(t, SteppedGrad) and t.mark["zeroed"])
+            if all(is_one(f) or (isinstance(t, SteppedGrad) and t.mark["zeroed"])
                    for t, f in zip(ts, fs)):
                 for t, f in zip(ts, fs):
                     if not isinstance(t, SteppedGrad):
@@ -156,14 +156,6 @@ def _l2(rest, kwargs) -> bool:
     extra = [a for a in rest[1:] if a not in (None, False)]
     return (ord_ in (2, 2.0) and not extra
             and all(v in (None, False) for k, v in kwargs.items() if k != "ord"))
-
-
-def _one(f) -> bool:
-    """A scale factor that is exactly 1 (a Python number or a one-element tensor)."""
-    if isinstance(f, (int, float)):
-        return f == 1
-    return isinstance(f, torch.Tensor) and not isinstance(f, SteppedGrad) and f.numel() == 1 \
-        and bool(f.item() == 1)
 
 
 class _Worker:
@@ -254,7 +246,6 @@ class OverlapScheduler:
         self.clip = plan.clip
         self.family = plan.optimizer_overlap            # overlapped or paced
         self.paced = self.family == "paced"
-        self.stage = 0                                  # the stage the backward is in
         self.consumed: list = []                        # (param, SteppedGrad) of paced steps
         self.settled: list = []                         # ... of steps opt.step() gathered
         self.zeroed: set = set()                        # ids of params zeroed in place
@@ -304,8 +295,9 @@ class OverlapScheduler:
     def stage_begins(self, stage: int) -> float:
         """The backward reaches ``stage`` (training thread). Paced: wait for the jobs due by
         then; the seconds waited."""
-        self.stage = stage
-        due = [j.future for j in self.jobs if j.due is not None and j.due <= stage]
+        if not self.paced:
+            return 0.0
+        due = [j.future for j in self.jobs if j.due <= stage]
         if not due:
             return 0.0
         t0 = time.perf_counter()

@@ -134,6 +134,13 @@ def zero_each(first, placeholder: type, zeroed):
     return None if many else first
 
 
+def is_one(f) -> bool:
+    """A scale factor that is exactly 1 (a number or a one-element plain tensor)."""
+    if isinstance(f, (int, float)):
+        return f == 1
+    return type(f) is torch.Tensor and f.numel() == 1 and bool(f.item() == 1)
+
+
 def _scalar(f) -> bool:
     return isinstance(f, (int, float)) or (isinstance(f, torch.Tensor) and f.numel() == 1
                                            and not isinstance(f, OffloadedGrad))
@@ -403,8 +410,7 @@ class UnitStatic:
         """``p.grad.mul_(f)`` on the placeholder: applied, in order, as the values are read. A
         scale by exactly 1 (torch's clip under its ``max_norm``) changes nothing, also where
         the plan refuses scales."""
-        if isinstance(f, (int, float)) and f == 1 or isinstance(f, torch.Tensor) and \
-                f.numel() == 1 and bool(f.item() == 1):
+        if is_one(f):
             return
         if self.scale_refusal:
             raise UserError(self.scale_refusal)

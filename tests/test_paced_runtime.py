@@ -31,7 +31,8 @@ from runtime import apply_plan
 from runtime.overlap import PACED_WAIT, SteppedGrad
 # the overlapped executor's tests' helpers; its fixture runs both runs of a test at one
 # intra-op thread (plain PyTorch is not bitwise reproducible across runs at two here)
-from test_overlap_runtime import _diff, _files, _one_line, _workers, one_compute_thread  # noqa: F401
+from test_overlap_runtime import (Boom, _diff, _files, _one_line, _workers,  # noqa: F401
+                                  one_compute_thread)
 
 B, S, STEPS = 2, 16, 3
 
@@ -292,9 +293,6 @@ def test_zeroing_in_place_trains_exactly_and_remove_leaves_zeros(tmp_path):
         assert type(p.grad) is torch.Tensor and torch.equal(p.grad, q.grad), n
     assert _files(tmp_path / "nvme") == [] and _workers() == []
 
-
-class Boom(RuntimeError):
-    pass
 
 
 def test_an_error_in_a_paced_step_surfaces_at_opt_step_as_it_was(tmp_path, monkeypatch):

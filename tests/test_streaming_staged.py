@@ -195,10 +195,10 @@ def test_staged_streaming_with_recompute_and_offloaded_activations(acts, home, t
     assert be.slab.in_use == 0
 
 
-def _staged_plan(model, home, nvme, inputs):
+def _staged_plan(model, home, nvme, inputs, micro_batches=K):
     hw, h = HOMES[home]
     plan = plan_for(model, "keep-all", B, S, inputs=inputs, nvme_dir=nvme, hardware=hw,
-                    homes={"blocks": h}, micro_batches=K)
+                    homes={"blocks": h}, micro_batches=micro_batches)
     plan.hardware["device"] = "cpu"
     return plan
 
@@ -825,11 +825,9 @@ def test_paced_staged_training_equals_plain_pytorch(name, home, tmp_path):
     model = copy.deepcopy(model0)
     nvme = tmp_path / "nvme"
     be = RecordingBackend()
-    hw, h = HOMES[home]
-    plan = plan_for(model, "keep-all", B, S, inputs=data[0], nvme_dir=nvme, hardware=hw,
-                    homes={"blocks": h}, micro_batches=1)
-    plan.hardware["device"] = "cpu"      # the recording backend is the discrete device
-    plan = dataclasses.replace(plan, optimizer_overlap="paced", clip="none")
+    h = HOMES[home][1]
+    plan = dataclasses.replace(_staged_plan(model, home, nvme, data[0], micro_batches=1),
+                               optimizer_overlap="paced", clip="none")
     opt, sched = _optimizer(model)
     seen: list = []
     with using(be):
@@ -862,11 +860,8 @@ def test_a_clip_that_does_not_clip_gradients_kept_on_the_device_is_accepted(home
     ropt, rsched = _optimizer(ref)
     model = copy.deepcopy(model0)
     be = RecordingBackend()
-    hw, h = HOMES[home]
-    plan = plan_for(model, "keep-all", B, S, inputs=data[0], nvme_dir=tmp_path / "n",
-                    hardware=hw, homes={"blocks": h}, micro_batches=K)
-    plan.hardware["device"] = "cpu"
-    plan = dataclasses.replace(plan, optimizer_overlap="overlapped", clip="none")
+    plan = dataclasses.replace(_staged_plan(model, home, tmp_path / "n", data[0]),
+                               optimizer_overlap="overlapped", clip="none")
     opt, sched = _optimizer(model)
     real = torch.nn.utils.clip_grad_norm_
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_",

@@ -144,13 +144,11 @@ def train(name, mode, family=None, nvme=None, clip=None, k_n=K, grads_too=True):
                 else:
                     for mb in mbs:
                         _loss(model, mb, k_n).backward()
-                if not grads_too:
-                    pass
-                elif handle is not None:
+                if grads_too and handle is not None:
                     g = handle.gradients()
                     grads.append([None if g.get(n) is None else g[n].clone()
                                   for n, _ in model.named_parameters()])
-                else:
+                elif grads_too:
                     grads.append([None if p.grad is None else p.grad.clone()
                                   for p in model.parameters()])
                 if clip == "global":

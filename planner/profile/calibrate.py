@@ -5,9 +5,10 @@ unit's forward, backward and recompute seconds per pass and each disk link's byt
 seconds. The calibrated profile is the input profile with, per unit that the run measured,
 ``fwd_s``/``bwd_s`` the medians over the steps after the first (``samples`` the number of
 steps behind them), ``optimizer_s`` the optimizer's update time on the device (the run's
-timed updates, per parameter element, times the model's parameters; a report without them: the
-median time from the last backward's end to the optimizer step's end), and ``nvme_read_bandwidth``/``nvme_write_bandwidth`` of its hardware the
-bytes the run moved over their busy seconds (links that moved at least ``MIN_LINK_BYTES``).
+timed updates, per parameter element, times the model's parameters; a report without them:
+the median time from the last backward's end to the optimizer step's end), and
+``nvme_read_bandwidth``/``nvme_write_bandwidth`` of its hardware the bytes the run moved over
+their busy seconds (links that moved at least ``MIN_LINK_BYTES``).
 Everything else (bytes, FLOPs, structure) is unchanged. Provenance goes into the profile:
 ``model.calibration`` (report path and sha256, when, steps, the load average of this host at
 calibration time) and the hardware's ``sources`` for each bandwidth replaced.
