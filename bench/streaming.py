@@ -11,7 +11,7 @@ few optimizer steps under the plan, beside plain PyTorch, for each schedule fami
     python bench/streaming.py --families batch-major,overlap-none
     python bench/streaming.py --device cuda --hardware this-gpu.yaml   # on a GPU (bench/gpu.sh)
 
-Families (``--families``, default all five; each solved with the flags shown, the loop as
+Families (``--families``, default all eight; each solved with the flags shown, the loop as
 said):
 
   batch-major     --optimizer-overlap off: K whole passes, the optimizer after the backward;
@@ -29,8 +29,11 @@ said):
                   backward; the loop clips
   paced           --optimizer-overlap paced --clip none --micro-batches 1: each unit's step
                   in the three stages after its backward, the backward waiting for it (K = 1:
-                  paced needs one pass per step, and the runtime does not run it layer-major);
-                  written after-backward where paced is no faster at the budget
+                  batch-major paced needs one pass per step); written after-backward where
+                  paced is no faster at the budget
+  lm-overlap-none, lm-overlap-global, lm-paced
+                  overlap-none, overlap-global and paced with --micro-batch-order
+                  layer-major (K micro-batches a step, the loop and dropout as layer-major's)
 
 With ``on`` the plan runs the overlapped schedule even where it is not the fastest (``auto``
 labels a plan overlapped only where that is faster: docs/streaming.md); where the overlapped
@@ -109,7 +112,16 @@ FAMILIES = {
     "overlap-none": (["--optimizer-overlap", "on", "--clip", "none"], False, False, None),
     "overlap-global": (["--optimizer-overlap", "on", "--clip", "global"], True, False, None),
     "paced": (["--optimizer-overlap", "paced", "--clip", "none"], False, False, 1),
+    "lm-overlap-none": (["--micro-batch-order", "layer-major", "--optimizer-overlap", "on",
+                         "--clip", "none"], False, True, None),
+    "lm-overlap-global": (["--micro-batch-order", "layer-major", "--optimizer-overlap", "on",
+                           "--clip", "global"], True, True, None),
+    "lm-paced": (["--micro-batch-order", "layer-major", "--optimizer-overlap", "paced",
+                  "--clip", "none"], False, True, None),
 }
+
+
+OVERLAP_TAG = {"overlapped": "ovl", "paced": "pac"}    # the "sched" column's middle part
 
 
 def _run(cmd, env=None):
@@ -320,7 +332,7 @@ def bench_family(name, spec, B, S, family, prof: Path, static: int, args, tmp: P
     if args.buffered_too:
         res["buffered_step_s"] = json.loads(bout.read_text())["step_s"]
     sched = f"{p.get('micro_batch_order', 'batch-major')[:5]}/" \
-            f"{'ovl' if p.get('optimizer_overlap') == 'overlapped' else 'aft'}/" \
+            f"{OVERLAP_TAG.get(p.get('optimizer_overlap'), 'aft')}/" \
             f"{p.get('clip', 'global')[:4]}"
     ahead = int(p.get("optimizer_prefetch_bytes") or 0)
     res.update(row, units_off=off, units=len(p["layers"]), sched=sched,

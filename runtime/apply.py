@@ -1290,16 +1290,6 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
         plan_path = str(plan)
         plan = load_plan(plan)     # the format's checks; a /1 plan refused, naming 'plan upgrade'
     src = plan_path or "the plan"
-    if plan.micro_batch_order == "layer-major" and plan.optimizer_overlap != "after-backward":
-        # runtime/overlap.py counts the step's passes; runtime/layer_major.py runs them in
-        # threads taking turns: the two have not been run together
-        fix = ("--optimizer-overlap off (or --micro-batch-order batch-major)"
-               if plan.optimizer_overlap == "overlapped" else
-               "--optimizer-overlap off, or with --micro-batches 1 and --micro-batch-order "
-               "batch-major to keep it paced")
-        raise UserError(f"{src}: its schedule is layer-major with the optimizer "
-                        f"{plan.optimizer_overlap}, which this runtime does not execute "
-                        f"together yet; re-solve with {fix}")
     if plan.micro_batch_order == "layer-major" and plan.engine != "none":
         raise UserError(f"{src} is layer-major under {plan.engine}, which this runtime does not "
                         "run; solve with --micro-batch-order batch-major")

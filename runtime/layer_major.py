@@ -21,6 +21,10 @@ forward), so the handle runs the K micro-batches itself:
   is the plain loop's order. A parameter that two pieces of one micro-batch read (tied
   embedding and head weights) gets its parts from each piece apart and, when the lowest piece
   has run, their sum added to ``.grad``: the plain loop's ``acc + (head part + stem part)``.
+- **The optimizer beside the backward** (``overlapped``, ``paced``): the run tells the
+  overlapped scheduler that its micro-batches are passes ``n+1 .. n+K`` of the step before any
+  starts; the run that reaches the plan's K arms it, and the stage driver's hooks hand each
+  unit over once its backward stage has run every micro-batch (runtime/overlap.py).
 - **Refused.** A piece whose graph reaches another piece's other than through the cut (an
   encoder's output read by every decoder block, a skip connection around a block) is refused
   in one line after the forward, before any gradient is taken.
@@ -212,6 +216,11 @@ class Run:
         if not r.step_open:
             r._begin_step()
         passes0 = r.step_passes
+        if r.overlap is not None:
+            # the optimizer beside the backward: the run's micro-batches are passes
+            # passes0 + 1 .. passes0 + K of the step; the last one completes each unit's
+            # gradient in its backward stage (summed over the run), as the plan prices it
+            r.overlap.pass_starts(passes0 + self.K)
         r.clock.begin_pass(self.K)
         r.static_ptrs = set()            # each micro-batch's forward adds its own
         r.driver.begin(weakref.ref(self))
@@ -241,6 +250,8 @@ class Run:
             self.losses = [x.detach() for x in self.losses]
             r.clock.backward_seen()
             self._backward(pieces, plan)
+            if r.overlap is not None:
+                r.overlap.backward_ended()
         except BaseException:
             self._discard()
             r.step_passes = passes0      # a failed run is none of the step's passes

@@ -153,9 +153,10 @@ def test_bad_clip_and_overlap_options_are_one_line():
 
 
 def test_the_runtime_refuses_a_family_it_does_not_run_and_clipping_under_clip_none(tmp_path):
-    """apply_plan takes an overlapped plan (runtime/overlap.py) and a layer-major one
-    (runtime/layer_major.py) and refuses the two together in one line naming the fix (not
-    run yet); a plan solved with --clip none refuses the handle's clipping."""
+    """apply_plan takes an overlapped plan (runtime/overlap.py), a layer-major one
+    (runtime/layer_major.py) and the two together (tests/test_layer_major_overlap_runtime.py
+    trains them); it refuses the overlapped optimizer under an engine in one line; a plan
+    solved with --clip none refuses the handle's clipping."""
     import torch
     from planner.models import build_model, load_config
     from runtime import apply_plan
@@ -164,13 +165,10 @@ def test_the_runtime_refuses_a_family_it_does_not_run_and_clipping_under_clip_no
     torch.manual_seed(0)
     model = build_model(dict(load_config("gpt-tiny"), dtype="fp32"), dtype="fp32")
     plan = plan_for(model, "keep-all", 2, 16, nvme_dir=tmp_path / "nvme")
-    for fam in (dict(optimizer_overlap="overlapped"), dict(micro_batch_order="layer-major")):
+    for fam in (dict(optimizer_overlap="overlapped"), dict(micro_batch_order="layer-major"),
+                dict(optimizer_overlap="overlapped", micro_batch_order="layer-major")):
         apply_plan(model, dataclasses.replace(plan, **fam),
                    optimizer=torch.optim.AdamW(model.parameters())).remove()
-    with pytest.raises(UserError, match="layer-major.*overlapped.*--optimizer-overlap off"):
-        apply_plan(model, dataclasses.replace(plan, optimizer_overlap="overlapped",
-                                              micro_batch_order="layer-major"),
-                   optimizer=torch.optim.AdamW(model.parameters()))
     # under an engine every unit is stepped at opt.step(): nothing would overlap
     for engine in ("fsdp2", "ddp"):
         with pytest.raises(UserError, match=f"under {engine}.*--optimizer-overlap off") as e:
@@ -508,7 +506,8 @@ def test_on_a_cpu_only_spec_the_step_needs_the_compute_idle_time():
 def test_optimizer_overlap_on_writes_the_overlapped_schedule_or_exits_3(tmp_path, capsys):
     """--optimizer-overlap on: where the overlapped schedule of a plan found fits, the plan
     runs it (simulator-checked, the prediction its own) though it is no faster than auto's;
-    where none fits, exit 3 in one line naming the option; with layer-major, exit 2."""
+    where none fits, exit 3 in one line naming the option; with layer-major, the layer-major
+    overlapped plan (the runtime runs the two together)."""
     from pathlib import Path
     from planner.cli import main
     spec = str(Path(__file__).resolve().parents[1] / "bench/models/gpt-stream.yaml")
@@ -557,9 +556,13 @@ def test_optimizer_overlap_on_writes_the_overlapped_schedule_or_exits_3(tmp_path
     head = capsys.readouterr().out.splitlines()[1]
     assert head.endswith(f"optimizer overlapped, clip global, state read ahead "
                          f"{fmt_bytes(p_glob.optimizer_prefetch_bytes)})"), head
+    lm = tmp_path / "lm.json"
     assert main(["solve", *common, "--gpu-mem", "80000000", "--optimizer-overlap", "on",
-                 "--micro-batch-order", "layer-major", "-o", str(tmp_path / "lm.json")]) == 2
-    assert "not run together" in capsys.readouterr().err
+                 "--micro-batch-order", "layer-major", "-o", str(lm)]) == 0
+    p_lm = Plan.from_dict(json.loads(lm.read_text()))
+    assert (p_lm.micro_batch_order, p_lm.optimizer_overlap) == ("layer-major", "overlapped")
+    r = simulate(p_lm)
+    assert r.fits and r.overlapped_s > 0
 
 
 def test_what_the_runtime_steps_at_opt_step_is_released_at_the_last_stage():

@@ -2,7 +2,7 @@
 step in three parts (read, update, write) in the backward stages after its own, its gradient
 freed by its update and what it reads held from its read to its write; the work conserved,
 the memory per stage, the MILP and the simulator agreeing, the options and plan files that
-need it, and the runtime refusing a layer-major one in one line."""
+need it (the runtime: tests/test_paced_runtime.py, tests/test_layer_major_overlap_runtime.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -322,20 +322,3 @@ def test_a_paced_plan_file_that_clips_is_refused_in_one_line(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert rc == 2 and len(err) == 1 and "paced" in err[0], (verb, err)
 
-
-def test_the_runtime_refuses_a_layer_major_paced_plan_in_one_line(tmp_path):
-    """The runtime runs paced plans of one pass per step (tests/test_paced_runtime.py); a
-    layer-major one (runtime/layer_major.py's passes beside the optimizer's worker) not yet."""
-    import torch
-    from planner.models import build_model, load_config
-    from runtime import apply_plan
-    from conftest import plan_for
-
-    model = build_model(dict(load_config("gpt-tiny"), dtype="fp32"), dtype="fp32")
-    plan = plan_for(model, "keep-all", 2, 16, nvme_dir=tmp_path / "nvme")
-    lm = dataclasses.replace(plan, optimizer_overlap="paced", clip="none",
-                             micro_batch_order="layer-major", micro_batches=2)
-    with pytest.raises(UserError, match="layer-major with the optimizer paced.*"
-                       "--micro-batches 1") as e:
-        apply_plan(model, lm, optimizer=torch.optim.AdamW(model.parameters()))
-    assert len(str(e.value).splitlines()) == 1

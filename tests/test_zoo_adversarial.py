@@ -27,6 +27,10 @@ as late as its waits allow:
   backward waits for it three stages on, and the step frees the device gradient (relabelled
   the same way). Its gradients are compared through the weights only (``handle.gradients()``
   refuses a gradient a paced step freed).
+* ``lm-ov-none`` / ``lm-ov-global`` / ``lm-pc-none``: the three above under layer-major
+  (``handle.run_micro_batches``, eval mode as ``lm-host``): the worker takes a block once
+  its backward stage has run every micro-batch, and a paced step of K micro-batches is one
+  pass.
 
 Two AdamW steps of two micro-batches each (one under ``pc-none``); both steps' gradients (``handle.gradients()``) and
 the final weights and buffers equal plain PyTorch's bit for bit (dropout on in the batch-major
@@ -65,22 +69,31 @@ FAMILIES = {
     "ov-global": ("batch-major", Home(T.NVME, T.CPU, T.NVME, T.CPU), "train", "global",
                   "overlapped"),
     "pc-none": ("batch-major", Home(T.GPU, T.GPU, T.CPU, T.CPU), "train", "none", "paced"),
+    "lm-ov-none": ("layer-major", Home(T.NVME, T.CPU, T.NVME, T.CPU), "eval", "none",
+                   "overlapped"),
+    "lm-ov-global": ("layer-major", Home(T.NVME, T.CPU, T.NVME, T.CPU), "eval", "global",
+                     "overlapped"),
+    "lm-pc-none": ("layer-major", Home(T.GPU, T.GPU, T.CPU, T.CPU), "eval", "none", "paced"),
 }
+LAYER_MAJOR = [f for f, v in FAMILIES.items() if v[0] == "layer-major"]
 
 
 def k_of(family) -> int:
-    """Micro-batches a step: one under a paced plan (it needs one pass a step), else K."""
-    return 1 if family is not None and FAMILIES[family][4] == "paced" else K
+    """Micro-batches a step: one under a batch-major paced plan (it needs one pass a step),
+    else K (a layer-major step is one pass)."""
+    return 1 if family is not None and FAMILIES[family][4] == "paced" and \
+        FAMILIES[family][0] == "batch-major" else K
 CLIP_NORM = 0.5
 
 # (model, family) -> the text of the one line it is refused with.
 REFUSED = {
     # encoder-decoders: the encoder's output, which needs a gradient, is read by every decoder
     # block: not a chain
-    **{(m, "lm-host"): "reaches a block's input another way" for m in ("t5", "whisper")},
+    **{(m, f): "reaches a block's input another way" for m in ("t5", "whisper")
+       for f in LAYER_MAJOR},
     # each recurrent layer keeps its last state on the module (use_cache on): under the turn
     # order micro-batch 2 starts from micro-batch 1's state, one graph across micro-batches
-    ("recurrent_gemma", "lm-host"): "in micro-batch 2 reaches micro-batch 1's",
+    **{("recurrent_gemma", f): "in micro-batch 2 reaches micro-batch 1's" for f in LAYER_MAJOR},
 }
 # The blocks whose home stays on the device (every other block's is on the host or NVMe).
 EXPECT_ON_DEVICE = {"t5": ["decoder.block.0"], "whisper": ["model.decoder.layers.0"]}

@@ -167,8 +167,8 @@ def _solve_options(q) -> None:
                    "fastest plan's decisions run that schedule even where it does not pay; "
                    "off: after the whole backward; paced (with --clip none, one pass per "
                    "step): each unit's step in the backward stages after its own, which wait for "
-                   "it, so no gradient waits for the optimizer (the runtime runs it with "
-                   "--micro-batches 1) (default auto)")
+                   "it, so no gradient waits for the optimizer (--micro-batches 1, or "
+                   "layer-major) (default auto)")
     q.add_argument("--nvme-drives", type=int, default=None, metavar="N",
                    help="N of the spec's NVMe drives in its array (same per-drive rates and "
                    "striping efficiency; the spec must give its NVMe tier as drives)")

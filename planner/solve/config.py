@@ -111,10 +111,6 @@ class SolveConfig:
             raise UserError(f"--shard-homes {shard_homes!r}: use runnable, all")
         if int(micro_batches) == 1:
             micro_batch_order = "batch-major"      # one micro-batch: the orders are one
-        if optimizer_overlap == "on" and micro_batch_order != "batch-major":
-            raise UserError(f"--optimizer-overlap on with --micro-batch-order "
-                            f"{micro_batch_order}: the two are not run together yet; use "
-                            "--micro-batch-order batch-major or --optimizer-overlap auto")
         if optimizer_overlap == "paced":
             if clip != "none":
                 raise UserError("--optimizer-overlap paced steps each unit during the backward, "
