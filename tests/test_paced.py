@@ -322,3 +322,32 @@ def test_a_paced_plan_file_that_clips_is_refused_in_one_line(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert rc == 2 and len(err) == 1 and "paced" in err[0], (verb, err)
 
+
+def test_auto_searches_paced_where_it_can_run_and_keeps_the_fastest(monkeypatch):
+    """``--optimizer-overlap auto`` with clip none and one pass a step also solves the paced
+    family (a ``milp/paced`` joint MILP on the paced model) and writes the fastest plan of all,
+    no slower than ``on`` or ``paced`` alone; under clip global, or K = 2 batch-major, it does
+    not try it. (Where paced wins, on 175B on the A100: docs/streaming.md.)"""
+    from planner.solve import search
+    hw, prof = _profile()
+    tried = []
+    real = search.milp
+
+    def spy(profile, path, cfg, cm, **kw):
+        tried.append((kw["origin"], cm.optimizer_overlap))
+        return real(profile, path, cfg, cm, **kw)
+    monkeypatch.setattr(search, "milp", spy)
+    cfg = SolveConfig.build(hw, BUDGETS, time_limit=10, clip="none")
+    auto = solve(prof, None, cfg)
+    assert ("milp/paced", "paced") in tried, tried
+    others = [solve(prof, None, dataclasses.replace(cfg, optimizer_overlap=ov))
+              for ov in ("on", "paced")]
+    assert auto.plan.predicted.step_s <= min(o.plan.predicted.step_s for o in others) * 1.005
+    r = simulate(auto.plan)
+    assert r.fits and r.step_s == pytest.approx(auto.plan.predicted.step_s, rel=1e-9)
+    for kw in ({"clip": "global"}, {"micro_batches": 2}):
+        tried.clear()
+        other = solve(prof, None, SolveConfig.build(hw, BUDGETS, time_limit=5,
+                                                    **{"clip": "none", **kw}))
+        assert tried and all(ov != "paced" for _, ov in tried), tried
+        assert other.plan.optimizer_overlap != "paced"

@@ -163,7 +163,8 @@ def _solve_options(q) -> None:
     q.add_argument("--optimizer-overlap", choices=["auto", "on", "off", "paced"],
                    default="auto",
                    help="auto: units' optimizer work (state reads; with --clip none also the "
-                   "update and writes) may run beside the backward where it pays; on: the "
+                   "update and writes) may run beside the backward where it pays (with --clip "
+                   "none and one pass per step, paced searched too); on: the "
                    "fastest plan's decisions run that schedule even where it does not pay; "
                    "off: after the whole backward; paced (with --clip none, one pass per "
                    "step): each unit's step in the backward stages after its own, which wait for "

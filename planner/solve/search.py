@@ -13,6 +13,7 @@ from planner.costmodel import CostModel
 from planner.costmodel.baselines import baseline_layers
 from planner.errors import NoFitError
 from planner.formats import Budgets, Plan, Policy, Profile, Tier
+from planner.formats.enums import paced_possible
 from planner.plans import plan_and_sim
 from planner.solve.config import SolveConfig, warn
 from planner.solve.nofit import _min_gpu_candidate, _no_fit, _static_floor
@@ -260,6 +261,11 @@ def _search(profile, profile_path, cfg: SolveConfig, models: _Models, clock,
                 best = _pick(cands)
             return got
         main = joint(models.main, "milp", 0.5)
+        if _paced_too(cfg, models.main):
+            # auto with one pass a step and no clip: the paced family too (the runtime runs
+            # it), which frees each gradient by its update and so leaves room for state
+            joint(dataclasses.replace(models.main, optimizer_overlap="paced", prefetch_bytes=0),
+                  "milp/paced", 0.5)
         if models.main.paced:
             # paced offers only homes that keep gradients on the device: the same depth after
             # the backward with every home too, which the runtime executes (and can be faster:
@@ -278,6 +284,13 @@ def _search(profile, profile_path, cfg: SolveConfig, models: _Models, clock,
             joint(models.lean_ovl, "milp/depth1", 1.0)
         joint(models.lean, "milp/depth1", 1.0)
     return _pick(cands)
+
+
+def _paced_too(cfg: SolveConfig, main: CostModel) -> bool:
+    """Whether ``--optimizer-overlap auto`` also searches the paced family: possible here (clip
+    none, one pass per step, no engine) and the main model the overlapped one."""
+    return cfg.optimizer_overlap == "auto" and main.overlapped and paced_possible(
+        cfg.clip, cfg.engine, cfg.micro_batches, main.micro_batch_order)
 
 
 def _streaming_may_pay(cm: CostModel, best: Candidate, gap: float) -> bool:
