@@ -19,22 +19,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import warnings
 
 import pytest
 import torch
 
-from planner.errors import NoFitError, UserError
-from planner.formats import Budgets
-from planner.hardware import load_hardware
-from planner.profile import profile_module
-from planner.solve import solve_profile
+from planner.errors import UserError
 from runtime import apply_plan
 # helpers shared with the batch-major executors' tests; the fixture runs both runs of a test at
 # one intra-op thread (plain PyTorch is not bitwise reproducible across runs at two here)
 from test_overlap_runtime import (_builtin, _diff, _files, _one_line, _workers,  # noqa: F401
                                   one_compute_thread)
-from test_paced_runtime import _hf_llama
+from test_paced_runtime import _hf_llama, solve_for_family
 
 pytestmark = pytest.mark.slow
 
@@ -62,26 +57,9 @@ def _setup(name, family, nvme):
     model, data = _model(name)
     if (name, family) not in _PLANS:
         clip, flag, label = FAMILIES[family]
-        hw = load_hardware("cpu-host")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            prof = profile_module(copy.deepcopy(model), data[0], name=name, hardware=hw,
-                                  timing="estimate", batch=B, seq=S)
-        static = sum(u.param_bytes + u.grad_bytes + u.optimizer_bytes for u in prof.layers)
-        seen = []
-        for f in (4.2, 3.0, 2.0, 1.5):
-            try:
-                plan = solve_profile(prof, None, hw, Budgets(int(static / f), 0, 1 << 30),
-                                     "optimal", time_limit=20, nvme_dir=str(nvme),
-                                     micro_batches=K, clip=clip, optimizer_overlap=flag,
-                                     micro_batch_order="layer-major").plan
-            except NoFitError:
-                seen.append((f, "no fit"))
-                continue
-            seen.append((f, plan.optimizer_overlap))
-            if plan.optimizer_overlap == label:
-                break
-        assert plan.optimizer_overlap == label, seen
+        plan = solve_for_family(model, data[0], name, label, (4.2, 3.0, 2.0, 1.5), nvme,
+                                micro_batches=K, clip=clip, optimizer_overlap=flag,
+                                micro_batch_order="layer-major")
         assert plan.micro_batch_order == "layer-major" and plan.micro_batches == K
         _PLANS[name, family] = plan
     return model, data, dataclasses.replace(_PLANS[name, family], nvme_dir=str(nvme))

@@ -69,30 +69,36 @@ MODELS = {
 _PLANS: dict = {}
 
 
+def solve_for_family(model, batch, name, label, factors, nvme, **solve_kw):
+    """The model profiled on the cpu-host spec and solved at static / f for the first of
+    ``factors`` where the solver writes ``optimizer_overlap`` ``label`` (``solve_kw``: the
+    family's flags)."""
+    hw = load_hardware("cpu-host")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prof = profile_module(copy.deepcopy(model), batch, name=name, hardware=hw,
+                              timing="estimate", batch=B, seq=S)
+    static = sum(u.param_bytes + u.grad_bytes + u.optimizer_bytes for u in prof.layers)
+    seen = []
+    for f in factors:
+        try:
+            plan = solve_profile(prof, None, hw, Budgets(int(static / f), 0, 1 << 30),
+                                 "optimal", time_limit=20, nvme_dir=str(nvme), **solve_kw).plan
+        except NoFitError:
+            seen.append((f, "no fit"))
+            continue
+        seen.append((f, plan.optimizer_overlap))
+        if plan.optimizer_overlap == label:
+            return plan
+    raise AssertionError(f"no {label} plan at static / {factors}: {seen}")
+
+
 def _setup(name, nvme):
     model, data = MODELS[name]()
     if name not in _PLANS:
-        hw = load_hardware("cpu-host")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            prof = profile_module(copy.deepcopy(model), data[0], name=name, hardware=hw,
-                                  timing="estimate", batch=B, seq=S)
-        static = sum(u.param_bytes + u.grad_bytes + u.optimizer_bytes for u in prof.layers)
-        seen = []
-        for f in (2.0, 1.5, 2.5, 3.0):
-            try:
-                plan = solve_profile(prof, None, hw, Budgets(int(static / f), 0, 1 << 30),
-                                     "optimal", time_limit=20, nvme_dir=str(nvme),
-                                     micro_batches=1, clip="none",
-                                     optimizer_overlap="paced").plan
-            except NoFitError:
-                seen.append((f, "no fit"))
-                continue
-            seen.append((f, plan.optimizer_overlap))
-            if plan.optimizer_overlap == "paced":
-                break
-        assert plan.optimizer_overlap == "paced", seen
-        _PLANS[name] = plan
+        _PLANS[name] = solve_for_family(model, data[0], name, "paced", (2.0, 1.5, 2.5, 3.0),
+                                        nvme, micro_batches=1, clip="none",
+                                        optimizer_overlap="paced")
     import dataclasses
     return model, data, dataclasses.replace(_PLANS[name], nvme_dir=str(nvme))
 
