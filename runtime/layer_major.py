@@ -254,7 +254,10 @@ class Run:
                 r.overlap.backward_ended()
         except BaseException:
             self._discard()
-            r.step_passes = passes0      # a failed run is none of the step's passes
+            if r.overlap is None or not r.overlap.stepped():
+                r.step_passes = passes0      # a failed run is none of the step's passes
+            # (else units were stepped beside its backward: its passes stay counted, so that
+            # another run before opt.step() is refused as a batch-major pass K + 1 is)
             raise
         finally:
             if r.driver.ctx is not None and r.driver.ctx() is self:

@@ -273,7 +273,7 @@ class OverlapScheduler:
     # -- the training thread's events ---------------------------------------------------------
     def pass_starts(self, n: int) -> None:
         """Forward pass ``n`` of the step (with gradients) begins."""
-        if n > self.K and any(j.kind == "step" for j in self.jobs):
+        if n > self.K and self.stepped():
             # (state read ahead under clip global stays valid: nothing was updated)
             raise UserError(f"this plan (optimizer_overlap '{self.family}') steps each unit "
                             f"during the backward of micro-batch {self.K} of a step, but a "
@@ -293,6 +293,10 @@ class OverlapScheduler:
 
     def busy(self) -> bool:
         return bool(self.jobs)
+
+    def stepped(self) -> bool:
+        """Whether some unit was handed over for its step since the last ``opt.step()``."""
+        return any(j.kind == "step" for j in self.jobs)
 
     def stage_begins(self, stage: int) -> float:
         """The backward reaches ``stage`` (training thread). Paced: wait for the jobs due by

@@ -195,3 +195,47 @@ def test_a_second_run_before_opt_step_is_refused_in_one_line(family, tmp_path):
     finally:
         handle.remove()
     assert _files(nvme) == [] and _workers() == []
+
+
+@pytest.mark.parametrize("family", ["overlapped-none", "overlapped-global"])
+def test_a_run_that_fails_after_units_were_stepped_is_not_run_again_before_opt_step(
+        family, tmp_path):
+    """An exception in the middle of a run's backward (here a gradient hook, once): under clip
+    none the units above it were already stepped with this step's gradients, so another run
+    before ``opt.step()`` is refused in one line (as a batch-major pass K + 1 is), and
+    ``opt.step()`` then ``zero_grad()`` lets training go on; under clip global only state was
+    read ahead, and the run may be taken again. Nothing is left behind."""
+    nvme = tmp_path / "nvme"
+    model, data, plan = _setup("llama", family, nvme)
+    clip = plan.clip
+    opt, _ = _optimizer(model)
+    handle = apply_plan(model, plan, optimizer=opt)
+    mid = list(model.blocks[len(model.blocks) // 2].parameters())[0]
+    fired = []
+
+    def boom(g):
+        if not fired:
+            fired.append(1)
+            raise RuntimeError("boom")
+        return g
+    hook = mid.register_hook(boom)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            handle.run_micro_batches(data[:K], _loss)
+        stepped = handle._r.overlap.stepped()
+        assert stepped == (clip == "none")
+        if stepped:
+            with pytest.raises(UserError) as e:
+                handle.run_micro_batches(data[:K], _loss)
+            assert "before opt.step()" in _one_line(e)
+            opt.step()
+            opt.zero_grad()
+        handle.run_micro_batches(data[K:2 * K], _loss)
+        if clip == "global":
+            handle.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad()
+    finally:
+        hook.remove()
+        handle.remove()
+    assert _files(nvme) == [] and _workers() == []
