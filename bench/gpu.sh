@@ -5,7 +5,7 @@
 #      the device) and the recording-backend tests that run the same executor code on the CPU;
 #   3. layer streaming on the GPU: bench/streaming.py --device cuda for the built-in GPT and
 #      LLaMA and GPT-2 as Hugging Face's GPT2Config() gives it, each at a device budget of its
-#      static state / 4.2 (static state >= 4x --gpu-mem), for every schedule family: weights
+#      static state / 4.2 (static state >= 4x --gpu-mem), for five schedule families: weights
 #      after 3 optimizer steps x 2 micro-batches against plain PyTorch on the same GPU, the
 #      allocator's peak against the plan's, the step time against the prediction, files left;
 #   4. activation plans on a measured profile (gpt2-small, GPT-2 from GPT2Config()): plain and
@@ -20,7 +20,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DRY=0
-if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
+case "${1:-}" in
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --dry-run) DRY=1; shift ;;
+    -*) echo "bench/gpu.sh: unknown option $1 (use --dry-run, or --help)" >&2; exit 2 ;;
+esac
 OUT=${1:-${OUT:-/tmp/tierplan-gpu}}
 W="${GPU_WORK:-$OUT/work}"
 mkdir -p "$W"
@@ -63,11 +67,12 @@ stage "CUDA tests and their CPU twins (recording backend)" 70 \
     "$PY -m pytest -q -rs -p no:cacheprovider -m cuda tests 2>&1 | tee $W/tests-cuda.log | tail -15; $PY -m pytest -q -p no:cacheprovider tests/test_transfer.py 2>&1 | tee $W/tests-transfer.log | tail -3" \
     "$PY -m pytest -q -rs -p no:cacheprovider -m cuda tests 2>&1 | tee $W/tests-cuda.log | tail -3; $PY -m pytest -q -p no:cacheprovider tests/test_transfer.py 2>&1 | tee $W/tests-transfer.log | tail -3"
 
-# layer streaming: on the GPU every family for two models (GPU_STREAM_MODELS=gpt,llama,hf-nanochat
-# adds a Hugging Face model from its default config, 3.9 GB of static state); the stand-in one
-# model, two families
-stage "layer streaming on the device, every schedule family" 210 \
-    "$PY bench/streaming.py --device cuda --hardware $SPEC --cpu-mem 64G --models ${GPU_STREAM_MODELS:-gpt,llama} --json $W/streaming.json 2>&1 | tee $W/streaming.log | tail -25" \
+# layer streaming: on the GPU the five batch-major and layer-major families for two models
+# (GPU_STREAM_MODELS=gpt,llama,hf-nanochat adds a Hugging Face model from its default config,
+# 3.9 GB of static state; GPU_STREAM_FAMILIES=... adds the layer-major overlap families, which
+# the 210 s of this stage were not sized for); the stand-in one model, two families
+stage "layer streaming on the device, five schedule families" 210 \
+    "$PY bench/streaming.py --device cuda --hardware $SPEC --cpu-mem 64G --models ${GPU_STREAM_MODELS:-gpt,llama} --families ${GPU_STREAM_FAMILIES:-batch-major,layer-major,overlap-none,overlap-global,paced} --json $W/streaming.json 2>&1 | tee $W/streaming.log | tail -25" \
     "$PY bench/streaming.py --models gpt --families batch-major,overlap-global --json $W/streaming.json 2>&1 | tee $W/streaming.log | tail -8"
 
 one() {   # one TAG MODEL BATCH SEQ FRACTION STEPS: measured profile, plan, plain and planned steps
