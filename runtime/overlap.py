@@ -273,6 +273,17 @@ class OverlapScheduler:
     # -- the training thread's events ---------------------------------------------------------
     def pass_starts(self, n: int) -> None:
         """Forward pass ``n`` of the step (with gradients) begins."""
+        if n > self.K and self.stepped() and self.backward_end is None:
+            # the step's last backward stopped (an exception, Ctrl-C) after units were handed
+            # over: their updates ran with its gradients, and a loop that skips the batch
+            # would leave them in
+            done = sum(j.kind == "step" for j in self.jobs)
+            raise UserError(f"the last backward stopped after {done} unit(s) had been stepped "
+                            f"beside it with its gradients (optimizer_overlap "
+                            f"'{self.family}'), which cannot be undone, and a forward pass {n} "
+                            "began before opt.step(); call opt.step() to finish that step, or "
+                            "re-solve with --optimizer-overlap off to be able to skip a "
+                            "failed batch")
         if n > self.K and self.stepped():
             # (state read ahead under clip global stays valid: nothing was updated)
             raise UserError(f"this plan (optimizer_overlap '{self.family}') steps each unit "

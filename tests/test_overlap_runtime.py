@@ -450,3 +450,38 @@ def test_a_clip_that_does_not_clip_runs_under_clip_none(name, tmp_path):
     assert norms[0] == norms[1], norms
     assert _diff(*out) <= 1e-6
     assert _files(tmp_path / "nvme") == [] and _workers() == []
+
+
+def test_a_forward_after_a_failed_last_backward_says_why_in_one_line(tmp_path):
+    """The K-th backward stops (a hook raises) after units were stepped beside it: a loop that
+    skips the batch would keep those updates, so the next forward before ``opt.step()`` is
+    refused in one line saying so; ``opt.step()`` then finishes the step."""
+    nvme = tmp_path / "nvme"
+    model, data, plan = _setup("llama", "none", nvme)
+    opt, _ = _optimizer(model)
+    handle = apply_plan(model, plan, optimizer=opt)
+    stem = model.tok_emb.weight
+    armed = []
+
+    def boom(g):
+        if armed:
+            raise Boom("boom")
+        return g
+    hook = stem.register_hook(boom)
+    try:
+        (model(**data[0]).loss / K).backward()
+        armed.append(1)
+        with pytest.raises(Boom):
+            (model(**data[1]).loss / K).backward()
+        with pytest.raises(UserError) as e:
+            model(**data[2])
+        line = _one_line(e)
+        assert "the last backward stopped after" in line and "opt.step()" in line, line
+        hook.remove()
+        opt.step()
+        opt.zero_grad()
+        (model(**data[2]).loss / K).backward()
+    finally:
+        hook.remove()
+        handle.remove()
+    assert _files(nvme) == [] and _workers() == []
