@@ -481,23 +481,31 @@ class _Runner:
         for i, b in enumerate(self.blocks):
             self._wrap(b, functools.partial(self._block_forward, i))
         self._wrap(self.model, self._model_forward)
+        if self.overlap is not None:
+            # model.zero_grad() between the backward and opt.step() waits for the worker, as
+            # opt.zero_grad() does, instead of setting .grad under a step that reads it
+            self._wrap(self.model, self._model_zero_grad, "zero_grad")
 
-    def _wrap(self, mod, fn):
-        had = "forward" in mod.__dict__
-        orig = mod.forward
-        self.wrapped.append((mod, had, mod.__dict__.get("forward")))
+    def _model_zero_grad(self, orig, *args, **kwargs):
+        self.quiesce()
+        return orig(*args, **kwargs)
+
+    def _wrap(self, mod, fn, attr="forward"):
+        had = attr in mod.__dict__
+        orig = getattr(mod, attr)
+        self.wrapped.append((mod, attr, had, mod.__dict__.get(attr)))
 
         @functools.wraps(orig)
-        def forward(*args, **kwargs):
+        def wrapper(*args, **kwargs):
             return fn(orig, *args, **kwargs)
-        mod.forward = forward
+        setattr(mod, attr, wrapper)
 
     def unwrap(self):
-        for mod, had, prev in reversed(self.wrapped):
+        for mod, attr, had, prev in reversed(self.wrapped):
             if had:
-                mod.forward = prev
+                setattr(mod, attr, prev)
             else:
-                del mod.forward
+                delattr(mod, attr)
         self.wrapped = []
 
     def _nongrad_units(self):
@@ -544,6 +552,8 @@ class _Runner:
             self.clock.forward_done()
         except BaseException:
             p.discard()   # an exception (or Ctrl-C) inside the forward: nothing is left behind
+            if self.overlap is not None:
+                self.overlap.armed = False   # the stages finish() runs hand nothing over
             self.driver.finish()
             raise
         finally:

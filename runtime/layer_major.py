@@ -253,6 +253,9 @@ class Run:
             if r.overlap is not None:
                 r.overlap.backward_ended()
         except BaseException:
+            if r.overlap is not None:
+                # the stages finish() runs next are not a backward: they hand nothing over
+                r.overlap.armed = False
             self._discard()
             if r.overlap is None or not r.overlap.stepped():
                 r.step_passes = passes0      # a failed run is none of the step's passes

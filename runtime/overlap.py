@@ -137,7 +137,7 @@ class SteppedGrad(torch.Tensor):
         return UserError(f"the gradients of {unit} were used by its optimizer step during the "
                          f"backward and freed (optimizer_overlap 'paced'), so {what} cannot "
                          "read or change them; read gradients before the step (a hook on the "
-                         "parameter), or re-solve with --optimizer-overlap auto to keep them "
+                         "parameter), or re-solve with --optimizer-overlap on to keep them "
                          "until opt.step()")
 
 
@@ -148,7 +148,7 @@ def _zeroed(t: "SteppedGrad") -> None:
         raise UserError(f"the gradients of {t.unit} were used by its optimizer step during the "
                         "backward (optimizer_overlap 'paced'), so zeroing them before "
                         "opt.step() cannot change that step; zero gradients after opt.step(), "
-                        "or re-solve with --optimizer-overlap auto")
+                        "or re-solve with --optimizer-overlap on (or off)")
     t.mark["zeroed"] = True
 
 
@@ -290,9 +290,9 @@ class OverlapScheduler:
                             f"during the backward of micro-batch {self.K} of a step, but a "
                             f"forward pass {n} began before opt.step(); call opt.step() every "
                             f"{self.K} micro-batches, or re-solve with "
-                            + ("--optimizer-overlap auto (paced runs one pass a step)"
-                               if self.paced else f"--micro-batches {n} or with "
-                               "--optimizer-overlap off"))
+                            + (f"--micro-batches {n} and --optimizer-overlap on (paced runs "
+                               "one pass a step)" if self.paced else f"--micro-batches {n} or "
+                               "with --optimizer-overlap off"))
         self.armed = n == self.K
         if self.armed:
             self.ahead_left = self.budget
@@ -333,7 +333,7 @@ class OverlapScheduler:
                             "step during the last backward and freed (optimizer_overlap "
                             "'paced'), but not zeroed before this forward, so they cannot be "
                             "accumulated into; call opt.zero_grad() or model.zero_grad() after "
-                            "opt.step(), or re-solve with --optimizer-overlap auto")
+                            "opt.step(), or re-solve with --optimizer-overlap on (or off)")
         # zeroed in place: plain PyTorch keeps zeros, which the step still applies (weight
         # decay, momentum) where the next backward gives the parameter no gradient
         self.zeroed = {id(p) for p, g in consumed if p.grad is g}
@@ -410,7 +410,7 @@ class OverlapScheduler:
                             "step ran during the backward (optimizer_overlap 'paced'), so the "
                             "step used it unchanged; to clip, re-solve with --clip global; "
                             "for other changes use a hook before the step, or re-solve with "
-                            "--optimizer-overlap auto")
+                            "--optimizer-overlap on (or off)")
 
     def _free(self, u, kept: list) -> list:
         """Paced: the update has run, and the plan frees the gradient with it. The training
@@ -472,7 +472,7 @@ class OverlapScheduler:
                             "after their optimizer step ran during the backward "
                             "(optimizer_overlap 'paced'), which cannot change that step; "
                             "change gradients in a hook before the step, or re-solve with "
-                            "--optimizer-overlap auto")
+                            "--optimizer-overlap on (or off)")
         done = set()
         for j in jobs:
             if j.kind != "step":

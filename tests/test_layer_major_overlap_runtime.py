@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 
 import pytest
 import torch
 
 from planner.errors import UserError
 from runtime import apply_plan
+from runtime.overlap import PACED_WAIT
 # helpers shared with the batch-major executors' tests; the fixture runs both runs of a test at
 # one intra-op thread (plain PyTorch is not bitwise reproducible across runs at two here)
 from test_overlap_runtime import (_builtin, _diff, _files, _one_line, _workers,  # noqa: F401
@@ -129,6 +131,7 @@ def test_layer_major_with_the_optimizer_beside_the_backward_equals_plain_pytorch
         # the worker's work of every step (after the first, under clip global: no state
         # before the first step) began before that step's backward had ended
         early = [s.overlapped_units for s in rep.steps]
+        assert handle._r.overlap.backward_end is not None    # "early" is against the end
         assert all(n >= 1 for n in (early[1:] if clip == "global" else early)), early
         for link in ("nvme_write", "nvme_read"):
             # the Llama of transformers with use_cache on moves a few KiB a step more than
@@ -240,3 +243,91 @@ def test_a_run_that_fails_after_units_were_stepped_is_not_run_again_before_opt_s
         hook.remove()
         handle.remove()
     assert _files(nvme) == [] and _workers() == []
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_run_that_fails_before_its_backward_hands_nothing_over(family, tmp_path):
+    """``loss_fn`` raises for the last micro-batch of a step (the run's other forwards done): the
+    stages the run then finishes are not a backward, so no unit is handed to the worker, and a
+    loop that skips the batch trains exactly as plain PyTorch skipping it."""
+    nvme = tmp_path / "nvme"
+    model, data, plan = _setup("llama", family, nvme)
+    clip = plan.clip
+    calls = []
+
+    def loss(m, mb):
+        calls.append(1)
+        if len(calls) == 2 * K:              # step 1's last micro-batch
+            raise RuntimeError("bad batch")
+        return _loss(m, mb)
+
+    def train(m, opt, handle=None):
+        calls.clear()
+        for step in range(STEPS):
+            mbs = data[step * K:(step + 1) * K]
+            try:
+                if handle is None:
+                    for mb in mbs:
+                        loss(m, mb).backward()
+                else:
+                    handle.run_micro_batches(mbs, loss)
+            except RuntimeError:
+                opt.zero_grad()
+                continue
+            if clip == "global":
+                (handle.clip_grad_norm_ if handle else
+                 lambda x: torch.nn.utils.clip_grad_norm_(m.parameters(), x))(0.5)
+            opt.step()
+            opt.zero_grad()
+    ref = copy.deepcopy(model)
+    ref_opt, _ = _optimizer(ref)
+    train(ref, ref_opt)
+    opt, _ = _optimizer(model)
+    handle = apply_plan(model, plan, optimizer=opt)
+    try:
+        train(model, opt, handle)
+        assert _diff(model.state_dict(), ref.state_dict()) == 0.0
+        # the two steps that ran handed units over beside their backward (clip global: the
+        # second, once there is state to read)
+        early = [s.overlapped_units for s in handle.report().steps]
+        assert len(early) == STEPS - 1 and early[-1] >= 1, early
+    finally:
+        handle.remove()
+    assert _files(nvme) == [] and _workers() == []
+
+
+def test_a_layer_major_paced_backward_waits_where_the_plan_priced_each_write(tmp_path,
+                                                                            monkeypatch):
+    """Layer-major paced: a slow update (20 ms a unit) still ends before stage bwd(j) + 4 of
+    its unit j begins (the training thread waits there), as under K = 1."""
+    model, data, plan = _setup("llama", "paced", tmp_path / "nvme")
+    opt, _ = _optimizer(model)
+    handle = apply_plan(model, plan, optimizer=opt)
+    r = handle._r
+    real = r.phase.step_unit
+
+    def slow(*a, **kw):
+        time.sleep(0.02)
+        return real(*a, **kw)
+    try:
+        handle.run_micro_batches(data[:K], _loss)     # the optimizer state exists after it
+        opt.step()
+        opt.zero_grad()
+        monkeypatch.setattr(r.phase, "step_unit", slow)
+        handle.run_micro_batches(data[K:2 * K], _loss)
+        jobs = list(r.overlap.jobs)
+        marks = r.clock.passes[-1]["marks"]
+        U = len(plan.units)
+        index = {u.name: i for i, u in enumerate(plan.units)}
+        checked = 0
+        for j in jobs:
+            bwd = 2 * U - index[j.unit.name]
+            assert j.due == bwd + 1 + PACED_WAIT
+            if j.due <= max(marks):
+                j.future.result()
+                assert j.t_end <= marks[j.due][0], (j.unit.name, j.due)
+                checked += 1
+        assert checked >= len(jobs) - PACED_WAIT and checked >= 3, (checked, len(jobs))
+        opt.step()
+    finally:
+        handle.remove()

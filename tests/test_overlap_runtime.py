@@ -485,3 +485,69 @@ def test_a_forward_after_a_failed_last_backward_says_why_in_one_line(tmp_path):
         hook.remove()
         handle.remove()
     assert _files(nvme) == [] and _workers() == []
+
+
+def test_a_failed_last_forward_hands_nothing_over_and_a_retry_trains_exactly(tmp_path):
+    """The K-th forward raises (a block's forward hook, once): the stages the runtime then
+    finishes are not a backward, so no unit goes to the worker (they used to, with the
+    gradients of K - 1 micro-batches), and the loop that retries the micro-batch trains as
+    plain PyTorch does."""
+    nvme = tmp_path / "nvme"
+    model, data, plan = _setup("llama", "none", nvme)
+    ref = copy.deepcopy(model)
+
+    def run(m, handle=None):
+        opt, _ = _optimizer(m)
+        h = apply_plan(m, plan, optimizer=opt) if handle else None
+        armed = []
+
+        def boom(mod, args):
+            if armed:
+                armed.clear()
+                raise Boom("boom")
+        hook = m.blocks[3].register_forward_pre_hook(boom)
+        try:
+            torch.manual_seed(123)
+            for step in range(2):
+                for k in range(K):
+                    armed[:] = [1] if (step, k) == (1, K - 1) else []
+                    try:
+                        (m(**data[step * K + k]).loss / K).backward()
+                    except Boom:
+                        if h is not None:
+                            assert h._r.overlap.jobs == []
+                        (m(**data[step * K + k]).loss / K).backward()
+                opt.step()
+                opt.zero_grad()
+        finally:
+            hook.remove()
+            if h is not None:
+                h.remove()
+    run(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")       # the retried pass is one more than the plan's K
+        run(model, handle=True)
+    assert _diff(model.state_dict(), ref.state_dict()) == 0.0
+    assert _files(nvme) == [] and _workers() == []
+
+
+def test_model_zero_grad_waits_for_the_worker_and_is_unwrapped_by_remove(tmp_path):
+    """``model.zero_grad()`` between the K-th backward and ``opt.step()`` waits for the
+    worker's steps (as ``opt.zero_grad()`` does), so it never sets ``.grad`` under a step that
+    reads it; ``remove()`` gives the model its own ``zero_grad`` back."""
+    nvme = tmp_path / "nvme"
+    model, data, plan = _setup("llama", "none", nvme)
+    opt, _ = _optimizer(model)
+    handle = apply_plan(model, plan, optimizer=opt)
+    ov = handle._r.overlap
+    try:
+        for k in range(K):
+            (model(**data[k]).loss / K).backward()
+        assert ov.jobs
+        model.zero_grad()
+        assert all(j.future.done() for j in ov.jobs)
+        opt.step()
+    finally:
+        handle.remove()
+    assert "zero_grad" not in model.__dict__
+    assert _files(nvme) == [] and _workers() == []

@@ -252,7 +252,7 @@ def test_a_paced_step_frees_the_gradient_and_a_clip_or_read_is_refused_in_one_li
             _one_line(e)
         for read in (lambda: g.sum(), lambda: g.clone(), lambda: handle.gradients(),
                      lambda: g.detach() * 2):
-            with pytest.raises(UserError, match="paced.*--optimizer-overlap auto") as e:
+            with pytest.raises(UserError, match="paced.*--optimizer-overlap on") as e:
                 read()
             _one_line(e)
         opt.step()

@@ -164,7 +164,8 @@ def _solve_options(q) -> None:
                    default="auto",
                    help="auto: units' optimizer work (state reads; with --clip none also the "
                    "update and writes) may run beside the backward where it pays (with --clip "
-                   "none and one pass per step, paced searched too); on: the "
+                   "none and one pass per step, paced searched too: its gradients are freed "
+                   "by their update, so the loop cannot read them after the backward); on: the "
                    "fastest plan's decisions run that schedule even where it does not pay; "
                    "off: after the whole backward; paced (with --clip none, one pass per "
                    "step): each unit's step in the backward stages after its own, which wait for "
