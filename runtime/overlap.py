@@ -35,9 +35,10 @@ backward runs, so the bits are the same.
 - ``paced`` (``clip none``, one pass per step): the same jobs, started as each unit's backward
   ends, and three more rules (docs/formulation.md, "The optimizer paced into the backward";
   docs/runtime.md, "Paced plans"). The backward waits for them: the plan prices unit j's
-  read, update and write in the three stages after its backward, so stage bwd(j) + 4 does not
-  begin before j's job has ended (``stage_begins``; the seconds join the driver's wait, the
-  unit's ``stall_s``). The read is issued on the unit's I/O thread as the job is handed over,
+  read, update and write in the three stages after its backward, so stage bwd(j) + 3 does not
+  begin before j's update has run (and freed its gradient, as the plan's memory has it), nor
+  bwd(j) + 4 before j's job has ended (``stage_begins``; the seconds join the driver's wait,
+  the unit's ``stall_s``). The read is issued on the unit's I/O thread as the job is handed over,
   beside the update of the unit before. And the gradient is freed by its update: right after
   it, the job replaces each device ``.grad`` with a ``SteppedGrad`` (no storage, the 2-norm
   kept), which a clip that does not clip and the loop's ``zero_grad`` after ``opt.step()``
@@ -223,7 +224,7 @@ def _same(a, b) -> bool:
 
 class _Job:
     __slots__ = ("unit", "kind", "future", "hypers", "t_submit", "t_start", "t_end", "grads",
-                 "due", "read")
+                 "due", "read", "freed", "t_freed")
 
     def __init__(self, unit, kind, hypers, paced=False, due=None):
         self.unit, self.kind, self.hypers, self.due = unit, kind, hypers, due
@@ -236,7 +237,9 @@ class _Job:
         self.grads = [] if unit.grads_out or paced else [
             (n, p.grad) for n, p in unit.params if p.grad is not None]
         self.t_submit = time.perf_counter()
-        self.t_start = self.t_end = None
+        self.t_start = self.t_end = self.t_freed = None
+        # paced: set once the update has run and freed the gradients (or the job ended)
+        self.freed = threading.Event()
 
 
 class OverlapScheduler:
@@ -311,13 +314,17 @@ class OverlapScheduler:
 
     def stage_begins(self, stage: int) -> float:
         """The backward reaches ``stage`` (training thread). Paced: wait for the jobs due by
-        then; the seconds waited."""
+        then, and for the updates of the jobs due at the next stage (the plan frees a unit's
+        gradient with its update, in the stage before its write's); the seconds waited."""
         if not self.paced:
             return 0.0
         due = [j.future for j in self.jobs if j.due <= stage]
-        if not due:
+        updating = [j.freed for j in self.jobs if j.due == stage + 1]
+        if not due and not updating:
             return 0.0
         t0 = time.perf_counter()
+        for ev in updating:
+            ev.wait()
         wait_futures(due)               # an error stays in its future, for opt.step()
         return time.perf_counter() - t0
 
@@ -384,6 +391,7 @@ class OverlapScheduler:
                 fn(job)
         finally:
             job.t_end = time.perf_counter()
+            job.freed.set()             # (an update that failed frees nothing: no wait on it)
 
     def _step(self, job: _Job) -> None:
         u = job.unit
@@ -400,11 +408,15 @@ class OverlapScheduler:
         if job.read is not None:
             job.read.result()
         if not kept:
-            self.phase.step_unit(u, self.subs[id(u)], job.hypers)
+            self.phase.step_unit(u, self.subs[id(u)], job.hypers, updated=job.freed.set)
             return
         changed: list = []
-        self.phase.step_unit(u, self.subs[id(u)], job.hypers,
-                             updated=lambda: changed.extend(self._free(u, kept)))
+
+        def updated():
+            changed.extend(self._free(u, kept))
+            job.t_freed = time.perf_counter()
+            job.freed.set()              # the stage before the write's may begin
+        self.phase.step_unit(u, self.subs[id(u)], job.hypers, updated=updated)
         if changed:
             raise UserError(f"the gradient of {changed[0]!r} changed while its unit's optimizer "
                             "step ran during the backward (optimizer_overlap 'paced'), so the "

@@ -326,6 +326,7 @@ def test_a_layer_major_paced_backward_waits_where_the_plan_priced_each_write(tmp
             if j.due <= max(marks):
                 j.future.result()
                 assert j.t_end <= marks[j.due][0], (j.unit.name, j.due)
+                assert j.t_freed is not None and j.t_freed <= marks[j.due - 1][0], j.unit.name
                 checked += 1
         assert checked >= len(jobs) - PACED_WAIT and checked >= 3, (checked, len(jobs))
         opt.step()

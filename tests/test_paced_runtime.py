@@ -209,6 +209,9 @@ def test_the_backward_waits_for_each_step_where_the_plan_priced_its_write(tmp_pa
             if j.due <= top:
                 j.future.result()
                 assert j.t_end <= marks[j.due][0], (j.unit.name, j.due)
+                # the gradient freed by the update before the stage of the write is over:
+                # the plan frees it at the end of the update's stage, bwd + 2
+                assert j.t_freed is not None and j.t_freed <= marks[j.due - 1][0], j.unit.name
                 checked += 1
         assert checked >= len(jobs) - PACED_WAIT and checked >= 3, (checked, len(jobs))
         opt.step()
