@@ -10,10 +10,10 @@ backward runs, so the bits are the same.
 - The runtime counts the step's micro-batches (``plan.micro_batches``, K). In the K-th pass
   (layer-major: the ``run_micro_batches`` call that brings the step to K micro-batches, one
   pass of the stages whose backward stages run every micro-batch; ``pass_starts`` is told the
-  last of them), a unit whose gradients live off the device (``UnitStatic.grads_out``) is complete when the
-  last share its stage actions sent has been added into its home and the training thread has
-  waited for it (``UnitStatic.wait`` calls ``on_grads_home`` then). Its work is then handed to
-  one worker thread while the backward goes on.
+  last of them), a unit whose gradients live off the device (``UnitStatic.grads_out``) is
+  complete when the last share its stage actions sent has been added into its home and the
+  training thread has waited for it (``UnitStatic.wait`` calls ``on_grads_home`` then). Its
+  work is then handed to one worker thread while the backward goes on.
 - ``clip none``: the work is the unit's whole step, with the user's hyper-parameters as they
   are at that moment (a scheduler's change after the previous ``opt.step()`` is seen).
   ``opt.step()`` waits for those steps, steps what remains (units whose gradients stay on the
