@@ -121,6 +121,30 @@ def _train(model, data, opt, sched, steps=STEPS, zero=None):
             (opt.zero_grad if step % 2 == 0 else model.zero_grad)()
 
 
+def check_paced_waits(r, plan) -> list:
+    """The jobs of the pass just run (``r``: the handle's runner), each handed over as the
+    stage after its unit's backward (bwd = 2U - i) began and due three stages on; of
+    those due by the pass's last stage, each ended before its due stage began and freed its
+    gradient before the stage before that (the plan frees it at the end of the update's
+    stage, bwd + 2). Returns the jobs."""
+    jobs = list(r.overlap.jobs)
+    marks = r.clock.passes[-1]["marks"]
+    U = len(plan.units)
+    index = {u.name: i for i, u in enumerate(plan.units)}
+    checked = 0
+    for j in jobs:
+        bwd = 2 * U - index[j.unit.name]
+        assert j.due == bwd + 4, (j.unit.name, j.due, bwd)      # the plan's three parts
+        assert j.t_submit >= marks[bwd + 1][0], j.unit.name
+        if j.due <= max(marks):
+            j.future.result()
+            assert j.t_end <= marks[j.due][0], (j.unit.name, j.due)
+            assert j.t_freed is not None and j.t_freed <= marks[j.due - 1][0], j.unit.name
+            checked += 1
+    assert checked >= len(jobs) - PACED_WAIT and checked >= 3, (checked, len(jobs))
+    return jobs
+
+
 def _paced_units(plan) -> list:
     """The units the worker steps: every non-resident home whose unit nothing ties to another."""
     return [u.name for u, d in zip(plan.units, plan.layers)
@@ -195,25 +219,7 @@ def test_the_backward_waits_for_each_step_where_the_plan_priced_its_write(tmp_pa
         opt.zero_grad()
         monkeypatch.setattr(r.phase, "step_unit", slow)
         model(**data[1]).loss.backward()
-        jobs = list(r.overlap.jobs)
-        marks = r.clock.passes[-1]["marks"]
-        top = max(marks)
-        checked = 0
-        U = len(plan.units)
-        index = {u.name: i for i, u in enumerate(plan.units)}
-        for j in jobs:
-            # handed over as the stage after its backward (2U - i) began, due three stages on
-            bwd = 2 * U - index[j.unit.name]
-            assert j.due == bwd + 4, (j.unit.name, j.due, bwd)
-            assert j.t_submit >= marks[bwd + 1][0], j.unit.name
-            if j.due <= top:
-                j.future.result()
-                assert j.t_end <= marks[j.due][0], (j.unit.name, j.due)
-                # the gradient freed by the update before the stage of the write is over:
-                # the plan frees it at the end of the update's stage, bwd + 2
-                assert j.t_freed is not None and j.t_freed <= marks[j.due - 1][0], j.unit.name
-                checked += 1
-        assert checked >= len(jobs) - PACED_WAIT and checked >= 3, (checked, len(jobs))
+        jobs = check_paced_waits(r, plan)
         opt.step()
         assert len(read_first) == len(jobs) and all(read_first), read_first
         assert any(u.state_out for u in r.statics.values())
