@@ -408,7 +408,10 @@ class OverlapScheduler:
         if job.read is not None:
             job.read.result()
         if not kept:
-            self.phase.step_unit(u, self.subs[id(u)], job.hypers, updated=job.freed.set)
+            # (paced: a unit without a gradient on the device frees nothing, but its update's
+            # end still lets stage bwd + 3 begin)
+            more = {"updated": job.freed.set} if self.paced else {}
+            self.phase.step_unit(u, self.subs[id(u)], job.hypers, **more)
             return
         changed: list = []
 
