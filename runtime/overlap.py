@@ -224,7 +224,7 @@ def _same(a, b) -> bool:
 
 class _Job:
     __slots__ = ("unit", "kind", "future", "hypers", "t_submit", "t_start", "t_end", "grads",
-                 "due", "read", "freed", "t_freed")
+                 "due", "read", "freed", "t_freed", "gate")
 
     def __init__(self, unit, kind, hypers, paced=False, due=None):
         self.unit, self.kind, self.hypers, self.due = unit, kind, hypers, due
@@ -240,6 +240,10 @@ class _Job:
         self.t_start = self.t_end = self.t_freed = None
         # paced: set once the update has run and freed the gradients (or the job ended)
         self.freed = threading.Event()
+        # paced: set once the update's stage (due - 2) has begun; the update waits for it
+        self.gate = threading.Event()
+        if not paced:
+            self.gate.set()
 
 
 class OverlapScheduler:
@@ -266,6 +270,7 @@ class OverlapScheduler:
         self.armed = False
         self.ahead_left = 0
         self.backward_end: float | None = None
+        self.stage_now = -1                             # the stage the training thread is in
         # per step gathered: (unit, kind, started before the last backward ended, seconds)
         self.last_log: list = []
         for u, _ in phase.subs:
@@ -297,13 +302,19 @@ class OverlapScheduler:
                                "one pass a step)" if self.paced else f"--micro-batches {n} or "
                                "with --optimizer-overlap off"))
         self.armed = n == self.K
+        self.stage_now = -1
         if self.armed:
             self.ahead_left = self.budget
             self.backward_end = None
 
     def backward_ended(self) -> None:
+        self._open_gates()              # the updates due after the last stage: the phase's
         if self.armed and self.backward_end is None:
             self.backward_end = time.perf_counter()
+
+    def _open_gates(self) -> None:
+        for j in self.jobs:
+            j.gate.set()
 
     def busy(self) -> bool:
         return bool(self.jobs)
@@ -318,6 +329,10 @@ class OverlapScheduler:
         gradient with its update, in the stage before its write's); the seconds waited."""
         if not self.paced:
             return 0.0
+        self.stage_now = stage
+        for j in self.jobs:             # the updates the plan puts in this stage may run
+            if j.due - 2 <= stage:
+                j.gate.set()
         due = [j.future for j in self.jobs if j.due <= stage]
         updating = [j.freed for j in self.jobs if j.due == stage + 1]
         if not due and not updating:
@@ -362,6 +377,8 @@ class OverlapScheduler:
             job = _Job(u, "step", {gi: _snapshot(self.phase.hyper(gi)) for _, gi in subs},
                        paced=self.paced,
                        due=self.bwd[u.name] + 1 + PACED_WAIT if self.paced else None)
+            if self.paced and job.due - 2 <= self.stage_now:
+                job.gate.set()
             if self.paced and u.state_out:
                 # the plan's read part, in this stage: the state from its file on the I/O
                 # thread now, beside the update the worker may still be running for the unit
@@ -407,6 +424,14 @@ class OverlapScheduler:
             job.grads = [(n, g, g._version, torch.linalg.vector_norm(g)) for n, g in job.grads]
         if job.read is not None:
             job.read.result()
+        if not job.gate.is_set():
+            # paced: the update is the plan's in stage bwd + 2 (its workspace is allocated
+            # there, ``MemoryRules._paced_memory``); run in the read's stage it held its
+            # workspace beside what that stage holds. What it reads is read now, in the read's
+            # stage: the state (``job.read``) and streamed weights
+            if not getattr(u, "steps_on_host", False) and u.weights_out and not u.in_use:
+                u.fetch_weights(0.0, 1.0)
+            job.gate.wait()
         if not kept:
             # (paced: a unit without a gradient on the device frees nothing, but its update's
             # end still lets stage bwd + 3 begin)
@@ -451,12 +476,14 @@ class OverlapScheduler:
     def quiesce(self) -> None:
         """Wait until the worker is idle (its errors are kept for ``opt.step()``)."""
         if self.jobs:
+            self._open_gates()
             self.worker.join()
 
     def _drain(self) -> tuple[list, BaseException | None]:
         """Disarm, wait for the worker; the jobs it ran and the first error of them (or the one
         kept from before)."""
         self.armed = False
+        self._open_gates()
         jobs, self.jobs = self.jobs, []
         self.worker.join()
         err, self.pending_error = self.pending_error, None

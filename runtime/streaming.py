@@ -750,8 +750,14 @@ class UnitStatic:
             st = {}
             for key, v in before[id(p)].items():
                 if isinstance(v, torch.Tensor) and v.numel() == p.numel() > 1:
-                    part = torch.empty(hi - lo, dtype=v.dtype, device=v.device)
-                    reads.append((self.s_off[(k, key)][0] + lo * v.element_size(), part))
+                    off = self.s_off[(k, key)][0] + lo * v.element_size()
+                    # state read ahead (paced: the plan's read part) is stepped where it was
+                    # read, not copied into a second buffer: the plan holds it once
+                    # (``paced_held``); a copy held the piece twice during the update
+                    part = self._ahead_view(off, hi - lo, v)
+                    if part is None:
+                        part = torch.empty(hi - lo, dtype=v.dtype, device=v.device)
+                        reads.append((off, part))
                     st[key] = part
                 else:                        # a step count and the like: one per tensor
                     st[key] = v.clone() if isinstance(v, torch.Tensor) else v
@@ -802,6 +808,18 @@ class UnitStatic:
                 mv[:] = byte_view(buf[off - a:off - a + len(mv)])
                 return True
         return False
+
+    def _ahead_view(self, off: int, n: int, like: torch.Tensor):
+        """The n elements of ``like``'s dtype at ``off`` of the state file as a view of what
+        was read ahead, where one read-ahead buffer holds them all (else None). A step on it
+        updates the read-ahead bytes in place, which ``_ahead_written`` would make them anyway
+        once the piece is written."""
+        es = like.element_size()
+        for a, buf in self.ahead.items():
+            if (a <= off and off + n * es <= a + buf.numel() and (off - a) % es == 0
+                    and buf.device == like.device):
+                return buf[off - a:off - a + n * es].view(like.dtype)
+        return None
 
     def _ahead_written(self, off: int, mv) -> None:
         """A state write at ``off``: what was read ahead of that range becomes the new bytes."""
