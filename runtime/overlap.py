@@ -224,7 +224,7 @@ def _same(a, b) -> bool:
 
 class _Job:
     __slots__ = ("unit", "kind", "future", "hypers", "t_submit", "t_start", "t_end", "grads",
-                 "due", "read", "freed", "t_freed", "gate")
+                 "due", "read", "freed", "t_freed", "gate", "t_update")
 
     def __init__(self, unit, kind, hypers, paced=False, due=None):
         self.unit, self.kind, self.hypers, self.due = unit, kind, hypers, due
@@ -237,7 +237,7 @@ class _Job:
         self.grads = [] if unit.grads_out or paced else [
             (n, p.grad) for n, p in unit.params if p.grad is not None]
         self.t_submit = time.perf_counter()
-        self.t_start = self.t_end = self.t_freed = None
+        self.t_start = self.t_end = self.t_freed = self.t_update = None
         # paced: set once the update has run and freed the gradients (or the job ended)
         self.freed = threading.Event()
         # paced: set once the update's stage (due - 2) has begun; the update waits for it
@@ -271,6 +271,7 @@ class OverlapScheduler:
         self.ahead_left = 0
         self.backward_end: float | None = None
         self.stage_now = -1                             # the stage the training thread is in
+        self.stage_t: dict = {}                         # paced: stage -> when its waits ended
         # per step gathered: (unit, kind, started before the last backward ended, seconds)
         self.last_log: list = []
         for u, _ in phase.subs:
@@ -302,7 +303,7 @@ class OverlapScheduler:
                                "one pass a step)" if self.paced else f"--micro-batches {n} or "
                                "with --optimizer-overlap off"))
         self.armed = n == self.K
-        self.stage_now = -1
+        self.stage_now, self.stage_t = -1, {}
         if self.armed:
             self.ahead_left = self.budget
             self.backward_end = None
@@ -326,22 +327,25 @@ class OverlapScheduler:
     def stage_begins(self, stage: int) -> float:
         """The backward reaches ``stage`` (training thread). Paced: wait for the jobs due by
         then, and for the updates of the jobs due at the next stage (the plan frees a unit's
-        gradient with its update, in the stage before its write's); the seconds waited."""
+        gradient with its update, in the stage before its write's); then let the updates the
+        plan puts in this stage run (``_Job.gate``). The seconds waited."""
         if not self.paced:
             return 0.0
+        due = [j for j in self.jobs if j.due <= stage]
+        updating = [j for j in self.jobs if j.due == stage + 1]
+        for j in due + updating:        # (opened already, unless a stage was skipped)
+            j.gate.set()
+        t0 = time.perf_counter()
+        for j in updating:
+            j.freed.wait()
+        wait_futures([j.future for j in due])   # an error stays in its future, for opt.step()
+        waited = time.perf_counter() - t0 if (due or updating) else 0.0
         self.stage_now = stage
-        for j in self.jobs:             # the updates the plan puts in this stage may run
+        self.stage_t[stage] = time.perf_counter()
+        for j in self.jobs:
             if j.due - 2 <= stage:
                 j.gate.set()
-        due = [j.future for j in self.jobs if j.due <= stage]
-        updating = [j.freed for j in self.jobs if j.due == stage + 1]
-        if not due and not updating:
-            return 0.0
-        t0 = time.perf_counter()
-        for ev in updating:
-            ev.wait()
-        wait_futures(due)               # an error stays in its future, for opt.step()
-        return time.perf_counter() - t0
+        return waited
 
     def new_step(self) -> None:
         """A step's first forward (training thread): the gradients paced steps consumed are
@@ -432,6 +436,7 @@ class OverlapScheduler:
             if not getattr(u, "steps_on_host", False) and u.weights_out and not u.in_use:
                 u.fetch_weights(0.0, 1.0)
             job.gate.wait()
+        job.t_update = time.perf_counter()
         if not kept:
             # (paced: a unit without a gradient on the device frees nothing, but its update's
             # end still lets stage bwd + 3 begin)

@@ -126,7 +126,8 @@ def check_paced_waits(r, plan) -> list:
     stage after its unit's backward (bwd = 2U - i) began and due three stages on; of
     those due by the pass's last stage, each ended before its due stage began and freed its
     gradient before the stage before that (the plan frees it at the end of the update's
-    stage, bwd + 2). Returns the jobs."""
+    stage, bwd + 2), and none began its update before that stage (its workspace is the
+    plan's there). Returns the jobs."""
     jobs = list(r.overlap.jobs)
     marks = r.clock.passes[-1]["marks"]
     U = len(plan.units)
@@ -140,6 +141,8 @@ def check_paced_waits(r, plan) -> list:
             j.future.result()
             assert j.t_end <= marks[j.due][0], (j.unit.name, j.due)
             assert j.t_freed is not None and j.t_freed <= marks[j.due - 1][0], j.unit.name
+            assert j.t_update is not None and j.t_update >= r.overlap.stage_t[bwd + 2], \
+                j.unit.name
             checked += 1
     assert checked >= len(jobs) - PACED_WAIT and checked >= 3, (checked, len(jobs))
     return jobs
