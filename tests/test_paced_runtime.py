@@ -234,6 +234,40 @@ def test_the_backward_waits_for_each_step_where_the_plan_priced_its_write(tmp_pa
     assert _files(tmp_path / "nvme") == [] and _workers() == []
 
 
+def test_a_paced_update_steps_its_state_where_the_read_put_it(tmp_path, monkeypatch):
+    """The plan holds a paced step's state read once, from the read's stage to the write's
+    (``paced_held``): each piece is stepped in the buffer the read filled
+    (``UnitStatic._ahead_view``), not copied into a second one first. A copy held the state
+    twice during the update: a backward stage measured above its prediction."""
+    from runtime.streaming import UnitStatic
+    model, data, plan = _setup("llama", tmp_path / "nvme")
+    opt, _ = _optimizer(model)
+    real = UnitStatic._piece_slots
+    seen = []
+
+    def spy(self, piece, before, host):
+        views, slots, reads = real(self, piece, before, host)
+        if self.ahead:
+            spans = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in self.ahead.values()]
+            state = [t for _, lo, hi, st in slots for t in st.values()
+                     if isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() == hi - lo]
+            inside = [any(a <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= e
+                          for a, e in spans) for t in state]
+            seen.append((self.name, len(reads), len(state), all(inside)))
+        return views, slots, reads
+    with apply_plan(model, plan, optimizer=opt) as handle:
+        r = handle._r
+        assert any(u.state_out for u in r.statics.values())
+        monkeypatch.setattr(UnitStatic, "_piece_slots", spy)
+        for step in range(2):           # the first makes the state; the second reads it
+            model(**data[step]).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert seen, "no paced step read its state ahead"
+    assert all(n_reads == 0 and n_state > 0 and inside for _, n_reads, n_state, inside in seen), seen
+    assert _files(tmp_path / "nvme") == [] and _workers() == []
+
+
 def test_a_paced_step_frees_the_gradient_and_a_clip_or_read_is_refused_in_one_line(tmp_path):
     model, data, plan = _setup("gpt", tmp_path / "nvme")
     opt, _ = _optimizer(model)
