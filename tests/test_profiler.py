@@ -651,10 +651,15 @@ def test_block_times_are_scaled_to_a_whole_step_where_it_fits(monkeypatch):
     (``timing_quality.in_step_scale``); where a plain step's activations would not fit the
     memory available, no step is run and nothing is scaled."""
     import planner.profile.step as stepmod
-    prof = profile_model("gpt-tiny", 2, 32, dtype="fp32", device="cpu", hardware=CPU,
-                         repeats=2)
-    scale = prof.model["timing_quality"]["in_step_scale"]
     lo, hi = stepmod.IN_STEP_SCALE_RANGE
+    for _ in range(3):
+        # a factor outside the range is a timing upset (another process took the cores
+        # during the step) and is not applied: on a loaded host, profile again
+        prof = profile_model("gpt-tiny", 2, 32, dtype="fp32", device="cpu", hardware=CPU,
+                             repeats=2)
+        scale = prof.model["timing_quality"]["in_step_scale"]
+        if scale is not None:
+            break
     assert isinstance(scale, list) and len(scale) == 2 and all(lo <= f <= hi for f in scale)
     monkeypatch.setattr(stepmod, "_available_bytes", lambda device: 1)
     prof = profile_model("gpt-tiny", 2, 32, dtype="fp32", device="cpu", hardware=CPU,
