@@ -530,6 +530,14 @@ class _Runner:
         self._check_input(args, kwargs)
         if not self.step_open:
             self._begin_step()
+        if self.driver.ctx is not None and self.driver.ctx() is not None:
+            # the previous pass never ran (or never ended) its backward: its stages end
+            # before this pass is counted, handing nothing over (armed now, they would hand
+            # that pass's units to this step's scheduler, where their own gradients of this
+            # step would then find them handed over already)
+            if self.overlap is not None:
+                self.overlap.armed = False
+            self.driver.finish()
         if self.overlap is not None:
             self.overlap.pass_starts(self.step_passes + 1)
         self.step_passes += 1
@@ -541,8 +549,6 @@ class _Runner:
                     if t is not None)
         ptrs.discard(0)
         self.static_ptrs = ptrs
-        if self.driver.ctx is not None and self.driver.ctx() is not None:
-            self.driver.finish()          # the previous pass never ran its backward
         self.pass_ = p
         self.driver.begin(weakref.ref(p))
         self.clock.begin_pass()

@@ -333,8 +333,12 @@ class OverlapScheduler:
             return 0.0
         due = [j for j in self.jobs if j.due <= stage]
         updating = [j for j in self.jobs if j.due == stage + 1]
-        for j in due + updating:        # (opened already, unless a stage was skipped)
-            j.gate.set()
+        if due or updating:
+            # what the worker runs first runs first: every job queued up to the last one
+            # waited for may update (opened already, unless a stage was skipped)
+            last = max(self.jobs.index(j) for j in due + updating)
+            for j in self.jobs[:last + 1]:
+                j.gate.set()
         t0 = time.perf_counter()
         for j in updating:
             j.freed.wait()
@@ -381,8 +385,8 @@ class OverlapScheduler:
             job = _Job(u, "step", {gi: _snapshot(self.phase.hyper(gi)) for _, gi in subs},
                        paced=self.paced,
                        due=self.bwd[u.name] + 1 + PACED_WAIT if self.paced else None)
-            if self.paced and job.due - 2 <= self.stage_now:
-                job.gate.set()
+            if self.paced and (job.due - 2 <= self.stage_now or self.backward_end is not None):
+                job.gate.set()          # (after the backward's end no stage opens it)
             if self.paced and u.state_out:
                 # the plan's read part, in this stage: the state from its file on the I/O
                 # thread now, beside the update the worker may still be running for the unit
@@ -433,9 +437,12 @@ class OverlapScheduler:
             # there, ``MemoryRules._paced_memory``); run in the read's stage it held its
             # workspace beside what that stage holds. What it reads is read now, in the read's
             # stage: the state (``job.read``) and streamed weights
+            fetch = None
             if not getattr(u, "steps_on_host", False) and u.weights_out and not u.in_use:
-                u.fetch_weights(0.0, 1.0)
+                fetch = u.fetch_weights(0.0, 1.0, own=True)
             job.gate.wait()
+            if fetch is not None:
+                fetch.result()          # (an error is the job's, for opt.step())
         job.t_update = time.perf_counter()
         if not kept:
             # (paced: a unit without a gradient on the device frees nothing, but its update's

@@ -287,16 +287,21 @@ class UnitStatic:
             p.untyped_storage().resize_(0)
         self.w_got.clear()
 
-    def fetch_weights(self, fa: float, fb: float) -> None:
-        """Bring the planned share [fa, fb) of the weights back (an I/O job)."""
+    def fetch_weights(self, fa: float, fb: float, own: bool = False):
+        """Bring the planned share [fa, fb) of the weights back (an I/O job). Its future joins
+        the unit's (``wait``: the training thread's), or, ``own``, is the caller's to wait
+        for (the paced worker's read of a unit the training thread is done with)."""
         if not self.weights_out:
-            return
+            return None
         a, b = self.flat.span(fa, fb)
         parts = list(self.flat.parts(a, b, by="end"))
-        for k, t, lo, hi, off in parts:      # allocate on the training thread, fill on the I/O one
+        for k, t, lo, hi, off in parts:      # allocate here, fill on the I/O thread
             if t.untyped_storage().nbytes() == 0:
                 t.untyped_storage().resize_(t.numel() * t.element_size())
-        self.futures.append(self.store_of().submit(self._read_weights, parts))
+        fut = self.store_of().submit(self._read_weights, parts)
+        if not own:
+            self.futures.append(fut)
+        return fut
 
     def _read_weights(self, parts):
         items = [(off + lo, byte_view(as_bytes(t.detach())[lo:hi])) for _, t, lo, hi, off in parts]

@@ -15,6 +15,7 @@ and ``model.zero_grad()`` in turn.
 from __future__ import annotations
 
 import copy
+import faulthandler
 import time
 import warnings
 
@@ -265,6 +266,77 @@ def test_a_paced_update_steps_its_state_where_the_read_put_it(tmp_path, monkeypa
             opt.zero_grad()
     assert seen, "no paced step read its state ahead"
     assert all(n_reads == 0 and n_state > 0 and inside for _, n_reads, n_state, inside in seen), seen
+    assert _files(tmp_path / "nvme") == [] and _workers() == []
+
+
+def _train_through_a_failed_backward(model, data, opt) -> None:
+    """One step; a backward that raises part-way (a hook on blocks.5's first parameter);
+    ``opt.step()`` as the refusal asks and ``opt.zero_grad()``; two more steps."""
+    armed = []
+
+    def boom(g):
+        if armed:
+            armed.clear()
+            raise Boom("boom")
+        return g
+    p = next(q for n, q in model.named_parameters() if n.startswith("blocks.5."))
+    hook = p.register_hook(boom)
+    try:
+        model(**data[0]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        armed.append(1)
+        with pytest.raises(Boom):
+            model(**data[1]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        for k in (2, 3):
+            model(**data[k]).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        hook.remove()
+
+
+def test_after_a_failed_backward_and_opt_step_training_goes_on_as_plain_pytorch(tmp_path):
+    """The units handed over beside a backward that failed were stepped with its gradients,
+    as plain PyTorch's ``opt.step()`` applies them. The failed pass's last stages run when the
+    next forward starts; they used to run after that forward armed its step, handing the
+    failed pass's units to the new step (whose own gradients of those units were then never
+    applied: 0.025 from plain PyTorch), and, since the update gate, to hang there (a handed
+    unit whose update stage no backward stage reaches). Also a worker's error: none here."""
+    model, data, plan = _setup("llama", tmp_path / "nvme")
+    ref = copy.deepcopy(model)
+    ref_opt, _ = _optimizer(ref)
+    _train_through_a_failed_backward(ref, data, ref_opt)
+    opt, _ = _optimizer(model)
+    faulthandler.dump_traceback_later(300, exit=True)      # a hang fails, loudly
+    try:
+        with apply_plan(model, plan, optimizer=opt) as handle:
+            _train_through_a_failed_backward(model, data, opt)
+            assert not handle._r.overlap.jobs
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    assert _diff(model.state_dict(), ref.state_dict()) == 0.0
+    assert _files(tmp_path / "nvme") == [] and _workers() == []
+
+
+def test_the_last_units_update_runs_after_the_backward_not_at_opt_step(tmp_path):
+    """A unit handed over once the backward has ended (the embedding, at the stage after the
+    last) has no stage left to open its gate: it opens at once, and the worker has stepped
+    it before the loop calls ``opt.step()``."""
+    model, data, plan = _setup("llama", tmp_path / "nvme")
+    opt, _ = _optimizer(model)
+    with apply_plan(model, plan, optimizer=opt) as handle:
+        r = handle._r
+        model(**data[0]).loss.backward()
+        jobs = list(r.overlap.jobs)
+        assert jobs and all(j.gate.is_set() for j in jobs), \
+            [(j.unit.name, j.gate.is_set()) for j in jobs]
+        for j in jobs:
+            j.future.result(timeout=60)
+        opt.step()
+        opt.zero_grad()
     assert _files(tmp_path / "nvme") == [] and _workers() == []
 
 
