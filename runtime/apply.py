@@ -292,6 +292,9 @@ class _Runner:
         self.pass_: _Pass | None = None
         # layer-major: each micro-batch's thread has its own run, micro-batch and pass
         self.layer_major = plan.micro_batch_order == "layer-major"
+        self.lm_workers = layer_major.Workers()   # the micro-batch threads, kept
+        # a handle dropped without remove() lets its threads go
+        weakref.finalize(self, self.lm_workers.stop)
         self._tls = threading.local()
         self.n_passes = 0
         self.passes_warned = False
@@ -877,6 +880,7 @@ class _Runner:
 
     def close(self):
         self.closed = True
+        self.lm_workers.close()
         self.quiesce()
         if self.pass_ is not None:
             self.pass_.discard()

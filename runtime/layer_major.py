@@ -29,6 +29,14 @@ forward), so the handle runs the K micro-batches itself:
   encoder's output read by every decoder block, a skip connection around a block) is refused
   in one line after the forward, before any gradient is taken.
 
+The micro-batch threads are the runner's own and live as long as the handle (``Workers``): a
+library's per-thread state (MKL keeps each thread's GEMM packing buffers, about half a GEMM's
+weight bytes: 1.1 MiB for a 2048-wide head of d = 256) is made in the first step and kept, as
+the caller's own thread keeps it under a batch-major plan. Fresh threads each step made it
+again inside every step's forward, beside the K micro-batches', where no plan counts it
+(measured on the built-in LLaMA's layer-major forward: up to 1.3 MiB from blocks.0 on, 2.7 at
+the head; docs/benchmarks.md).
+
 Random draws (dropout) happen in the turn order, not the plain loop's: the run is
 deterministic, but its masks are not the plain loop's (docs/runtime.md).
 """
@@ -36,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import queue
 import threading
 import weakref
 
@@ -47,6 +56,56 @@ from .binding import PlanMismatchError
 from .transfer import backend_for
 
 API = "handle.run_micro_batches(batches, loss_fn)"
+
+
+class Workers:
+    """The runner's micro-batch threads (``tierplan-mb1`` ..), started on first use and kept
+    until ``close``: ``run(fn, K)`` calls ``fn(k)`` on thread k for k < K and waits for all."""
+
+    def __init__(self):
+        self.threads: list = []
+        self.queues: list = []
+
+    def _loop(self, q) -> None:
+        while True:
+            job = q.get()
+            if job is None:
+                return
+            fn, k, done = job
+            job = None
+            try:
+                fn(k)
+            finally:
+                fn = None                # hold nothing of the run until the next one
+                done.release()
+                done = None
+
+    def run(self, fn, K: int) -> threading.Semaphore:
+        """Start ``fn(k)`` on threads 0..K-1; the returned semaphore is released once per
+        finished call."""
+        while len(self.threads) < K:
+            q = queue.SimpleQueue()
+            t = threading.Thread(target=self._loop, args=(q,), daemon=True,
+                                 name=f"tierplan-mb{len(self.threads) + 1}")
+            t.start()
+            self.threads.append(t)
+            self.queues.append(q)
+        done = threading.Semaphore(0)
+        for k in range(K):
+            self.queues[k].put((fn, k, done))
+        return done
+
+    def stop(self) -> None:
+        """Let the threads end (each once its queue reaches the stop), not waiting for them."""
+        for q in self.queues:
+            q.put(None)
+
+    def close(self) -> None:
+        self.stop()
+        for t in self.threads:
+            if t is not threading.current_thread():
+                t.join()
+        self.threads, self.queues = [], []
 
 
 class _Aborted(BaseException):
@@ -225,18 +284,18 @@ class Run:
         r.static_ptrs = set()            # each micro-batch's forward adds its own
         r.driver.begin(weakref.ref(self))
         state = _tls_state(self.r.device)
-        threads = [threading.Thread(target=self._worker, args=(k, state), daemon=True,
-                                    name=f"tierplan-mb{k + 1}") for k in range(self.K)]
         try:
+            done = r.lm_workers.run(lambda k: self._worker(k, state), self.K)
+            n = 0
             try:
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
+                while n < self.K:
+                    done.acquire()
+                    n += 1
             except BaseException:          # Ctrl-C while the threads run
                 self.turns.abort()
-                for t in threads:
-                    t.join()
+                while n < self.K:
+                    done.acquire()
+                    n += 1
                 raise
             errs = [e for e in self.errors if e is not None and not isinstance(e, _Aborted)]
             if errs:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import threading
 
 import pytest
 import torch
@@ -368,6 +369,36 @@ def test_an_exception_in_one_micro_batch_stops_the_run_and_deletes_its_files(tmp
     assert _diff(model.state_dict(), ref.state_dict()) == 0.0
     handle.remove()
     assert _files(nvme) == []
+
+
+def test_the_micro_batch_threads_are_the_handles_and_carry_nothing_between_runs(tmp_path):
+    """The micro-batch threads live as long as the handle: a library's per-thread buffers
+    (MKL's GEMM packing buffers) are made once, as the caller's thread makes them under
+    batch-major, not again inside every forward where no plan counts them. The same K
+    threads run every step; an autocast region around one run does not reach the next;
+    ``remove()`` ends them."""
+    model0, data = MODELS["llama-tiny"]()
+    _, lm_plan = _plans(model0, data, "keep-all", str(tmp_path / "nvme"))
+    model = copy.deepcopy(model0)
+    opt = _opt(model)
+    handle = apply_plan(model, lm_plan, optimizer=opt)
+    seen = []
+
+    def loss(m, mb):
+        seen.append((threading.get_ident(), torch.is_autocast_enabled("cpu")))
+        return _loss(m, mb)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        handle.run_micro_batches(data[:K], loss)
+    opt.step()
+    opt.zero_grad()
+    handle.run_micro_batches(data[K:2 * K], loss)
+    opt.step()
+    opt.zero_grad()
+    first, second = seen[:K], seen[K:]
+    assert len({t for t, _ in first}) == K and {t for t, _ in first} == {t for t, _ in second}
+    assert all(a for _, a in first) and not any(a for _, a in second)
+    handle.remove()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("tierplan-mb")]
 
 
 def test_autocast_reaches_the_micro_batches_threads(tmp_path):
