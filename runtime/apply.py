@@ -489,6 +489,13 @@ class _Runner:
             # opt.zero_grad() does, instead of setting .grad under a step that reads it
             self._wrap(self.model, self._model_zero_grad, "zero_grad")
 
+    def _finish_unarmed(self) -> None:
+        """End the open pass's remaining stages handing nothing to the optimizer's worker: a
+        pass whose forward or backward failed, or never ran, is not the step's backward."""
+        if self.overlap is not None:
+            self.overlap.armed = False
+        self.driver.finish()
+
     def _model_zero_grad(self, orig, *args, **kwargs):
         self.quiesce()
         return orig(*args, **kwargs)
@@ -535,12 +542,10 @@ class _Runner:
             self._begin_step()
         if self.driver.ctx is not None and self.driver.ctx() is not None:
             # the previous pass never ran (or never ended) its backward: its stages end
-            # before this pass is counted, handing nothing over (armed now, they would hand
-            # that pass's units to this step's scheduler, where their own gradients of this
-            # step would then find them handed over already)
-            if self.overlap is not None:
-                self.overlap.armed = False
-            self.driver.finish()
+            # before this pass is counted (after, they would hand that pass's units to this
+            # step's scheduler, where their own gradients of this step would then find them
+            # handed over already)
+            self._finish_unarmed()
         if self.overlap is not None:
             self.overlap.pass_starts(self.step_passes + 1)
         self.step_passes += 1
@@ -561,9 +566,7 @@ class _Runner:
             self.clock.forward_done()
         except BaseException:
             p.discard()   # an exception (or Ctrl-C) inside the forward: nothing is left behind
-            if self.overlap is not None:
-                self.overlap.armed = False   # the stages finish() runs hand nothing over
-            self.driver.finish()
+            self._finish_unarmed()
             raise
         finally:
             self.pass_ = None

@@ -270,7 +270,6 @@ class OverlapScheduler:
         self.armed = False
         self.ahead_left = 0
         self.backward_end: float | None = None
-        self.stage_now = -1                             # the stage the training thread is in
         self.stage_t: dict = {}                         # paced: stage -> when its waits ended
         # per step gathered: (unit, kind, started before the last backward ended, seconds)
         self.last_log: list = []
@@ -303,7 +302,7 @@ class OverlapScheduler:
                                "one pass a step)" if self.paced else f"--micro-batches {n} or "
                                "with --optimizer-overlap off"))
         self.armed = n == self.K
-        self.stage_now, self.stage_t = -1, {}
+        self.stage_t = {}
         if self.armed:
             self.ahead_left = self.budget
             self.backward_end = None
@@ -344,7 +343,6 @@ class OverlapScheduler:
             j.freed.wait()
         wait_futures([j.future for j in due])   # an error stays in its future, for opt.step()
         waited = time.perf_counter() - t0 if (due or updating) else 0.0
-        self.stage_now = stage
         self.stage_t[stage] = time.perf_counter()
         for j in self.jobs:
             if j.due - 2 <= stage:
@@ -385,7 +383,8 @@ class OverlapScheduler:
             job = _Job(u, "step", {gi: _snapshot(self.phase.hyper(gi)) for _, gi in subs},
                        paced=self.paced,
                        due=self.bwd[u.name] + 1 + PACED_WAIT if self.paced else None)
-            if self.paced and (job.due - 2 <= self.stage_now or self.backward_end is not None):
+            if self.paced and (job.due - 2 <= max(self.stage_t, default=-1)
+                               or self.backward_end is not None):
                 job.gate.set()          # (after the backward's end no stage opens it)
             if self.paced and u.state_out:
                 # the plan's read part, in this stage: the state from its file on the I/O
