@@ -581,6 +581,9 @@ class NvmeStore:
         # path -> fd (None once closed) of every file created and not yet deleted: a file
         # whose deletion failed stays listed (close tries it again; the manifest keeps it)
         self.files: dict[str, int | None] = {}
+        # label -> files whose group was read back, kept open for the next group of that label
+        # (``open(label, reuse=True)``, ``recycle``)
+        self.spare: dict[str, list[str]] = {}
         self.failed: dict[str, str] = {}    # path -> why its deletion failed
         self.lock = threading.Lock()
         self.pid: int | None = None         # the process that made self.dir
@@ -838,9 +841,17 @@ class NvmeStore:
         self._manifest_fd = fd
         self._manifest_lines = len(body) - 1
 
-    def open(self, label: str) -> tuple[int, str]:
-        """A new empty file for ``label`` (fd, path), recorded in the manifest."""
+    def open(self, label: str, reuse: bool = False) -> tuple[int, str]:
+        """A new empty file for ``label`` (fd, path), recorded in the manifest; with ``reuse``,
+        a file an earlier group of the same label was read back from, where one is spare
+        (its old bytes are overwritten, never read: a group reads only what it wrote)."""
         self._ensure()
+        if reuse:
+            with self.lock:
+                while self.spare.get(label):
+                    path = self.spare[label].pop()
+                    if self.files.get(path) is not None:
+                        return self.files[path], path
         path = str(self.dir / f"{label}-{uuid.uuid4().hex[:8]}.bin")
         flag = direct_flag() if self.direct is not False else 0
         try:
@@ -923,6 +934,25 @@ class NvmeStore:
         if self._forked():
             return                            # the parent's file: never a child's to delete
         self._delete(path)
+
+    def recycle(self, path: str, label: str) -> None:
+        """Keep a file whose bytes were all read back (no I/O on it is queued or running) for
+        the next group of ``label`` instead of deleting it: overwriting a file's blocks is
+        cheaper than allocating new ones, and neither the create nor the delete runs on the
+        training thread (docs/runtime.md, "Offload files"). It is deleted with the rest at
+        ``close``. From the I/O thread: behind whatever is still queued."""
+        if self._forked():
+            return
+        if self.on_io_thread() and self.pool is not None:
+            with contextlib.suppress(RuntimeError):   # the pool shut down meanwhile
+                self.pool.submit(self._keep_spare, path, label)
+                return
+        self._keep_spare(path, label)
+
+    def _keep_spare(self, path: str, label: str) -> None:
+        with self.lock:
+            if self.files.get(path) is not None:
+                self.spare.setdefault(label, []).append(path)
 
     def unlink_later(self, path: str) -> None:
         """Delete after the I/O already queued (a dropped group may still be writing)."""
@@ -1017,6 +1047,7 @@ class NvmeStore:
             self.files.clear()
             self.failed.clear()
             self._inos.clear()
+            self.spare.clear()
         if self._manifest_fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._manifest_fd)
@@ -1041,7 +1072,7 @@ class NvmeStore:
             self._forget_fd(fd)
         self.disk = DiskIO(self.disk.request, self.disk.in_flight)   # its threads stayed behind
         fds += [fd for fd in (self._manifest_fd, self._lock_fd, self._base_fd) if fd is not None]
-        self.files, self.failed, self._inos = {}, {}, {}
+        self.files, self.failed, self._inos, self.spare = {}, {}, {}, {}
         self._manifest_fd = self._lock_fd = self._base_fd = None
         self.pool = None                      # its thread was not forked
         for fd in fds:

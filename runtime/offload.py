@@ -210,7 +210,7 @@ class Group:
         self.sealed = False
         if tier == "nvme":
             store = mover.nvme_store()
-            self.fd, self.path = store.open(label)
+            self.fd, self.path = store.open(label, reuse=True)
             self.sums = Sums(self.path, label)   # checksums of what is written, checked on read
             # the file goes if the group is dropped unread (an abandoned forward)
             self._fin = weakref.finalize(self, store.unlink_later, self.path)
@@ -468,13 +468,13 @@ class Group:
             store = self.m.store
             if store is not None:
                 # discard (an exception, an abandoned pass): deleted before it returns, so no
-                # file outlives the exception; after a normal read-back, off the I/O thread
-                # everything queued for this file has run (callers waited): delete it now; on
-                # it, behind whatever is still queued
+                # file outlives the exception; after a normal read-back (off the I/O thread
+                # everything queued for this file has run: callers waited) kept for the next
+                # group of this label, deleted with the store
                 if now:
                     store.unlink_now(self.path)
                 else:
-                    (store.unlink_later if store.on_io_thread() else store.unlink)(self.path)
+                    store.recycle(self.path, self.label)
         for s in self.slots:
             if s.host is not None:
                 self.m.counters.add("host", -s.nbytes)
