@@ -142,3 +142,32 @@ def test_each_micro_batch_holds_its_part_of_a_tied_gradient():
     s = bm.L.bwd(bm.U - 1)               # the head's backward: the tied part exists from here
     assert bm.shared[s] - bm._shared_memory()[s] == n
     assert lm.shared[s] - K * lm._shared_memory()[s] == K * n
+
+
+def test_a_units_later_micro_batches_add_their_gradient_once_the_first_ones_bytes_are_gone():
+    """Layer-major, B:i: the runtime runs the K micro-batches' pieces of unit i one after the
+    other, so micro-batch 2 adds its gradient into micro-batch 1's (``transient``'s acc) after
+    micro-batch 1's saved bytes of the unit have gone with its graph, however late a transfer
+    finishes. The model holds max(W + G - saved bytes less input and output, W) for a kept or
+    offloaded unit (measured: docs/benchmarks.md, "Layer-major backward stages"), W + G for a
+    recomputed one."""
+    from planner.plans.simulate import PlanView, check_plan
+    seen = set()
+    for policy in (Policy.KEEP_ALL, Policy.OFFLOAD_ALL, Policy.RECOMPUTE_ALL):
+        prof, hw, budgets, cm, layers = _case("layer-major", policy)
+        plan, _ = plan_and_sim(prof, None, hw, budgets, "stream-all", layers, cm=cm)
+        cm2, shares = check_plan(plan)
+        v = PlanView(cm2, plan.layers, shares)
+        for i in range(1, cm2.U - 1):
+            s = cm2.L.bwd(i)
+            got = max(sum(evaluate([t]) for t in lin) for lin in cm2.transient(s, v))
+            u, d = prof.layers[i], plan.layers[i].activation.value
+            assert cm2.G[i] > 0 and cm2.W[i] > 0
+            gone = u.activation_bytes - u.input_bytes - u.output_bytes
+            if d == "recompute":
+                assert got == cm2.W[i] + cm2.G[i], (policy, i)
+            else:
+                assert gone > 0
+                assert got == max(cm2.W[i] + cm2.G[i] - gone, cm2.W[i]), (policy, i, d)
+            seen.add(d)
+    assert {"keep", "nvme", "recompute"} <= seen or {"keep", "cpu", "recompute"} <= seen

@@ -418,10 +418,32 @@ class MemoryRules:
             acc = [(v.h(i, k), float(self.G[i])) for k, h in enumerate(self.homes[i])
                    if every or h.grads is Tier.GPU]
         out = [[(1, float(self.W[i])), *acc]]
+        relief = self._gone_before_acc(i, v) if acc else []
+        if relief:
+            # micro-batch 1's backward (no gradient to add into yet: it makes the one ``alloc``
+            # counts) holds its saved bytes beside the workspace alone
+            out = [[*out[0], *relief], [(1, float(self.W[i]))]]
         for k in v.recomputed_at(i):
             if self.W[k] > self.W[i]:
                 out.append([(v.q(k, i), float(self.W[k])), *acc])
         return out
+
+    def _gone_before_acc(self, i: int, v: View) -> list:
+        """Layer-major (K > 1): what of unit i is freed in B:i before a gradient is added into
+        the one micro-batch 1 made. runtime/layer_major.py runs the K micro-batches' pieces of
+        unit i one after the other, each backward freeing its graph, so micro-batch 2 adds its
+        gradient (``transient``'s acc) only once micro-batch 1's saved bytes of the unit are
+        gone, however late any transfer finishes: a kept unit's with its graph, an offloaded
+        one's read-back copy with the views autograd drops (runtime/offload.py). Not its input,
+        whose storage the piece below holds to the end of B:i-1, nor its output (the cut
+        leaf above shares that storage, and an op that saves its result saves it too); nothing
+        for a recomputed unit (its saved bytes are counted one micro-batch at a time already,
+        ``_one_at_a_time``)."""
+        u = self.units[i]
+        d = float(self.A1[i] - u.input_bytes - u.output_bytes)
+        if self.micro_batch_order != "layer-major" or d <= 0:
+            return []
+        return [(v.x(i, c), -d) for c in ("keep", "cpu", "nvme") if c in self.choices[i]]
 
     def step_workspace(self, i: int, h: Home) -> tuple[str, int]:
         """(tier, bytes): the temporaries unit i's step allocates where it runs. The profile's
