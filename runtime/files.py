@@ -582,8 +582,13 @@ class NvmeStore:
         # whose deletion failed stays listed (close tries it again; the manifest keeps it)
         self.files: dict[str, int | None] = {}
         # label -> files whose group was read back, kept open for the next group of that label
-        # (``open(label, reuse=True)``, ``recycle``)
+        # (``open(label, reuse=True)``, ``recycle``); every file kept once, spare or in use
+        # again, with the bytes it takes on disk, within ``spare_room`` (None: no bound, a
+        # store ``prepare`` did not check)
         self.spare: dict[str, list[str]] = {}
+        self.kept: dict[str, int] = {}
+        self.kept_bytes = 0
+        self.spare_room: int | None = None
         self.failed: dict[str, str] = {}    # path -> why its deletion failed
         self.lock = threading.Lock()
         self.pid: int | None = None         # the process that made self.dir
@@ -805,6 +810,8 @@ class NvmeStore:
                 f"{int(files)} files, each rounded up to the disk's {block}-byte blocks); free "
                 "space, give a larger disk with apply_plan(..., nvme_dir=DIR), or solve with a "
                 "smaller --nvme-mem")
+        # files kept for reuse take only what is free beyond the plan's own need
+        self.spare_room = free - need if need_bytes else 0
 
     # -- files -----------------------------------------------------------------------------
     def _record(self, line: str) -> None:
@@ -918,6 +925,7 @@ class NvmeStore:
             self.files.pop(path, None)
             self.failed.pop(path, None)
             self._inos.pop(path, None)
+            self.kept_bytes -= self.kept.pop(path, 0)
             with contextlib.suppress(OSError):
                 self._record(f"-{os.path.basename(path)}")
         return True
@@ -938,9 +946,10 @@ class NvmeStore:
     def recycle(self, path: str, label: str) -> None:
         """Keep a file whose bytes were all read back (no I/O on it is queued or running) for
         the next group of ``label`` instead of deleting it: overwriting a file's blocks is
-        cheaper than allocating new ones, and neither the create nor the delete runs on the
-        training thread (docs/runtime.md, "Offload files"). It is deleted with the rest at
-        ``close``. From the I/O thread: behind whatever is still queued."""
+        cheaper than allocating new ones, and the delete leaves the training thread
+        (docs/runtime.md, "Files"). It is deleted with the rest at ``close``, or now where
+        the files kept would take more of the disk than ``prepare`` found free beyond the
+        plan's need (``spare_room``). From the I/O thread: behind whatever is still queued."""
         if self._forked():
             return
         if self.on_io_thread() and self.pool is not None:
@@ -951,8 +960,22 @@ class NvmeStore:
 
     def _keep_spare(self, path: str, label: str) -> None:
         with self.lock:
-            if self.files.get(path) is not None:
+            fd = self.files.get(path)
+            if fd is None:
+                return
+            try:
+                st = os.fstat(fd)
+                size = max(-(-st.st_size // 4096) * 4096, st.st_blocks * 512)
+            except OSError:
+                size = None
+            grow = None if size is None else size - self.kept.get(path, 0)
+            if grow is not None and (self.spare_room is None
+                                     or self.kept_bytes + grow <= self.spare_room):
+                self.kept[path] = size
+                self.kept_bytes += grow
                 self.spare.setdefault(label, []).append(path)
+                return
+        self.unlink(path)
 
     def unlink_later(self, path: str) -> None:
         """Delete after the I/O already queued (a dropped group may still be writing)."""
@@ -1048,6 +1071,8 @@ class NvmeStore:
             self.failed.clear()
             self._inos.clear()
             self.spare.clear()
+            self.kept.clear()
+            self.kept_bytes = 0
         if self._manifest_fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._manifest_fd)
@@ -1072,7 +1097,8 @@ class NvmeStore:
             self._forget_fd(fd)
         self.disk = DiskIO(self.disk.request, self.disk.in_flight)   # its threads stayed behind
         fds += [fd for fd in (self._manifest_fd, self._lock_fd, self._base_fd) if fd is not None]
-        self.files, self.failed, self._inos, self.spare = {}, {}, {}, {}
+        self.files, self.failed, self._inos, self.spare, self.kept = {}, {}, {}, {}, {}
+        self.kept_bytes = 0
         self._manifest_fd = self._lock_fd = self._base_fd = None
         self.pool = None                      # its thread was not forked
         for fd in fds:

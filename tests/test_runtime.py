@@ -194,8 +194,16 @@ def test_a_read_back_file_is_written_again_by_the_next_group_of_its_unit(tmp_pat
     for g in (a, b):
         g.discard()                                          # dropped: deleted, not kept
     assert not Path(a.path).exists() and not Path(b.path).exists()
+    # the files kept take no more of the disk than was free beyond the plan's need when the
+    # store was prepared (spare_room): past it, a file read back is deleted
+    store = mover.store
+    assert store.kept_bytes == store.kept[other] >= 300_000 * 4
+    store.spare_room = store.kept_bytes + 4096
+    third = round_trip("blocks.2", 300_000)
+    assert not Path(third).exists() and third not in store.kept
+    assert store.spare["blocks.1"] == [other]
     mover.close()
-    assert _bins(tmp_path) == []
+    assert _bins(tmp_path) == [] and store.kept_bytes == 0
 
 
 @pytest.mark.parametrize("model_name", list(MODELS))
@@ -387,8 +395,11 @@ def test_existing_nvme_dir_left_exactly_as_found(tmp_path):
     model(**make_inputs(cfg, B, S)).loss.backward()
     # read back: the files left are kept for the next step's groups (in the runtime's own
     # folder), and go with the handle
-    spare = sorted(Path(p) for ps in h._r.mover.store.spare.values() for p in ps)
+    store = h._r.mover.store
+    spare = sorted(Path(p) for ps in store.spare.values() for p in ps)
     assert spare and [p for p in _bins(tmp_path) if p.suffix == ".bin"] == spare
+    # within what apply_plan found free beyond the plan's NVMe need
+    assert store.spare_room is not None and 0 < store.kept_bytes <= store.spare_room
     h.remove()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]
 

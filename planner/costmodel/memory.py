@@ -418,32 +418,38 @@ class MemoryRules:
             acc = [(v.h(i, k), float(self.G[i])) for k, h in enumerate(self.homes[i])
                    if every or h.grads is Tier.GPU]
         out = [[(1, float(self.W[i])), *acc]]
-        relief = self._gone_before_acc(i, v) if acc else []
-        if relief:
-            # micro-batch 1's backward (no gradient to add into yet: it makes the one ``alloc``
-            # counts) holds its saved bytes beside the workspace alone
-            out = [[*out[0], *relief], [(1, float(self.W[i]))]]
+        alts = self._layer_major_backward(i, v, acc) if acc else None
+        if alts:
+            out = alts
         for k in v.recomputed_at(i):
             if self.W[k] > self.W[i]:
                 out.append([(v.q(k, i), float(self.W[k])), *acc])
         return out
 
-    def _gone_before_acc(self, i: int, v: View) -> list:
-        """Layer-major (K > 1): what of unit i is freed in B:i before a gradient is added into
-        the one micro-batch 1 made. runtime/layer_major.py runs the K micro-batches' pieces of
-        unit i one after the other, each backward freeing its graph, so micro-batch 2 adds its
-        gradient (``transient``'s acc) only once micro-batch 1's saved bytes of the unit are
-        gone, however late any transfer finishes: a kept unit's with its graph, an offloaded
-        one's read-back copy with the views autograd drops (runtime/offload.py). Not its input,
-        whose storage the piece below holds to the end of B:i-1, nor its output (the cut
-        leaf above shares that storage, and an op that saves its result saves it too); nothing
-        for a recomputed unit (its saved bytes are counted one micro-batch at a time already,
+    def _layer_major_backward(self, i: int, v: View, acc: list) -> list | None:
+        """Layer-major (K > 1), B:i of a kept or offloaded unit: the transient's alternatives
+        at micro-batch 1's backward and at micro-batch 2's, or None (another order or choice).
+        runtime/layer_major.py runs the K micro-batches' pieces of unit i one after the other,
+        each backward freeing its graph, so micro-batch 2 adds its gradient (``acc``) only once
+        micro-batch 1's saved bytes of the unit are gone, however late a transfer finishes (a
+        kept unit's with its graph, an offloaded one's read-back copy with the views autograd
+        drops, runtime/offload.py), but for its input, whose storage the piece below holds to
+        the end of B:i-1. The cut's gradients are counted at each: micro-batch k's backward
+        holds the output gradients of micro-batches k..K (handed down by B:i+1) and the input
+        gradients of 1..k (waiting for B:i-1), which the acc term covered before. From
+        micro-batch 2 on that is linear in k, so micro-batches 2 and K bound it. A recomputed
+        unit keeps ``W + acc`` (its saved bytes are counted one micro-batch at a time already,
         ``_one_at_a_time``)."""
         u = self.units[i]
-        d = float(self.A1[i] - u.input_bytes - u.output_bytes)
-        if self.micro_batch_order != "layer-major" or d <= 0:
-            return []
-        return [(v.x(i, c), -d) for c in ("keep", "cpu", "nvme") if c in self.choices[i]]
+        xs = [v.x(i, c) for c in ("keep", "cpu", "nvme") if c in self.choices[i]]
+        gone = float(self.A1[i] - u.input_bytes)
+        if self.micro_batch_order != "layer-major" or gone <= 0 or not xs:
+            return None
+        inp, outp, K, W = float(u.input_bytes), float(u.output_bytes), self.K, float(self.W[i])
+        # micro-batch k >= 2: (K - k + 1) output gradients, k input gradients, k - 1 gone
+        later = [(K - k + 1) * outp + k * inp - (k - 1) * gone for k in sorted({2, K})]
+        out = [[(1, W), *acc, *[(x, b) for x in xs]] for b in later]
+        return out + [[(1, W), *[(x, K * outp + inp) for x in xs]]]
 
     def step_workspace(self, i: int, h: Home) -> tuple[str, int]:
         """(tier, bytes): the temporaries unit i's step allocates where it runs. The profile's
