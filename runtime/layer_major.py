@@ -60,7 +60,8 @@ API = "handle.run_micro_batches(batches, loss_fn)"
 
 class Workers:
     """The runner's micro-batch threads (``tierplan-mb1`` ..), started on first use and kept
-    until ``close``: ``run(fn, K)`` calls ``fn(k)`` on thread k for k < K and waits for all."""
+    until ``close``: ``run(fn, K, abort)`` calls ``fn(k)`` on thread k for k < K and waits
+    for all."""
 
     def __init__(self):
         self.threads: list = []
@@ -80,9 +81,9 @@ class Workers:
                 done.release()
                 done = None
 
-    def run(self, fn, K: int) -> threading.Semaphore:
-        """Start ``fn(k)`` on threads 0..K-1; the returned semaphore is released once per
-        finished call."""
+    def run(self, fn, K: int, abort) -> None:
+        """``fn(k)`` on threads 0..K-1, until every call has returned. An exception in the
+        caller's wait (Ctrl-C) calls ``abort()``, still waits for every call, and is raised."""
         while len(self.threads) < K:
             q = queue.SimpleQueue()
             t = threading.Thread(target=self._loop, args=(q,), daemon=True,
@@ -93,7 +94,16 @@ class Workers:
         done = threading.Semaphore(0)
         for k in range(K):
             self.queues[k].put((fn, k, done))
-        return done
+        left = K
+        try:
+            while left:
+                done.acquire()
+                left -= 1
+        except BaseException:
+            abort()
+            for _ in range(left):
+                done.acquire()
+            raise
 
     def stop(self) -> None:
         """Let the threads end (each once its queue reaches the stop), not waiting for them."""
@@ -285,18 +295,7 @@ class Run:
         r.driver.begin(weakref.ref(self))
         state = _tls_state(self.r.device)
         try:
-            done = r.lm_workers.run(lambda k: self._worker(k, state), self.K)
-            n = 0
-            try:
-                while n < self.K:
-                    done.acquire()
-                    n += 1
-            except BaseException:          # Ctrl-C while the threads run
-                self.turns.abort()
-                while n < self.K:
-                    done.acquire()
-                    n += 1
-                raise
+            r.lm_workers.run(lambda k: self._worker(k, state), self.K, self.turns.abort)
             errs = [e for e in self.errors if e is not None and not isinstance(e, _Aborted)]
             if errs:
                 raise errs[0]
