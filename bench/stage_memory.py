@@ -92,6 +92,11 @@ def main(argv=None) -> int:
         d = f"{(pred - meas) / MiB:10.2f}" if meas is not None else ""
         print(f"{st.stage:>6} {st.phase:9} {str(st.unit or ''):22} {m} {pred / MiB:10.2f} {d}")
     print(*rep.stage_summary(), sep="\n")
+    # the lines above are the runtime's, from the figures in the plan file; a plan written by
+    # an older planner is simulated here with today's model (the table's predicted column)
+    top = max(sim.stages, key=lambda st: st.memory["gpu"])
+    print(f"  simulated here: peak {rep.as_measured(top.memory['gpu']) / MiB:.2f} MiB in stage "
+          f"{top.stage} ({top.phase} {top.unit or ''})")
     return 0
 
 

@@ -408,7 +408,7 @@ class MemoryRules:
         if s == 0:
             return [[]]
         if s <= U:
-            return [[(1, float(self.W[s - 1]))]]
+            return [[(1, float(self.W[s - 1]) + self._outputs_made(s - 1))]]
         i = 2 * U - s
         acc = []
         if self.K > 1 and self.G[i]:
@@ -418,7 +418,7 @@ class MemoryRules:
             acc = [(v.h(i, k), float(self.G[i])) for k, h in enumerate(self.homes[i])
                    if every or h.grads is Tier.GPU]
         out = [[(1, float(self.W[i])), *acc]]
-        alts = self._layer_major_backward(i, v, acc) if acc else None
+        alts = self._layer_major_backward(i, v, acc) if self.K > 1 else None
         if alts:
             out = alts
         for k in v.recomputed_at(i):
@@ -426,30 +426,53 @@ class MemoryRules:
                 out.append([(v.q(k, i), float(self.W[k])), *acc])
         return out
 
+    def _outputs_made(self, i: int) -> float:
+        """Layer-major, F:i: the outputs micro-batches 1..K-1 made before the last one runs,
+        held by the cut as the unit above's inputs, which count them from F:i+1 on
+        (``_input_held``, a checkpoint or saved bytes). The last unit's pieces end in the loss.
+        Measured (docs/benchmarks.md, "Layer-major backward stages of recomputed units"): the
+        embedding's forward, whose saved bytes leave no slack to cover them, 0.8-1.8 MiB above
+        its prediction before."""
+        if self.micro_batch_order != "layer-major" or self.K < 2 or i == self.U - 1:
+            return 0.0
+        return float((self.K - 1) * self.units[i].output_bytes)
+
     def _layer_major_backward(self, i: int, v: View, acc: list) -> list | None:
-        """Layer-major (K > 1), B:i of a kept or offloaded unit: the transient's alternatives
-        at micro-batch 1's backward and at micro-batch 2's, or None (another order or choice).
-        runtime/layer_major.py runs the K micro-batches' pieces of unit i one after the other,
-        each backward freeing its graph, so micro-batch 2 adds its gradient (``acc``) only once
-        micro-batch 1's saved bytes of the unit are gone, however late a transfer finishes (a
-        kept unit's with its graph, an offloaded one's read-back copy with the views autograd
-        drops, runtime/offload.py), but for its input, whose storage the piece below holds to
-        the end of B:i-1. The cut's gradients are counted at each: micro-batch k's backward
-        holds the output gradients of micro-batches k..K (handed down by B:i+1) and the input
-        gradients of 1..k (waiting for B:i-1), which the acc term covered before. From
-        micro-batch 2 on that is linear in k, so micro-batches 2 and K bound it. A recomputed
-        unit keeps ``W + acc`` (its saved bytes are counted one micro-batch at a time already,
-        ``_one_at_a_time``)."""
+        """Layer-major (K > 1), B:i: the transient's alternatives at micro-batch 1's backward,
+        at micro-batch 2's and at micro-batch K's, or None (another order). runtime/layer_major.py
+        runs the K micro-batches' pieces of unit i one after the other, each backward freeing
+        its graph, so micro-batch k holds the output gradients of micro-batches k..K (handed
+        down by B:i+1) and the input gradients of 1..k (waiting for B:i-1), and from k = 2 on
+        adds its gradient (``acc``) into micro-batch 1's. Linear in k from micro-batch 2 on,
+        so micro-batches 2 and K bound it. What is gone by then:
+
+        - a kept or offloaded unit: micro-batch 1..k-1's saved bytes of the unit, if any (a kept
+          unit's with its graph, an offloaded one's read-back copy with the views autograd
+          drops, runtime/offload.py), however late a transfer finishes, but their inputs,
+          whose storage the piece below holds to the end of B:i-1;
+        - a recomputed unit (its saved bytes counted one micro-batch at a time already,
+          ``_one_at_a_time``): micro-batch 1..k-1's outputs, rebuilt by the recompute and
+          dropped with the piece, which the carried bytes count as the unit above's inputs
+          to the end of B:i. Measured per piece (docs/benchmarks.md, "Layer-major backward
+          stages of recomputed units"): each later micro-batch held one output fewer, and
+          micro-batch 2 its gradient more."""
+        if self.micro_batch_order != "layer-major":
+            return None
         u = self.units[i]
-        xs = [v.x(i, c) for c in ("keep", "cpu", "nvme") if c in self.choices[i]]
-        gone = float(self.A1[i] - u.input_bytes)
-        if self.micro_batch_order != "layer-major" or gone <= 0 or not xs:
+        gone = max(float(self.A1[i] - u.input_bytes), 0.0)
+        kept = [v.x(i, c) for c in ("keep", "cpu", "nvme") if c in self.choices[i]]
+        rec = [v.x(i, c) for c in REC if c in self.choices[i]]
+        if not kept and not rec:
             return None
         inp, outp, K, W = float(u.input_bytes), float(u.output_bytes), self.K, float(self.W[i])
-        # micro-batch k >= 2: (K - k + 1) output gradients, k input gradients, k - 1 gone
-        later = [(K - k + 1) * outp + k * inp - (k - 1) * gone for k in sorted({2, K})]
-        out = [[(1, W), *acc, *[(x, b) for x in xs]] for b in later]
-        return out + [[(1, W), *[(x, K * outp + inp) for x in xs]]]
+        if i == self.U - 1:      # the last unit's pieces end in the loss: no gradient handed down
+            outp = 0.0
+
+        def at(k: int, lost: float) -> float:   # micro-batch k >= 2, ``lost`` gone per earlier
+            return (K - k + 1) * outp + k * inp - (k - 1) * lost
+        out = [[(1, W), *acc, *[(x, at(k, gone)) for x in kept],
+                *[(x, at(k, outp)) for x in rec]] for k in sorted({2, K})]
+        return out + [[(1, W), *[(x, K * outp + inp) for x in kept + rec]]]
 
     def step_workspace(self, i: int, h: Home) -> tuple[str, int]:
         """(tier, bytes): the temporaries unit i's step allocates where it runs. The profile's
