@@ -184,3 +184,20 @@ def test_a_units_later_micro_batches_add_their_gradient_once_the_first_ones_byte
                 assert got > cm2.W[i] + cm2.G[i], (policy, i)
             seen.add(d)
     assert {"keep", "nvme", "recompute"} <= seen or {"keep", "cpu", "recompute"} <= seen
+
+
+def test_a_layer_major_forward_holds_the_outputs_its_earlier_micro_batches_made():
+    """Layer-major, F:i: micro-batch K's forward runs beside the outputs micro-batches 1..K-1
+    made, which the cut holds as the unit above's inputs and which count only from F:i+1 on;
+    the last unit's pieces end in the loss. Batch-major runs one micro-batch per pass: W_i
+    alone (measured: docs/benchmarks.md, "Layer-major backward stages of recomputed units",
+    the embedding's forward 0.8-1.8 MiB above its prediction before)."""
+    for order in ("batch-major", "layer-major"):
+        prof, hw, budgets, cm, layers = _case(order)
+        for i in range(cm.U):
+            got = max(sum(evaluate([t]) for t in lin) for lin in cm.transient(cm.L.fwd(i), None))
+            made = (K - 1) * prof.layers[i].output_bytes
+            if order == "batch-major" or i == cm.U - 1:
+                made = 0
+            assert prof.layers[i].output_bytes > 0
+            assert got == cm.W[i] + made, (order, i)
