@@ -10,7 +10,7 @@ import pytest
 from planner.costmodel import evaluate
 from planner.costmodel.baselines import baseline_layers
 from planner.errors import UserError
-from planner.formats import Budgets, Policy
+from planner.formats import Activation, Budgets, Policy, Tier
 from planner.hardware import load_hardware
 from planner.plans import cost_model, plan_and_sim
 from planner.solve.config import SolveConfig
@@ -148,42 +148,52 @@ def test_a_units_later_micro_batches_add_their_gradient_once_the_first_ones_byte
     """Layer-major, B:i: the runtime runs the K micro-batches' pieces of unit i one after the
     other, so micro-batch 2 adds its gradient into micro-batch 1's (``transient``'s acc) after
     micro-batch 1's saved bytes of the unit have gone with its graph, however late a transfer
-    finishes. For a kept or offloaded unit the model holds W plus the larger of micro-batch
-    1's moment (the K output gradients B:i+1 handed down, its input gradient) and micro-batch
-    2's (G added, one output gradient fewer, two input gradients, micro-batch 1's saved bytes
-    but its input gone); for a recomputed one the same with micro-batch 1's output gone
-    instead, its saved bytes being one micro-batch's already (measured: docs/benchmarks.md,
+    finishes. The model holds W plus the largest of micro-batch 1's moment (the K output
+    gradients B:i+1 handed down, its input gradient), micro-batch 2's (G added, one output
+    gradient fewer, two input gradients; a kept or offloaded unit's micro-batch 1 saved bytes
+    but its input gone) and micro-batch K's; a recomputed unit's saved bytes are one
+    micro-batch's already. Beside each, the unit's outputs of micro-batches k..K, which its
+    pieces hold, where the unit above kept them as saved bytes or as its checkpoint and so
+    stopped counting them at its own backward's end (measured: docs/benchmarks.md,
     "Layer-major backward stages", "... of recomputed units")."""
     from planner.plans.simulate import PlanView, check_plan
-    seen = set()
+    seen, roots_seen = set(), set()
     for policy in (Policy.KEEP_ALL, Policy.OFFLOAD_ALL, Policy.RECOMPUTE_ALL):
         prof, hw, budgets, cm, layers = _case("layer-major", policy)
         plan, _ = plan_and_sim(prof, None, hw, budgets, "stream-all", layers, cm=cm)
         cm2, shares = check_plan(plan)
         v = PlanView(cm2, plan.layers, shares)
-        for i in range(1, cm2.U):
+        for i in range(cm2.U):
             s = cm2.L.bwd(i)
             got = max(sum(evaluate([t]) for t in lin) for lin in cm2.transient(s, v))
             u, d = prof.layers[i], plan.layers[i].activation.value
             assert cm2.G[i] > 0 and cm2.W[i] > 0
-            gone = u.activation_bytes - u.input_bytes
-            # the last unit's pieces end in the loss: no output gradient is handed down to it
-            x, y = u.input_bytes, (u.output_bytes if i < cm2.U - 1 else 0)
+            gone = max(u.activation_bytes - u.input_bytes, 0)
+            if d == "recompute":
+                gone = 0
+            # the last unit's pieces end in the loss: no output gradient is handed down to it;
+            # the first unit's input (token ids) gets no gradient
+            x = u.input_bytes if i > 0 else 0
+            y = u.output_bytes if i < cm2.U - 1 else 0
+            up = plan.layers[i + 1] if i + 1 < cm2.U else None
+            holds = up is not None and (up.activation is Activation.KEEP or (
+                up.activation is Activation.RECOMPUTE and (up.checkpoint or Tier.GPU) is Tier.GPU))
+
+            def roots(k):       # unit i's outputs of micro-batches k..K, held by its pieces
+                return (K - k + 1) * y if holds else 0
             # micro-batch 1: K output gradients handed down, its input gradient made;
             # micro-batch 2: one output gradient fewer, two input gradients, its gradient added
             # ... micro-batch K: one output gradient, K input gradients, K - 1 units' bytes gone
-            # a recomputed unit: its saved bytes are one micro-batch's already; what goes with
-            # each earlier piece is its output (rebuilt, dropped with the piece)
-            if d == "recompute":
-                gone = y
-            first, second = K * y + x, cm2.G[i] + (K - 1) * y + 2 * x - gone
-            last = cm2.G[i] + y + K * x - (K - 1) * gone
-            assert gone > 0
+            first = K * y + x + roots(1)
+            second = cm2.G[i] + (K - 1) * y + 2 * x - gone + roots(2)
+            last = cm2.G[i] + y + K * x - (K - 1) * gone + roots(K)
             assert got == cm2.W[i] + max(first, second, last), (policy, i, d)
             if d == "recompute":        # more than its workspace and added gradient alone
                 assert got > cm2.W[i] + cm2.G[i], (policy, i)
             seen.add(d)
+            roots_seen.add(holds and y > 0)
     assert {"keep", "nvme", "recompute"} <= seen or {"keep", "cpu", "recompute"} <= seen
+    assert roots_seen == {True, False}
 
 
 def test_a_layer_major_forward_holds_the_outputs_its_earlier_micro_batches_made():

@@ -423,13 +423,18 @@ class MemoryRules:
             out = alts
         for k in v.recomputed_at(i):
             if self.W[k] > self.W[i]:
-                out.append([(v.q(k, i), float(self.W[k])), *acc])
+                # a rebuilt unit's larger workspace, beside what each moment holds besides W_i
+                out += [[(v.q(k, i), float(self.W[k])), *a[1:]] for a in alts] if alts else \
+                    [[(v.q(k, i), float(self.W[k])), *acc]]
         return out
 
     def _outputs_made(self, i: int) -> float:
         """Layer-major, F:i: the outputs micro-batches 1..K-1 made before the last one runs,
         held by the cut as the unit above's inputs, which count them from F:i+1 on
-        (``_input_held``, a checkpoint or saved bytes). The last unit's pieces end in the loss.
+        (``_input_held``, its saved bytes), or as its checkpoint ('rg') from F:i+2: in its own
+        forward one micro-batch's saved bytes (``_one_at_a_time``) stand for them (the forward
+        stages of recomputed blocks were measured below their prediction in every plan of
+        docs/benchmarks.md). The last unit's pieces end in the loss.
         Measured (docs/benchmarks.md, "Layer-major backward stages of recomputed units"): the
         embedding's forward, whose saved bytes leave no slack to cover them, 0.8-1.8 MiB above
         its prediction before."""
@@ -443,19 +448,14 @@ class MemoryRules:
         runs the K micro-batches' pieces of unit i one after the other, each backward freeing
         its graph, so micro-batch k holds the output gradients of micro-batches k..K (handed
         down by B:i+1) and the input gradients of 1..k (waiting for B:i-1), and from k = 2 on
-        adds its gradient (``acc``) into micro-batch 1's. Linear in k from micro-batch 2 on,
-        so micro-batches 2 and K bound it. What is gone by then:
-
-        - a kept or offloaded unit: micro-batch 1..k-1's saved bytes of the unit, if any (a kept
-          unit's with its graph, an offloaded one's read-back copy with the views autograd
-          drops, runtime/offload.py), however late a transfer finishes, but their inputs,
-          whose storage the piece below holds to the end of B:i-1;
-        - a recomputed unit (its saved bytes counted one micro-batch at a time already,
-          ``_one_at_a_time``): micro-batch 1..k-1's outputs, rebuilt by the recompute and
-          dropped with the piece, which the carried bytes count as the unit above's inputs
-          to the end of B:i. Measured per piece (docs/benchmarks.md, "Layer-major backward
-          stages of recomputed units"): each later micro-batch held one output fewer, and
-          micro-batch 2 its gradient more."""
+        adds its gradient (``acc``) into micro-batch 1's; beside them the unit's outputs of
+        micro-batches k..K (``_roots``). Linear in k from micro-batch 2 on, so micro-batches 2
+        and K bound it. A kept or offloaded unit's saved bytes of micro-batches 1..k-1 are gone
+        by then (a kept unit's with its graph, an offloaded one's read-back copy with the views
+        autograd drops, runtime/offload.py), however late a transfer finishes, but their
+        inputs, whose storage the piece below holds to the end of B:i-1. A recomputed unit's
+        saved bytes are one micro-batch's already (``_one_at_a_time``). Measured per piece
+        (docs/benchmarks.md, "Layer-major backward stages of recomputed units")."""
         if self.micro_batch_order != "layer-major":
             return None
         u = self.units[i]
@@ -464,15 +464,32 @@ class MemoryRules:
         rec = [v.x(i, c) for c in REC if c in self.choices[i]]
         if not kept and not rec:
             return None
-        inp, outp, K, W = float(u.input_bytes), float(u.output_bytes), self.K, float(self.W[i])
+        outp, K, W = float(u.output_bytes), self.K, float(self.W[i])
         if i == self.U - 1:      # the last unit's pieces end in the loss: no gradient handed down
             outp = 0.0
+        # the first unit's input (token ids) has no gradient: nothing below waits for one
+        inp = float(u.input_bytes) if i > 0 else 0.0
 
         def at(k: int, lost: float) -> float:   # micro-batch k >= 2, ``lost`` gone per earlier
             return (K - k + 1) * outp + k * inp - (k - 1) * lost
         out = [[(1, W), *acc, *[(x, at(k, gone)) for x in kept],
-                *[(x, at(k, outp)) for x in rec]] for k in sorted({2, K})]
-        return out + [[(1, W), *[(x, K * outp + inp) for x in kept + rec]]]
+                *[(x, at(k, 0.0)) for x in rec], *self._roots(i, v, k, outp)]
+               for k in sorted({2, K})]
+        return out + [[(1, W), *[(x, K * outp + inp) for x in kept + rec],
+                       *self._roots(i, v, 1, outp)]]
+
+    def _roots(self, i: int, v: View, k: int, outp: float) -> list:
+        """Layer-major B:i, micro-batch k's piece: unit i's outputs of micro-batches k..K, each
+        held by its piece until the piece ends, where the carried bytes no longer count them:
+        the unit above's 'keep' (its inputs among its saved bytes) and 'rg' (they are its
+        checkpoint) free them at the end of B:i+1. Its other choices hold all K to the end of
+        B:i (``_input_held``): nothing more, though k - 1 are gone by then (taking them off
+        would need the product of two units' choices)."""
+        j = i + 1
+        if j >= self.U or not outp:
+            return []
+        return [(v.x(j, c), (self.K - k + 1) * outp) for c in ("keep", "rg")
+                if c in self.choices[j]]
 
     def step_workspace(self, i: int, h: Home) -> tuple[str, int]:
         """(tier, bytes): the temporaries unit i's step allocates where it runs. The profile's
