@@ -22,9 +22,9 @@ GiB = 2**30
 K = 4
 
 
-def _case(order, policy=Policy.RECOMPUTE_ALL):
+def _case(order, policy=Policy.RECOMPUTE_ALL, param_bytes=1_000_000_000):
     hw = load_hardware("a100-80g")
-    prof = uniform_profile(6, hw, param_bytes=1_000_000_000, saved_bytes=300_000_000)
+    prof = uniform_profile(6, hw, param_bytes=param_bytes, saved_bytes=300_000_000)
     budgets = Budgets(40 * GiB, 256 * GiB, 1024 * GiB)
     cm = cost_model(prof, hw, budgets, K, micro_batch_order=order)
     layers = stream_all_layers(cm, baseline_layers(policy, prof.layers, hw))
@@ -157,9 +157,11 @@ def test_a_units_later_micro_batches_add_their_gradient_once_the_first_ones_byte
     stopped counting them at its own backward's end (measured: docs/benchmarks.md,
     "Layer-major backward stages", "... of recomputed units")."""
     from planner.plans.simulate import PlanView, check_plan
-    seen, roots_seen = set(), set()
-    for policy in (Policy.KEEP_ALL, Policy.OFFLOAD_ALL, Policy.RECOMPUTE_ALL):
-        prof, hw, budgets, cm, layers = _case("layer-major", policy)
+    seen, roots_seen, largest = set(), set(), set()
+    # a large gradient (micro-batch 2's moment the largest) and a small one (micro-batch 1's)
+    for policy, g in ((p, g) for p in (Policy.KEEP_ALL, Policy.OFFLOAD_ALL, Policy.RECOMPUTE_ALL)
+                      for g in (1_000_000_000, 1_000_000)):
+        prof, hw, budgets, cm, layers = _case("layer-major", policy, param_bytes=g)
         plan, _ = plan_and_sim(prof, None, hw, budgets, "stream-all", layers, cm=cm)
         cm2, shares = check_plan(plan)
         v = PlanView(cm2, plan.layers, shares)
@@ -192,8 +194,13 @@ def test_a_units_later_micro_batches_add_their_gradient_once_the_first_ones_byte
                 assert got > cm2.W[i] + cm2.G[i], (policy, i)
             seen.add(d)
             roots_seen.add(holds and y > 0)
+            largest.add((d, "first" if first > max(second, last) else
+                         "second" if second > max(first, last) else "tie"))
     assert {"keep", "nvme", "recompute"} <= seen or {"keep", "cpu", "recompute"} <= seen
     assert roots_seen == {True, False}
+    # each unit's choice has a case where micro-batch 1's moment decides, and one where 2's does
+    for d in ("keep", "recompute"):
+        assert {(d, "first"), (d, "second")} <= largest, largest
 
 
 def test_a_layer_major_forward_holds_the_outputs_its_earlier_micro_batches_made():
