@@ -589,6 +589,7 @@ class NvmeStore:
         self.kept: dict[str, int] = {}
         self.kept_bytes = 0
         self.spare_room: int | None = None
+        self.block = 4096                   # the file system's allocation unit (``prepare``)
         self.failed: dict[str, str] = {}    # path -> why its deletion failed
         self.lock = threading.Lock()
         self.pid: int | None = None         # the process that made self.dir
@@ -812,6 +813,7 @@ class NvmeStore:
                 "smaller --nvme-mem")
         # files kept for reuse take only what is free beyond the plan's own need
         self.spare_room = free - need if need_bytes else 0
+        self.block = block
 
     # -- files -----------------------------------------------------------------------------
     def _record(self, line: str) -> None:
@@ -965,7 +967,7 @@ class NvmeStore:
                 return
             try:
                 st = os.fstat(fd)
-                size = max(-(-st.st_size // 4096) * 4096, st.st_blocks * 512)
+                size = max(-(-st.st_size // self.block) * self.block, st.st_blocks * 512)
             except OSError:
                 size = None
             grow = None if size is None else size - self.kept.get(path, 0)
