@@ -4,7 +4,7 @@
 
 MODEL is what ``plan profile`` was given (``examples.hf_models:nanochat_default``, ``gpt-tiny``).
 The plan trains STEPS optimizer steps of its K micro-batches (under ``handle.run_micro_batches``
-for a layer-major plan, dropout off as bench/streaming.py does; else the plain loop) with
+for a layer-major plan, else the plain loop), dropout as the model has it, as it was profiled, with
 ``apply_plan(..., stage_peaks=True)``: the runtime resets the peak as each stage begins, after
 the previous unit's weights are released, as the plan frees them (docs/runtime.md, "Peaks per
 stage"). The table puts each stage's median over the steps after the first beside the
@@ -33,15 +33,6 @@ from runtime import apply_plan  # noqa: E402
 MiB = 2 ** 20
 
 
-def _dropout_off(model):
-    """bench/streaming.py's: every dropout at 0, as its layer-major runs train."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("bench_streaming", ROOT / "bench/streaming.py")
-    streaming = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(streaming)
-    streaming._dropout_off(model)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("plan")
@@ -54,8 +45,8 @@ def main(argv=None) -> int:
     layer_major = plan.micro_batch_order == "layer-major"
     torch.manual_seed(0)
     model, inputs, _, _, _ = resolve_model(a.model, B, S, "fp32", "cpu")
-    if layer_major:
-        _dropout_off(model)
+    # dropout stays as profiled: its masks are saved tensors, and without it an attention
+    # layer may save far less (PyTorch's fused CPU attention keeps no probabilities)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     handle = apply_plan(model, plan, optimizer=opt, stage_peaks=True)
