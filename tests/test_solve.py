@@ -110,6 +110,32 @@ def test_too_small_budget_names_smallest_that_fits(prof, tmp_path, capsys):
     assert not (tmp_path / "x.json").exists()
 
 
+def test_remat_only_names_a_budget_at_which_remat_only_fits(prof, tmp_path, capsys):
+    """remat-only moves nothing off the device: the budget its exit 3 names is the smallest of
+    its own (activation-only) model, not of the model that may stream (which named a budget
+    below the one given, and then itself again)."""
+    path, p, _ = prof
+    small = p.static_bytes                # the state fits, but no activations beside it
+    rc = main(["solve", str(path), "--gpu-mem", str(small), "--cpu-mem", "512G",
+               "--policy", "remat-only", "-o", str(tmp_path / "x.json")])
+    assert rc == 3
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    need = int(err.split("with a plan is ")[1].split("(")[1].split(" B)")[0])
+    assert need > small
+    rc = main(["solve", str(path), "--gpu-mem", str(need), "--cpu-mem", "512G",
+               "--policy", "remat-only", "-o", str(tmp_path / "y.json")])
+    assert rc == 0
+    plan = load_plan(tmp_path / "y.json")
+    assert simulate(plan).fits and all(d.home.resident for d in plan.layers)
+    # with the static state itself too big, the line says that the policy keeps it on the device
+    rc = main(["solve", str(path), "--gpu-mem", str(small // 2), "--cpu-mem", "512G",
+               "--policy", "remat-only", "-o", str(tmp_path / "z.json")])
+    assert rc == 3
+    err = capsys.readouterr().err.strip()
+    assert "--policy remat-only keeps it on the device" in err and len(err.splitlines()) == 1
+
+
 def test_static_state_too_big_without_other_tiers_says_so(tmp_path, capsys):
     # 175e9 parameters x 16 bytes (bf16 weights+grads, fp32 master and two moments) on 80G,
     # with neither host memory nor NVMe to put any of it in

@@ -73,7 +73,9 @@ def _no_fit(cfg: SolveConfig, cm: CostModel, clock, n_tried: int = 1) -> NoFitEr
         why = ""
         if static > budgets.gpu_bytes and len({h for hs in cm.homes for h in hs}) == 1:
             why = (f" (the static state alone, {_size(static)}, exceeds it, and "
-                   + ("--stream off keeps it on the device: drop --stream off and give "
+                   + ("--policy remat-only keeps it on the device: drop --policy remat-only "
+                      "to let it stream)" if cfg.policy == "remat-only" else
+                      "--stream off keeps it on the device: drop --stream off and give "
                       "--cpu-mem or --nvme-mem)" if stream_off else
                       "with these budgets nothing can live off the device: give --cpu-mem or "
                       "--nvme-mem)"))

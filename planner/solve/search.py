@@ -106,10 +106,13 @@ def _solve_order(profile: Profile, profile_path, cfg: SolveConfig, seeds: tuple 
                                              prefetch_bytes=0),
                      dataclasses.replace(cm, allow_streaming=False),
                      lean if lean.overlapped else None)
-    if _static_floor(models.lean) > models.lean.budget["gpu"]:
+    # the model whose smallest budget a refusal names: remat-only moves nothing off the
+    # device, so its leanest plans are the activation-only model's
+    floor = models.act if cfg.policy == Policy.REMAT_ONLY.value else models.lean
+    if _static_floor(floor) > floor.budget["gpu"]:
         # what the device holds for the whole step under the leanest homes already exceeds the
         # budget: no strategy can fit, so the whole time limit goes to naming what would
-        raise _no_fit(cfg, models.lean, clock, 0)
+        raise _no_fit(cfg, floor, clock, 0)
     cands = _first_candidates(profile, profile_path, cfg, models, clock, seeds)
     best = _search(profile, profile_path, cfg, models, clock, cands)
     if best is None and cfg.policy == Policy.OPTIMAL.value:
@@ -120,7 +123,7 @@ def _solve_order(profile: Profile, profile_path, cfg: SolveConfig, seeds: tuple 
             best = _pick(cands)
     tried = {c.origin: (c.sim.step_s, c.sim.fits, c.sim.peak_gpu_bytes) for c in cands}
     if best is None:
-        raise _no_fit(cfg, models.lean, clock, len(cands))
+        raise _no_fit(cfg, floor, clock, len(cands))
     if clock.skipped:
         warn(f"the --time-limit left out {', '.join(clock.skipped)} on this "
              f"{cm.U}-unit model; the plan is the best of the rest (raise --time-limit to try "
