@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import threading
 import time
 import types
@@ -306,6 +307,11 @@ class _Runner:
         # catch one wrapped after the plan (the wrong order)
         self.engine = plan.engine
         self.model_cls = type(model)
+        # the modules that can switch their own gradient checkpointing on (Hugging Face's
+        # stacks carry the flag): switched on after apply_plan (the Trainer's
+        # ``gradient_checkpointing=True`` does, inside ``train()``) the next forward refuses
+        self.gc_modules = [(n, m) for n, m in model.named_modules()
+                           if isinstance(getattr(m, "gradient_checkpointing", None), bool)]
         # units whose tensors live off the device between uses
         self.statics: dict[str, UnitStatic] = {}
         self.unit_params = _unit_params(model, plan, dict(blocks))
@@ -403,6 +409,11 @@ class _Runner:
         if self.overlap is not None:
             self.overlap.backward_ended()     # its compute is over (what waits is transfers)
         self.driver.finish()
+        if self.overlap is not None and self.overlap.clip == "none":
+            # the steps beside the backward read the gradients they were handed: they end
+            # before the loop gets the gradients back (a clip scaled a unit's gradient while
+            # its paced step ran, and remove() then raised that in place of the clip's refusal)
+            self.overlap.quiesce()
 
     def quiesce(self) -> None:
         """Nothing of the overlapped executor runs (before a unit is read outside a pass)."""
@@ -535,6 +546,13 @@ class _Runner:
             why = engines.wrapped_after(self.model, self.model_cls)
             if why:
                 raise UnsupportedModelError(f"{why}; {engines.ORDER}")
+        for name, m in self.gc_modules:
+            if m.gradient_checkpointing is True:
+                raise UnsupportedModelError(
+                    f"module {name or 'the model'} switched its own gradient checkpointing on "
+                    "after apply_plan (the Hugging Face Trainer does for gradient_checkpointing="
+                    "True); turn it off (model.gradient_checkpointing_disable(), or "
+                    "gradient_checkpointing=False): the plan decides what is recomputed")
         if self.layer_major:
             return self._lm_model_forward(orig, args, kwargs)
         self._check_input(args, kwargs)
@@ -1164,25 +1182,34 @@ def _install_optimizer(runner: _Runner, opt) -> list:
     def load_state_dict(_opt, sd):
         runner.quiesce()
         orig_load(sd)
-        for s in runner.statics.values():
-            if s.state_out:
-                # the optimizer may hold the caller's own tensors (``load_state_dict`` keeps
-                # those already of the right dtype and device): the home gets copies, and
-                # freeing them on the device leaves the caller's dict as it was
-                for _, p in s.params:
-                    st = opt.state.get(p, {})
-                    for key, v in list(st.items()):
-                        if isinstance(v, torch.Tensor) and v.numel() == p.numel() > 1:
-                            st[key] = v.clone()
-                tens = s.state_tensors(opt.state)
-                if tens:
-                    s.state_layout = None            # rewritten from the loaded values
-                    s.write_back(opt.state, weights=False)
+        _state_home(runner, opt)
+    # state the optimizer holds already (loaded from a checkpoint, or steps taken before
+    # apply_plan) goes to its homes now, as a load would send it
+    _state_home(runner, opt)
     patch("step", step)
     patch("zero_grad", zero_grad)
     patch("state_dict", state_dict)
     patch("load_state_dict", load_state_dict)
     return undo
+
+
+def _state_home(runner: _Runner, opt) -> None:
+    """The per-element optimizer state ``opt`` holds for units whose state is homed off the
+    device, written to those homes and freed on the device (the step reads it from there)."""
+    for s in runner.statics.values():
+        if s.state_out:
+            # the optimizer may hold the caller's own tensors (``load_state_dict`` keeps those
+            # already of the right dtype and device): the home gets copies, and freeing them
+            # on the device leaves the caller's dict as it was
+            for _, p in s.params:
+                st = opt.state.get(p, {})
+                for key, v in list(st.items()):
+                    if isinstance(v, torch.Tensor) and v.numel() == p.numel() > 1:
+                        st[key] = v.clone()
+            tens = s.state_tensors(opt.state)
+            if tens:
+                s.state_layout = None            # rewritten from the values held
+                s.write_back(opt.state, weights=False)
 
 
 def _install_state_dict_hooks(runner: _Runner) -> list:
@@ -1251,6 +1278,21 @@ def _executor(plan: Plan, src: str) -> Executor:
     except UserError as e:
         raise PlanMismatchError(str(e)) from None
     return plan.executor
+
+
+def _check_threads(model, executor: Executor, src: str) -> None:
+    """Refuse, before anything is made, a CPU model's plan whose ``compute_threads`` exceeds
+    the cores this process may use (an edited plan set 100000: torch's thread pool crashed
+    the process, leaving its offload folder)."""
+    n = executor.compute_threads
+    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if not n or dev.type != "cpu":
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if cores and n > cores:
+        raise PlanMismatchError(f"{src}: executor.compute_threads is {n}, more than the {cores} "
+                                "cores this process may use; profile the model on this machine "
+                                "(plan profile --device cpu) and solve again")
 
 
 def _compute_threads(runner: _Runner, executor: Executor) -> list:
@@ -1323,6 +1365,7 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
                         "which this runtime does not run; re-solve with --optimizer-overlap "
                         "off")
     executor = _executor(plan, src)
+    _check_threads(model, executor, src)
     blocks = bind(model, plan, src)      # runtime/binding.py: exact names, shapes, identity
     engines.check(plan, engine, model, blocks, src)
     if engine == "fsdp2":

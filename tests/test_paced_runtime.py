@@ -382,6 +382,27 @@ def test_a_paced_step_frees_the_gradient_and_a_clip_or_read_is_refused_in_one_li
     assert _files(tmp_path / "nvme") == [] and _workers() == []
 
 
+def test_the_backward_returns_with_every_step_done_so_a_clip_is_refused_first(tmp_path):
+    """``loss.backward()`` returns once the steps beside it have run: a clip in the loop then
+    meets only finished steps (it scaled a unit's gradient while that unit's step ran, and
+    ``remove()`` raised that change in place of the clip's refusal), and the refusal is the
+    error the loop sees, ``remove()`` adding none."""
+    model, data, plan = _setup("llama", tmp_path / "nvme")
+    opt, _ = _optimizer(model)
+    handle = apply_plan(model, plan, optimizer=opt)
+    try:
+        model(**data[0]).loss.backward()
+        jobs = list(handle._r.overlap.jobs)
+        assert jobs and all(j.future.done() for j in jobs), \
+            [(j.unit.name, j.future.done()) for j in jobs]
+        with pytest.raises(UserError, match="paced.*--clip global") as e:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        _one_line(e)
+    finally:
+        handle.remove()                      # raises nothing: no gradient moved under a step
+    assert _files(tmp_path / "nvme") == [] and _workers() == []
+
+
 def test_a_gradient_not_zeroed_before_the_next_step_is_refused_in_one_line(tmp_path):
     """Plain PyTorch would add the next backward into the gradient the paced step freed."""
     model, data, plan = _setup("gpt", tmp_path / "nvme")

@@ -716,5 +716,20 @@ def test_a_cpu_plan_computes_with_the_threads_its_profile_was_timed_with(tmp_pat
         assert main(["solve", str(meta), "--gpu-mem", "1G", "-o", str(mplan)]) == 0
         with apply_plan(build_model("gpt-tiny", "fp32", "cpu"), str(mplan)):
             assert torch.get_num_threads() == 2
+        # an edited count beyond this machine's cores is refused in one line before anything
+        # is made (torch's pool at 100000 threads crashed the process)
+        d = json.loads(plan.read_text())
+        d["executor"]["compute_threads"] = 100000
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps(d))
+        with pytest.raises(PlanMismatchError, match="compute_threads is 100000") as e:
+            apply_plan(build_model("gpt-tiny", "fp32", "cpu"), str(bad))
+        assert "\n" not in str(e.value) and torch.get_num_threads() == 2
+        # and disk requests whose bounce buffers would pass 1 GiB are refused when read
+        d["executor"].update(compute_threads=1, io_request_bytes=2**30, io_in_flight=1024)
+        bad.write_text(json.dumps(d))
+        from planner.formats import UserError, load_plan
+        with pytest.raises(UserError, match="io_in_flight must be at most 1 GiB"):
+            load_plan(bad)
     finally:
         torch.set_num_threads(was)

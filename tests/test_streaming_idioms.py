@@ -332,3 +332,56 @@ def test_a_layer_shared_by_two_blocks_is_found_and_never_streamed(tmp_path):
     assert _diff(model.state_dict(), ref.state_dict()) <= 1e-6
     handle.remove()
     assert _files(tmp_path / "nvme") == []
+
+
+@pytest.mark.parametrize("how", ["stepped", "loaded"])
+def test_an_optimizer_with_state_before_apply_plan_trains_on_from_it(how, tmp_path):
+    """The usual resume order (model and optimizer built, both ``load_state_dict``-ed, then
+    ``apply_plan``) and steps taken before the plan: the state the optimizer holds goes to its
+    home at ``apply_plan`` (the step in pieces raised ``KeyError: (0, 'exp_avg')`` before,
+    half way through ``opt.step()``), and the caller's checkpoint dict keeps its tensors."""
+    cfg, model = _model()
+    data = _data(cfg)
+    ref = copy.deepcopy(model)
+    ref_opt = _opt(ref)
+    _train(ref, data, ref_opt)
+    first = data[:K]
+    opt = _opt(model)
+    if how == "stepped":
+        warm, warm_opt = model, opt
+    else:   # a checkpoint of a model trained one step: loaded into the fresh ones, then planned
+        warm = copy.deepcopy(model)
+        warm_opt = _opt(warm)
+    torch.manual_seed(123)                      # _train's seed: the same dropout masks
+    for k in range(K):
+        (warm(**first[k]).loss / K).backward()
+    torch.nn.utils.clip_grad_norm_(warm.parameters(), 0.5)
+    warm_opt.step()
+    warm_opt.zero_grad()
+    if how == "loaded":
+        osd = warm_opt.state_dict()
+        model.load_state_dict(warm.state_dict())
+        opt.load_state_dict(osd)
+        kept = {k: {kk: v.clone() for kk, v in st.items()} for k, st in osd["state"].items()}
+    nvme = tmp_path / "nvme"
+    plan = plan_for(model, "keep-all", B, S, nvme_dir=nvme, homes={"blocks": ON_DISK},
+                    micro_batches=K)
+    handle = apply_plan(model, plan, optimizer=opt)
+    rng = torch.get_rng_state()
+    for step in range(1, STEPS):
+        for k in range(K):
+            (model(**data[step * K + k]).loss / K).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    torch.set_rng_state(rng)
+    assert _diff(model.state_dict(), ref.state_dict()) <= 1e-6
+    if how == "loaded":
+        # the caller's tensors keep their storage (the homes took copies; freeing the
+        # optimizer's own on the device emptied them before), as plain PyTorch leaves them
+        for k, st in osd["state"].items():
+            for kk, v in st.items():
+                assert v.untyped_storage().nbytes() == v.numel() * v.element_size(), (k, kk)
+                assert torch.isfinite(v).all() and v.shape == kept[k][kk].shape, (k, kk)
+    handle.remove()
+    assert _files(nvme) == []

@@ -26,7 +26,7 @@ from planner.formats import Budgets, Tier  # noqa: E402
 from planner.hardware import load_hardware  # noqa: E402
 from planner.profile import profile_module  # noqa: E402
 from planner.solve import solve_profile  # noqa: E402
-from runtime import PlanMismatchError, apply_plan  # noqa: E402
+from runtime import PlanMismatchError, UnsupportedModelError, apply_plan  # noqa: E402
 
 B, S, K, STEPS = 2, 16, 2, 3
 
@@ -50,7 +50,7 @@ def setup():
     return base, data, hw, prof
 
 
-def _train(base, data, tmp, plan=None, optimizers=True, accum=K, max_grad_norm=1.0):
+def _train(base, data, tmp, plan=None, optimizers=True, accum=K, max_grad_norm=1.0, **more):
     model = copy.deepcopy(base)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     handle = apply_plan(model, plan, optimizer=opt) if plan is not None else None
@@ -58,7 +58,7 @@ def _train(base, data, tmp, plan=None, optimizers=True, accum=K, max_grad_norm=1
         output_dir=str(tmp), per_device_train_batch_size=B, gradient_accumulation_steps=accum,
         max_steps=STEPS, max_grad_norm=max_grad_norm, learning_rate=1e-3, logging_steps=1,
         save_strategy="steps", save_steps=STEPS, report_to=[], use_cpu=True, seed=7,
-        disable_tqdm=True)
+        disable_tqdm=True, **more)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
                                    optimizers=(opt, None) if optimizers else (None, None))
     try:
@@ -130,6 +130,20 @@ def test_a_trainer_that_makes_its_own_optimizer_is_refused_in_one_line(setup, tm
         with pytest.raises(PlanMismatchError, match=r"optimizers=\(opt, None\)") as e:
             _train(base, data, tmp_path / "t", plan, optimizers=False)
     assert "\n" not in str(e.value)
+
+
+def test_the_trainers_own_gradient_checkpointing_is_refused_in_one_line(setup, tmp_path):
+    """``TrainingArguments(gradient_checkpointing=True)`` switches the model's own
+    checkpointing on inside ``train()``, after ``apply_plan``: the first forward refuses it
+    (it ran before, silently not as planned: the plan's NVMe peak 30 against 35 MiB)."""
+    base, data, hw, prof = setup
+    plan = _tightest(prof, hw, tmp_path / "nvme", "auto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(UnsupportedModelError, match="gradient_checkpointing=False") as e:
+            _train(base, data, tmp_path / "t", plan, gradient_checkpointing=True)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "nvme").exists() or not any((tmp_path / "nvme").rglob("*"))
 
 
 def test_a_plain_accelerate_loop_trains_under_a_streaming_plan_exactly(setup, tmp_path):

@@ -93,6 +93,10 @@ class Executor:
                             f"{IO_BLOCK_BYTES}-byte blocks, at most 1 GiB (or 0); {fix}")
         if not 0 <= d.get("io_in_flight", 0) <= 1024:
             raise UserError(f"{where} executor: io_in_flight must be 0 to 1024; {fix}")
+        if n * d.get("io_in_flight", 0) > 2**30:
+            # each request in flight holds a bounce buffer of its size
+            raise UserError(f"{where} executor: io_request_bytes x io_in_flight must be at "
+                            f"most 1 GiB of buffers; {fix}")
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
     def check_pieces(self, where: str) -> None:
