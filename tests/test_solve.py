@@ -368,3 +368,29 @@ def test_frozen_units_keep_their_empty_grads_and_state_on_the_device(spec, tmp_p
             if u.name == "head" else d for u, d in zip(plan.units, plan.layers)])
         save_plan(old, tmp_path / "old.json")
         assert simulate(load_plan(tmp_path / "old.json")).fits
+
+
+def test_exit_3_says_when_the_budget_it_names_is_more_than_the_device(tmp_path, capsys):
+    """A diffusers UNet's exit 3 named 144.74 GiB on an 80 GiB A100 without saying that no
+    such device exists: the one line now says the budget is over the spec's memory and what
+    makes the units smaller."""
+    p = uniform_profile(4, A100, saved_bytes=2 * 1024**3, param_bytes=10**6,
+                        head_saved_bytes=100 * GiB)
+    path = tmp_path / "big.json"
+    write_json_atomic(path, p.to_dict())
+    rc = main(["solve", str(path), "--gpu-mem", "80G", "--cpu-mem", "512G", "--time-limit", "20",
+               "-o", str(tmp_path / "x.json")])
+    assert rc == 3
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    need = int(err.split("with a plan is ")[1].split("(")[1].split(" B)")[0])
+    assert need > A100.memory_bytes
+    assert f"that is more than the a100-80g's {fmt_bytes(A100.memory_bytes)}" in err
+    assert "--blocks" in err and "smaller batch" in err
+    # a budget within the device names nothing of it
+    p = uniform_profile(4, A100, saved_bytes=2 * 1024**3, param_bytes=10**6)
+    write_json_atomic(path, p.to_dict())
+    assert main(["solve", str(path), "--gpu-mem", "1G", "--cpu-mem", "512G", "--time-limit",
+                 "20", "-o", str(tmp_path / "x.json")]) == 3
+    err = capsys.readouterr().err.strip()
+    assert "with a plan is" in err and "more than the" not in err
