@@ -394,3 +394,26 @@ def test_exit_3_says_when_the_budget_it_names_is_more_than_the_device(tmp_path, 
                  "20", "-o", str(tmp_path / "x.json")]) == 3
     err = capsys.readouterr().err.strip()
     assert "with a plan is" in err and "more than the" not in err
+
+
+def test_nvme_mem_on_a_spec_without_nvme_is_ignored_with_a_warning(prof, tmp_path, capsys):
+    """--nvme-mem 1T on a spec with no NVMe tier (bandwidths 0) was accepted silently: the
+    cost model drops the tier (``has_nvme``) and the plan recorded 1 TiB it cannot use."""
+    import yaml
+    path, p, gpu = prof
+    d = H200.to_dict()
+    d.update(name="h200-no-nvme", nvme_read_bandwidth=0.0, nvme_write_bandwidth=0.0,
+             nvme_bytes=0)
+    for k in ("nvme_drives", "nvme_drive_read_bandwidth", "nvme_drive_write_bandwidth",
+              "nvme_striping_efficiency"):
+        d.pop(k, None)
+    spec = tmp_path / "h200-no-nvme.yaml"
+    spec.write_text(yaml.safe_dump(d))
+    out = tmp_path / "plan.json"
+    rc = main(["solve", str(path), "--hardware", str(spec), "--gpu-mem", str(gpu),
+               "--cpu-mem", "512G", "--nvme-mem", "1T", "--time-limit", "20", "-o", str(out)])
+    assert rc == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    warned = [x for x in err if "--nvme-mem" in x]
+    assert len(warned) == 1 and "no NVMe tier" in warned[0] and "ignored" in warned[0]
+    assert load_plan(out).budgets.nvme_bytes == 0
