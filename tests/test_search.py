@@ -223,3 +223,28 @@ def test_each_cell_is_seeded_with_the_fastest_plan_so_far(tmp_path, monkeypatch)
         dataclasses.replace(first.layers[-1], name="elsewhere")])
     assert strategies._seed_candidates((odd,), budgets, prof[2], None,
                                        cfg.cost_model(prof[2]), None) == []
+
+
+def test_6nt_above_the_counted_flops_is_marked_with_a_footnote():
+    """A mixture of experts runs only some experts per token: 6 x N_params x tokens counts
+    every parameter and showed more TFLOPS than the hardware's peak. Where 6NT exceeds the
+    FLOPs the profile counted by more than 1.5x, its cell is marked and one line under the
+    table says why; otherwise the table is as before."""
+    from planner.cli.search import table
+    from planner.solve.throughput import Cell
+
+    def cell(b, six, counted):
+        return Cell(b, 1, "batch-major", plan=object(), step_s=1.0, tokens_per_s=1000.0,
+                    tflops_6nt=six, tflops_counted=counted,
+                    peaks={"gpu": 1, "cpu": 0, "nvme": 0}, bound="compute", bound_share=1.0,
+                    origin="milp", status="ok")
+
+    dense = [cell(1, 100.0, 120.0), cell(2, 100.0, 70.0)]   # recompute, attention: within 1.5x
+    text = table(dense, dense[0])
+    assert len(text.splitlines()) == 3 and "100*" not in text and "6NT*" not in text
+    moe = [cell(1, 900.0, 300.0), cell(2, 140.0, 100.0), Cell(4, 1, "batch-major",
+                                                           status="no plan fits (x)")]
+    lines = table(moe, moe[0]).splitlines()
+    assert len(lines) == 5 and lines[-1].startswith("6NT*: ")
+    assert "900*" in lines[1] and "140*" not in lines[2] and "140" in lines[2]
+    assert "mixture of experts" in lines[-1] and "overstates" in lines[-1]

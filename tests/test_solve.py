@@ -315,3 +315,105 @@ def test_stream_all_puts_the_checkpoints_off_the_device_when_they_do_not_fit_on_
     # the plan is simulator-checked like every other and survives a round trip through its file
     path = save_plan(off.plan, tmp_path / "p.json")
     assert simulate(load_plan(path)).fits
+
+
+@pytest.mark.parametrize("spec", ["cpu-host", "h200"])
+def test_frozen_units_keep_their_empty_grads_and_state_on_the_device(spec, tmp_path, capsys):
+    """peft LoRA: the frozen embedding and head have weights but no gradients or optimizer
+    state. The solve homed those empty classes on NVMe (or the host), the schedule moves no
+    bytes for them, and ``check_homes`` refused the plan being made (exit 2 naming 'plan
+    solve' itself as the fix). Their weights may stream; their gradients and state stay on the
+    device, so a plan is written and replays."""
+    import dataclasses
+
+    from planner.formats import Tier
+    from planner.plans import cost_model
+
+    hw = load_hardware(spec)
+    p = uniform_profile(6, hw, saved_bytes=2_000_000, input_bytes=100_000,
+                        param_bytes=1_000_000, workspace_bytes=500_000,
+                        head_saved_bytes=1_000_000)
+    frozen = {"embedding", "head"}
+    p = dataclasses.replace(p, layers=[
+        dataclasses.replace(u, grad_bytes=0, optimizer_bytes=0, master_bytes=0)
+        if u.name in frozen else u for u in p.layers])
+    path = tmp_path / "frozen.json"
+    write_json_atomic(path, p.to_dict())
+    host = [] if hw.unified_memory else ["--cpu-mem", "1G"]
+    budgets = Budgets(gpu_bytes=12 * 1024**2, cpu_bytes=0 if host == [] else GiB,
+                      nvme_bytes=10 * GiB)
+    cm = cost_model(p, hw, budgets)
+    for i, u in enumerate(p.layers):
+        if u.name in frozen:
+            assert all(h.grads is Tier.GPU for h in cm.homes[i])
+            assert all(h.optimizer is Tier.GPU or h.step is Tier.CPU for h in cm.homes[i])
+    assert any(h.streams_weights for i in (0, len(p.layers) - 1) for h in cm.homes[i])
+    out = tmp_path / "plan.json"
+    rc = main(["solve", str(path), "--gpu-mem", "12M", *host, "--nvme-mem", "10G",
+               "--nvme-dir", str(tmp_path / "nv"), "--time-limit", "20", "-o", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    plan = load_plan(out)
+    assert simulate(plan).fits
+    assert any(d.home.streams_weights for d in plan.layers)
+    for u, d in zip(plan.units, plan.layers):
+        if u.name in frozen:
+            assert d.home.grads is Tier.GPU
+    # a plan written before solves dropped such homes (the head's empty gradients "on NVMe",
+    # no event for them) still replays: its own homes are offered when it is checked
+    if hw.unified_memory:
+        from planner.formats import Home
+        old = dataclasses.replace(plan, layers=[
+            dataclasses.replace(d, home=Home(d.home.weights, Tier.NVME, d.home.optimizer))
+            if u.name == "head" else d for u, d in zip(plan.units, plan.layers)])
+        save_plan(old, tmp_path / "old.json")
+        assert simulate(load_plan(tmp_path / "old.json")).fits
+
+
+def test_exit_3_says_when_the_budget_it_names_is_more_than_the_device(tmp_path, capsys):
+    """A diffusers UNet's exit 3 named 144.74 GiB on an 80 GiB A100 without saying that no
+    such device exists: the one line now says the budget is over the spec's memory and what
+    makes the units smaller."""
+    p = uniform_profile(4, A100, saved_bytes=2 * 1024**3, param_bytes=10**6,
+                        head_saved_bytes=100 * GiB)
+    path = tmp_path / "big.json"
+    write_json_atomic(path, p.to_dict())
+    rc = main(["solve", str(path), "--gpu-mem", "80G", "--cpu-mem", "512G", "--time-limit", "20",
+               "-o", str(tmp_path / "x.json")])
+    assert rc == 3
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    need = int(err.split("with a plan is ")[1].split("(")[1].split(" B)")[0])
+    assert need > A100.memory_bytes
+    assert f"that is more than the a100-80g's {fmt_bytes(A100.memory_bytes)}" in err
+    assert "--blocks" in err and "smaller batch" in err
+    # a budget within the device names nothing of it
+    p = uniform_profile(4, A100, saved_bytes=2 * 1024**3, param_bytes=10**6)
+    write_json_atomic(path, p.to_dict())
+    assert main(["solve", str(path), "--gpu-mem", "1G", "--cpu-mem", "512G", "--time-limit",
+                 "20", "-o", str(tmp_path / "x.json")]) == 3
+    err = capsys.readouterr().err.strip()
+    assert "with a plan is" in err and "more than the" not in err
+
+
+def test_nvme_mem_on_a_spec_without_nvme_is_ignored_with_a_warning(prof, tmp_path, capsys):
+    """--nvme-mem 1T on a spec with no NVMe tier (bandwidths 0) was accepted silently: the
+    cost model drops the tier (``has_nvme``) and the plan recorded 1 TiB it cannot use."""
+    import yaml
+    path, p, gpu = prof
+    d = H200.to_dict()
+    d.update(name="h200-no-nvme", nvme_read_bandwidth=0.0, nvme_write_bandwidth=0.0,
+             nvme_bytes=0)
+    for k in ("nvme_drives", "nvme_drive_read_bandwidth", "nvme_drive_write_bandwidth",
+              "nvme_striping_efficiency"):
+        d.pop(k, None)
+    spec = tmp_path / "h200-no-nvme.yaml"
+    spec.write_text(yaml.safe_dump(d))
+    out = tmp_path / "plan.json"
+    rc = main(["solve", str(path), "--hardware", str(spec), "--gpu-mem", str(gpu),
+               "--cpu-mem", "512G", "--nvme-mem", "1T", "--time-limit", "20", "-o", str(out)])
+    assert rc == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    warned = [x for x in err if "--nvme-mem" in x]
+    assert len(warned) == 1 and "no NVMe tier" in warned[0] and "ignored" in warned[0]
+    assert load_plan(out).budgets.nvme_bytes == 0

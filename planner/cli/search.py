@@ -67,13 +67,29 @@ def _tf(x) -> str:
     return "" if x is None else f"{x:.3g}"
 
 
+# 6NT above the FLOPs the profile counted for the step by more than this: the model computes
+# fewer than 6 x N_params per token (a mixture of experts runs some of its experts), and the
+# 6NT cell is marked, with a footnote under the table
+OVERSTATED = 1.5
+FOOTNOTE_6NT = ("6NT*: the model computes fewer FLOPs than 6 x N_params x tokens (the FLOPs "
+                "counted are below it; e.g. a mixture of experts runs only some experts per "
+                "token), so the 6NT column overstates its throughput")
+
+
+def overstated(c) -> bool:
+    """Whether ``c``'s 6NT TFLOPS exceed its counted TFLOPS by more than ``OVERSTATED``."""
+    return bool(c.fits and c.tflops_6nt and c.tflops_counted is not None
+                and c.tflops_6nt > OVERSTATED * c.tflops_counted)
+
+
 def row_text(c) -> tuple:
     if not c.fits:
         why = (f"no plan fits ({_short_reason(c.status)})" if c.status.startswith("no plan fits")
                else c.status[:100])
         return (str(c.batch), str(c.K), c.order, "-", "", "", "", "", "", "", "", why)
     return (str(c.batch), str(c.K), c.order, fmt_seconds(c.step_s), f"{c.tokens_per_s:,.0f}",
-            _tf(c.tflops_6nt), _tf(c.tflops_counted), fmt_bytes(c.peaks["gpu"]),
+            _tf(c.tflops_6nt) + ("*" if overstated(c) else ""), _tf(c.tflops_counted),
+            fmt_bytes(c.peaks["gpu"]),
             fmt_bytes(c.peaks["cpu"]), fmt_bytes(c.peaks["nvme"]),
             f"{c.bound} {c.bound_share:.0%}", f"ok ({c.origin})")
 
@@ -91,6 +107,8 @@ def table(cells, best) -> str:
         mark = "*" if k and cells[k - 1] is best else " "
         lines.append(mark + " " + "  ".join(c.rjust(w[i]) if i in right else c.ljust(w[i])
                                             for i, c in enumerate(r)).rstrip())
+    if any(overstated(c) for c in cells):
+        lines.append(FOOTNOTE_6NT)
     return "\n".join(lines)
 
 

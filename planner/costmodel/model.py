@@ -91,6 +91,8 @@ class CostModel(OptionRules, MemoryRules, TimeRules, OverlapRules, RankRules, Ob
     micro_batch_order: str = "batch-major"  # or "layer-major": K micro-batches per unit stage
     state_up_homes: str = "auto"      # the state-up home: "auto" (where the static state is over
     #                                   the device budget) or "all" (a given plan's check)
+    moot_homes: str = "drop"          # homes placing a class of no bytes off the device: "drop"
+    #                                   or "keep" (a given plan's check; ``home_is_moot``)
 
     def __post_init__(self):
         put = partial(object.__setattr__, self)
@@ -176,8 +178,10 @@ class CostModel(OptionRules, MemoryRules, TimeRules, OverlapRules, RankRules, Ob
         right after its backward needs its gradient complete there (one pass per step), no clip
         by the global norm, and the plan's own path stepping it (no engine)."""
         if self.optimizer_overlap not in ("after-backward", "overlapped", "paced") or \
-                self.clip not in ("global", "none") or self.state_up_homes not in ("auto", "all"):
-            raise ValueError(f"{self.optimizer_overlap!r}, {self.clip!r}, {self.state_up_homes!r}")
+                self.clip not in ("global", "none") or self.state_up_homes not in ("auto", "all") \
+                or self.moot_homes not in ("drop", "keep"):
+            raise ValueError(f"{self.optimizer_overlap!r}, {self.clip!r}, {self.state_up_homes!r}, "
+                             f"{self.moot_homes!r}")
         if self.optimizer_overlap == "paced" and not paced_possible(
                 self.clip, self.engine, self.K, self.micro_batch_order):
             raise ValueError(f"paced needs clip none, one pass and no engine: {self.clip!r}, "

@@ -46,6 +46,8 @@ class OptionRules:
         backward stages after its own and frees it there, so a gradient sent off to wait for its
         step (the homes that keep gradients on the host or NVMe all step) is not needed."""
         out = self._all_homes(i, allow_streaming)
+        if self.moot_homes == "drop":
+            out = [h for h in out if not home_is_moot(h, self.P[i], self.G[i], self.opt_copy(i, h))]
         if self.optimizer_overlap == "paced":
             out = [h for h in out if h.grads is Tier.GPU]
         return out
@@ -249,6 +251,39 @@ class OptionRules:
         MILP's candidates: k within w_seg of e)."""
         return [(k, ch) for k in range(max(0, e - self.windows.seg + 1), e + 1)
                 for ch in ("rc", "rn") if ch in self.choices[k] and self.ck_allowed(k, e)]
+
+
+def home_is_moot(h: Home, p: int, g: int, o: int) -> bool:
+    """Whether home h places a tensor class of no bytes (``p`` weights, ``g`` gradients, ``o``
+    the optimizer-state class, ``opt_copy``) off the device, where only a transfer would put it:
+    the schedule makes no event for zero bytes and the runtime's ``check_homes`` wants one (a
+    frozen unit: P > 0, G = O = 0, as peft's frozen embedding and head; or SGD without momentum,
+    O = 0). Such a class stays on the device. The one exception: state of no bytes "on the
+    host" with a host step where the weights stream (w:cpu or w:nvme, g:gpu, o:cpu, s:cpu): on
+    a discrete device those are the only homes streaming the weights, and that step does
+    nothing. A host step for a unit without gradients whose weights stay on the device is moot
+    too: it only uploads weights nothing changed, which the resident home does without."""
+    if h.resident:
+        return False
+    if (p == 0 and h.weights is not Tier.GPU) or (g == 0 and h.grads is not Tier.GPU):
+        return True
+    if g == 0 and h.step is Tier.CPU and h.weights is Tier.GPU:
+        return True
+    streamed = h.optimizer is Tier.CPU and h.step is Tier.CPU and h.weights is not Tier.GPU
+    return o == 0 and h.optimizer is not Tier.GPU and not streamed
+
+
+def moot_homes_for(units, layers) -> str:
+    """The cost model's ``moot_homes`` for given decisions: "keep" where one of them takes a
+    moot home (``home_is_moot``; a plan written before solves dropped them still checks),
+    else "drop". The state class's bytes are ``opt_copy``'s."""
+    for u, d in zip(units, layers):
+        h = d.home
+        o = u.optimizer_bytes + (u.param_bytes if h.step is Tier.CPU and u.master_bytes == 0
+                                 and h.weights is Tier.GPU else 0)
+        if home_is_moot(h, u.param_bytes, u.grad_bytes, o):
+            return "keep"
+    return "drop"
 
 
 def state_up_homes_for(layers) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 from planner.costmodel import CostModel
 from planner.formats import (PLAN_SCHEMA, Budgets, HardwareSpec, Plan, Prediction, Profile,
                              SolverRecord, sha256_file, write_json_atomic)
-from planner.costmodel.options import state_up_homes_for
+from planner.costmodel.options import moot_homes_for, state_up_homes_for
 from planner.costmodel.ranks import node_spec
 from planner.costmodel.schedule import build_schedule
 from planner.formats.plan import check_homes
@@ -73,7 +73,8 @@ def plan_and_sim(profile: Profile, profile_path: str | None, hw: HardwareSpec, b
     budgets = as_budgets(budgets)
     hw = node_spec(hw)          # a rank's share of a node (``cm.hw``) records the node's spec
     cm = cm or cost_model(profile, hw, budgets, micro_batches,
-                          state_up_homes=state_up_homes_for(layers))
+                          state_up_homes=state_up_homes_for(layers),
+                          moot_homes=moot_homes_for(profile.layers, layers))
     schedule = build_schedule(cm, list(layers), shares)
     sha = sha256_file(profile_path) if profile_path and Path(profile_path).is_file() else None
     plan = Plan(

@@ -22,7 +22,7 @@ from planner.errors import NoFitError, UserError
 from planner.formats.events import Op, Stream
 from planner.formats import Executor, Plan, Tier, io_requests, write_json_atomic
 from planner.plans.load import load_plan
-from planner.costmodel.options import state_up_homes_for
+from planner.costmodel.options import moot_homes_for, state_up_homes_for
 from planner.costmodel.schedule import build_schedule, event_ids, segments, shares_of
 from planner.sizes import fmt_bytes, fmt_rate, fmt_seconds
 
@@ -155,7 +155,8 @@ def cost_model_of(plan: Plan) -> CostModel:
                      engine=plan.engine, optimizer_overlap=plan.optimizer_overlap,
                      clip=plan.clip, prefetch_bytes=plan.optimizer_prefetch_bytes,
                      micro_batch_order=plan.micro_batch_order,
-                     state_up_homes=state_up_homes_for(plan.layers))
+                     state_up_homes=state_up_homes_for(plan.layers),
+                     moot_homes=moot_homes_for(plan.units, plan.layers))
 
 
 def _check_schedule(plan: Plan, cm: CostModel, shares: dict) -> None:

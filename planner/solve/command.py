@@ -41,6 +41,12 @@ def parse_budgets(args, hw) -> Budgets:
     if not hw.unified_memory and cpu > hw.host_memory_bytes:
         _warn(f"--cpu-mem {args.cpu_mem} is more than the {fmt_bytes(hw.host_memory_bytes)} "
               f"host memory of {hw.name}")
+    if nvme and not (hw.nvme_read_bandwidth > 0 and hw.nvme_write_bandwidth > 0):
+        # the cost model has no NVMe tier here (``has_nvme``): the budget would be recorded
+        # in the plan, and named by exit 3, as if it could be used
+        _warn(f"--nvme-mem {args.nvme_mem} is ignored: the spec {hw.name} has no NVMe tier "
+              "(its NVMe bandwidths are 0)")
+        nvme = 0
     if hw.nvme_bytes and nvme > hw.nvme_bytes:
         _warn(f"--nvme-mem {args.nvme_mem} is more than the {fmt_bytes(hw.nvme_bytes)} NVMe "
               f"of {hw.name}")

@@ -11,6 +11,7 @@ from planner.costmodel import CostModel
 from planner.errors import NoFitError
 from planner.plans import plan_and_sim
 from planner.formats import SolverRecord
+from planner.sizes import fmt_bytes
 from planner.solve import solvers
 from planner.solve.config import SolveConfig
 from planner.solve.milp import GB, Model, Options
@@ -81,7 +82,7 @@ def _no_fit(cfg: SolveConfig, cm: CostModel, clock, n_tried: int = 1) -> NoFitEr
                       "--nvme-mem)"))
         return NoFitError(f"no plan fits --gpu-mem {_size(budgets.gpu_bytes)} with {tiers}{why}: "
                           f"the smallest --gpu-mem with a plan is {_size(need)}; raise --gpu-mem "
-                          "to that", budget="gpu", needed_bytes=need)
+                          f"to that{_over_device(cm.hw, need)}", budget="gpu", needed_bytes=need)
     if not cm.unified:
         # the host's budget is what is minimised; with --cpu-mem 0 the model has no host
         # choices: the search takes the same model with a host tier
@@ -102,6 +103,17 @@ def _no_fit(cfg: SolveConfig, cm: CostModel, clock, n_tried: int = 1) -> NoFitEr
     return NoFitError(f"no plan fits --gpu-mem {_size(budgets.gpu_bytes)} with {tiers}, whatever "
                       "the GPU budget: raise --cpu-mem and/or --nvme-mem (the model's static "
                       f"state is {_size(static)})", budget="cpu")
+
+
+def _over_device(hw, need: int) -> str:
+    """Where the budget exit 3 names is more than the device has (a diffusers UNet named
+    144.74 GiB on an 80 GiB A100): the same line says so, and what makes the units' work
+    smaller; else nothing."""
+    mem = int(getattr(hw, "memory_bytes", 0) or 0)
+    if not mem or need <= mem:
+        return ""
+    return (f"; that is more than the {hw.name}'s {fmt_bytes(mem)}: split the model into "
+            "smaller units (plan profile --blocks) or profile a smaller batch")
 
 
 def _static_floor(cm: CostModel) -> int:
