@@ -171,3 +171,105 @@ def test_solve_output_directory_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "is a directory; give a file name" in err
     assert list((tmp_path / "out").iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- reports
+
+def _report_dict():
+    """A three-step report of a synthetic run, with per-unit times and disk links."""
+    from planner.formats.report import Report, StepRecord
+    units = {"embedding": {"fwd_s": 0.001, "bwd_s": 0.002, "stall_s": 0.0},
+             "blocks.0": {"fwd_s": 0.01, "bwd_s": 0.02, "recompute_s": 0.0, "stall_s": 0.0}}
+    step = StepRecord(step_s=0.1, passes=1, peak_gpu_bytes=1 << 20, peak_cpu_bytes=0,
+                      peak_nvme_bytes=4096, peak_activation_bytes=1024, static_bytes=2048,
+                      base_bytes=1 << 28, moved={"nvme_read": 4096, "nvme_write": 4096},
+                      stall_s=0.01, units=units, after_backward_s=0.003,
+                      links={"nvme_read": {"bytes": 4096, "busy_s": 0.001},
+                             "nvme_write": {"bytes": 4096, "busy_s": 0.002}})
+    rep = Report(plan_path="p.json", policy="offload-all", device="cpu", hardware="cpu-host",
+                 batch=4, seq=128, micro_batches=1, predicted=_plan_dict()["predicted"],
+                 predicted_moved={"nvme_read": 4096}, steps=[step, step, step],
+                 units=list(units), structure_hash="b537f365520957cb")
+    return json.loads(json.dumps(rep.to_dict()))
+
+
+LINK = ("steps", 1, "links", "nvme_read")
+REPORT_BAD = [
+    (LINK, {"bytes": 4096}, "links nvme_read lacks 'busy_s'"),
+    (LINK, {"busy_s": 0.1}, "links nvme_read lacks 'bytes'"),
+    (LINK, True, "links nvme_read must be a JSON object"),
+    (LINK, None, "links nvme_read must be a JSON object"),
+    (LINK, 7, "links nvme_read must be a JSON object"),
+    (LINK, 1.5, "links nvme_read must be a JSON object"),
+    (LINK, "", "links nvme_read must be a JSON object"),
+    (LINK, [1], "links nvme_read must be a JSON object"),
+]
+
+
+@pytest.mark.parametrize("path, value, needle", REPORT_BAD)
+def test_bad_report_links_are_one_line(path, value, needle, tmp_path, capsys):
+    from planner.formats.report import load_report
+    d = _report_dict()
+    _set(d, path, value)
+    f = tmp_path / "rep.json"
+    f.write_text(json.dumps(d))
+    with pytest.raises(UserError) as e:
+        load_report(f)
+    _one_line(e, "step 1", needle, "handle.report().save")
+    # the verbs that read reports: one line, exit 2, nothing written
+    prof = write_json_atomic(tmp_path / "prof.json", _profile_dict())
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", str(prof), "--report", str(f), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err and not out.exists()
+
+
+@pytest.mark.parametrize("field", ["peak_gpu_bytes", "base_bytes"])
+def test_a_step_without_a_required_field_is_one_line(field, tmp_path):
+    from planner.formats.report import load_report
+    d = _report_dict()
+    del d["steps"][2][field]
+    f = tmp_path / "rep.json"
+    f.write_text(json.dumps(d))
+    with pytest.raises(UserError) as e:
+        load_report(f)
+    _one_line(e, "step 2", f"lacks '{field}'")
+    d["steps"][2][field] = None             # null is allowed: no figure was measured
+    f.write_text(json.dumps(d))
+    assert load_report(f).steps[2].to_dict()[field] is None
+
+
+def _paths(o, pre=()):
+    if pre:
+        yield pre
+    if isinstance(o, dict):
+        for k, v in o.items():
+            yield from _paths(v, pre + (k,))
+    elif isinstance(o, list):
+        for i, v in enumerate(o[:2]):
+            yield from _paths(v, pre + (i,))
+
+
+def test_report_mutations_load_or_give_one_line(tmp_path):
+    """Every field of a step set to each odd JSON value, or deleted: the report either loads
+    and every figure calibrate and inspect read can be computed, or one UserError line."""
+    from planner.formats.report import load_report_dict
+    base = _report_dict()
+    odd = [None, True, -1, 0, 1.5, -0.0, 2**70, "", "x\n", [], [1], {}, {"a": 1}, KeyError]
+    for path in _paths(base["steps"][1], ("steps", 1)):
+        for v in odd:
+            d = copy.deepcopy(base)
+            if v is KeyError:
+                obj = d
+                for k in path[:-1]:
+                    obj = obj[k]
+                del obj[path[-1]]
+            else:
+                _set(d, path, v)
+            try:
+                rep = load_report_dict(d, "r.json")
+            except UserError as e:
+                assert "\n" not in str(e), (path, v)
+                continue
+            rep.link_rates(), rep.unit_times(), rep.stage_peaks(), str(rep)
+            rep.optimizer_seconds_per_element(), rep.after_backward_s(), rep.to_dict()

@@ -61,16 +61,13 @@ class StepRecord:
 
     @classmethod
     def from_dict(cls, d, where: str) -> "StepRecord":
-        require(d, ("step_s", "passes", "peak_cpu_bytes", "peak_nvme_bytes",
-                     "peak_activation_bytes", "static_bytes"), where, _FIX)
+        # every field without a default is required (peak_gpu_bytes and base_bytes may be null)
+        require(d, ("step_s", "passes", "peak_gpu_bytes", "peak_cpu_bytes", "peak_nvme_bytes",
+                     "peak_activation_bytes", "static_bytes", "base_bytes"), where, _FIX)
         check_fields(d, _STEP_FIELDS, where, _FIX)
         _check_moved(d.get("moved", {}), f"{where} moved")
         _check_unit_times(d.get("units", {}), f"{where} units")
-        for k, v in d.get("links", {}).items():
-            if k not in LINKS:
-                raise UserError(f"{where} links: {str(k)[:40]!r} is not one of "
-                                f"{', '.join(LINKS)}; {_FIX}")
-            check_fields(v, {"bytes": "bytes", "busy_s": "seconds"}, f"{where} links {k}", _FIX)
+        _check_links(d.get("links", {}), f"{where} links")
         for k in ("after_backward_s", "optimizer_compute_s"):
             if d.get(k) is not None:
                 check_fields(d, {k: "seconds"}, where, _FIX)
@@ -89,6 +86,18 @@ def _check_moved(moved: dict, where: str) -> None:
             raise UserError(f"{where}: link {str(k)[:40]!r} is not one of {', '.join(LINKS)}; "
                             f"{_FIX}")
     check_fields(moved, {k: "bytes" for k in LINKS}, where, _FIX)
+
+
+def _check_links(links: dict, where: str) -> None:
+    """Per disk link, a record of the bytes it moved and the seconds it was busy, both there."""
+    for k, v in links.items():
+        if k not in LINKS:
+            raise UserError(f"{where}: {str(k)[:40]!r} is not one of {', '.join(LINKS)}; {_FIX}")
+        if not isinstance(v, dict):
+            raise UserError(f"{where} {k} must be a JSON object with bytes and busy_s, got "
+                            f"{short_repr(v)}; {_FIX}")
+        require(v, ("bytes", "busy_s"), f"{where} {k}", _FIX)
+        check_fields(v, {"bytes": "bytes", "busy_s": "seconds"}, f"{where} {k}", _FIX)
 
 
 UNIT_TIMES = ("fwd_s", "bwd_s", "recompute_s", "stall_s")
