@@ -176,6 +176,7 @@ class Report:
     structure_hash: str | None = None           # the plan's (its profile's) structure hash
     compute_threads: int = 0          # CPU: torch's intra-op threads under the plan (0: left)
     nvme_io: str = ""                 # how the NVMe files were read and written ("": none)
+    dtype: str = ""                   # the plan's (its profile's) dtype ("": an older report)
 
     @property
     def measured(self) -> Measured | None:
@@ -302,6 +303,7 @@ class Report:
                 "world_size": self.world_size, "engine": self.engine,
                 "units": list(self.units), "structure_hash": self.structure_hash,
                 "compute_threads": self.compute_threads, "nvme_io": self.nvme_io or None,
+                "dtype": self.dtype or None,
                 "measured_units": self.unit_times(), "measured_links": self.link_rates()}
 
     def _time_rows(self) -> tuple[list, list]:
@@ -387,7 +389,8 @@ def load_report_dict(d: dict, source: str = "report") -> Report:
                       "predicted_moved": "dict", "predicted_static_bytes": "bytes",
                       "rank": "count", "world_size": "count", "engine": "str",
                       "units": "list", "structure_hash": "str?",
-                      "compute_threads": "count", "nvme_io": "str?"}, where, _FIX)
+                      "compute_threads": "count", "nvme_io": "str?", "dtype": "name?"},
+                 where, _FIX)
     if not all(isinstance(n, str) for n in d.get("units", [])):
         raise UserError(f"{where}: units must be a list of unit names; {_FIX}")
     p = d["plan"]
@@ -410,7 +413,7 @@ def load_report_dict(d: dict, source: str = "report") -> Report:
                   engine=str(d.get("engine", "none")), units=list(d.get("units", [])),
                   structure_hash=d.get("structure_hash"),
                   compute_threads=int(d.get("compute_threads", 0)),
-                  nvme_io=str(d.get("nvme_io") or ""))
+                  nvme_io=str(d.get("nvme_io") or ""), dtype=str(d.get("dtype") or ""))
 
 
 def load_report(path) -> Report:
