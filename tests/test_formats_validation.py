@@ -273,3 +273,47 @@ def test_report_mutations_load_or_give_one_line(tmp_path):
                 continue
             rep.link_rates(), rep.unit_times(), rep.stage_peaks(), str(rep)
             rep.optimizer_seconds_per_element(), rep.after_backward_s(), rep.to_dict()
+
+
+# ----------------------------------------------------------------------------- duplicate keys
+
+def _with_duplicate(text: str, key: str, value: str) -> str:
+    """``text`` (indented JSON) with ``key`` given a second time in the object it opens."""
+    at = text.index(f'"{key}": ')
+    return text[:at] + f'"{key}": {value}, ' + text[at:]
+
+
+@pytest.mark.parametrize("kind", ["plan", "profile", "report"])
+def test_a_key_given_twice_in_a_json_file_is_one_line(kind, tmp_path, capsys):
+    from planner.formats.report import load_report
+    text, key, load = {
+        "plan": (GOLDEN.read_text(), "gpu_bytes", load_plan),
+        "profile": (json.dumps(_profile_dict(), indent=1), "optimizer_s", load_profile),
+        "report": (json.dumps(_report_dict(), indent=1), "device", load_report)}[kind]
+    f = tmp_path / f"{kind}.json"
+    f.write_text(_with_duplicate(text, key, '"80G"' if kind != "report" else '"cuda"'))
+    with pytest.raises(UserError) as e:
+        load(f)
+    _one_line(e, str(f), f"'{key}' twice")
+    if kind == "plan":
+        assert main(["inspect", str(f)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"'{key}' twice" in err
+
+
+def test_a_key_given_twice_in_a_yaml_spec_is_one_line(tmp_path, capsys):
+    from planner.hardware import HARDWARE_DIR
+    text = (HARDWARE_DIR / "a100-80g.yaml").read_text()
+    f = tmp_path / "hw.yaml"
+    f.write_text(text + "memory_bytes: 1000\n")
+    with pytest.raises(UserError) as e:
+        load_hardware(str(f))
+    _one_line(e, str(f), "'memory_bytes' given twice")
+    prof = write_json_atomic(tmp_path / "prof.json", _profile_dict())
+    assert main(["solve", str(prof), "--gpu-mem", "80G", "--hardware", str(f),
+                 "-o", str(tmp_path / "o.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "given twice" in err and not (tmp_path / "o.json").exists()
+    # a merge may still be overridden by the mapping's own key: not a duplicate
+    f.write_text(text.replace("efficiency: 0.55", "<<: {efficiency: 0.3}\nefficiency: 0.55"))
+    assert load_hardware(str(f)).efficiency == 0.55
