@@ -391,6 +391,37 @@ def test_a_signal_whose_exception_an_extension_swallows_is_still_reported_as_the
         cli.main(["inspect", "nothing.json"])
 
 
+@pytest.mark.parametrize("sig,code,says", [(signal.SIGINT, 130, "plan: interrupted"),
+                                           (signal.SIGTERM, 143, "plan: terminated by SIGTERM")])
+def test_a_signal_swallowed_before_a_verb_succeeds_still_ends_it_and_writes_nothing(
+        monkeypatch, capsys, tmp_path, sig, code, says):
+    """Ctrl-C during ``import torch``: torch's C code can discard the KeyboardInterrupt and
+    the verb goes on to its end. It wrote its output and exited 0; now the writer refuses to
+    publish once a signal was caught, and ``main`` ends with the signal's line and code."""
+    from planner import cli
+    from planner.errors import CAUGHT_SIGNALS
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT is not Python's default handler here")
+    prof = write_json_atomic(tmp_path / "prof.json",
+                             uniform_profile(3, load_hardware("h100-80g")).to_dict())
+    real = cli._dispatch
+
+    def swallowing(args):
+        import contextlib
+        with contextlib.suppress(KeyboardInterrupt):     # as torch's import can
+            os.kill(os.getpid(), sig)
+            time.sleep(5)                  # the handler raises here
+        return real(args)
+    monkeypatch.setattr(cli, "_dispatch", swallowing)
+    out = tmp_path / "plan.json"
+    assert cli.main(["solve", str(prof), "--gpu-mem", "80G", "-o", str(out)]) == code
+    assert capsys.readouterr().err.strip() == says
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prof.json"]   # no output, no temp
+    assert CAUGHT_SIGNALS == []            # cleared: a later command in this process writes
+    monkeypatch.setattr(cli, "_dispatch", real)
+    assert cli.main(["solve", str(prof), "--gpu-mem", "80G", "-o", str(out)]) == 0
+
+
 def test_ctrl_c_in_the_training_example_is_one_line_and_leaves_no_file(tmp_path):
     """examples/train.py under an offload plan, interrupted in its third step: one line
     ('train: interrupted'), exit 130, no traceback, no offload file left (it printed a

@@ -26,7 +26,7 @@ import signal
 import sys
 import threading
 
-from planner.errors import UserError
+from planner.errors import CAUGHT_SIGNALS, UserError
 
 EPILOG = {
     "profile": "example: plan profile gpt2-small --batch 8 --seq 1024 --device meta --hardware a100-80g",
@@ -354,7 +354,7 @@ class OutOfTime(KeyboardInterrupt):
 # handler raises and raise its own instead (highspy's pybind11 layer, interrupted while it
 # converts an argument, raises "TypeError: ... incompatible function arguments"), so ``main``
 # reports an error that follows a signal as the signal.
-_caught: list = []
+_caught: list = CAUGHT_SIGNALS      # one list: write_atomic refuses to publish after one
 
 
 def _raise_interrupted(signum, frame):
@@ -442,7 +442,10 @@ def main(argv=None) -> int:
             return 2
         with _signals(args):
             check_outputs(args)
-            return _dispatch(args)
+            rc = _dispatch(args)
+        if _caught:        # swallowed on its way up (a C extension): still the signal's end
+            return _stopped(_caught[0], args)
+        return rc
     except UserError as e:
         if _caught:
             return _stopped(_caught[0], args)
@@ -460,6 +463,8 @@ def main(argv=None) -> int:
         if _caught:             # the signal's own exception was swallowed on its way up
             return _stopped(_caught[0], args)
         raise
+    finally:
+        _caught.clear()
 
 
 if __name__ == "__main__":

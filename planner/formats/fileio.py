@@ -30,7 +30,7 @@ import unicodedata
 from pathlib import Path
 from typing import Any, Iterable
 
-from planner.errors import UserError
+from planner.errors import CAUGHT_SIGNALS, UserError
 
 # The largest file a loader reads. A 10,000-unit plan is ~60 MB of JSON; 256 MiB leaves room
 # while bounding memory (json.loads takes ~10x the text size in objects).
@@ -412,6 +412,8 @@ def write_atomic(path: str | os.PathLike, write, binary: bool = False, *, inputs
         # Checked again just before the rename: the target may have become a device or an
         # input since the first check (the rename itself replaces only the name).
         check_output(path, inputs=inputs, what=what)
+        if CAUGHT_SIGNALS:     # a signal swallowed on its way up: the command is ending
+            raise CAUGHT_SIGNALS[0]
         os.replace(tmp, path)
     except BaseException as e:
         with contextlib.suppress(OSError):
