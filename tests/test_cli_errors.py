@@ -443,6 +443,43 @@ def test_ctrl_c_in_the_training_example_is_one_line_and_leaves_no_file(tmp_path)
     assert not any(p.is_file() for p in nvme.rglob("*"))
 
 
+CTRL_C_IN_IMPORT = """
+import os, runpy, signal, sys, time
+class Hook:          # Ctrl-C as torch's import reaches torch.nn: seconds in, deep inside it
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch.nn":
+            sys.meta_path.remove(self)
+            if sys.argv[1] == "swallowed":        # as torch's C code can discard it
+                try:
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(5)
+                except KeyboardInterrupt:
+                    pass
+            else:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)
+        return None
+sys.meta_path.insert(0, Hook())
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("how", ["raised", "swallowed"])
+def test_ctrl_c_while_the_training_example_imports_torch_is_one_line(tmp_path, how):
+    """Ctrl-C in the training example's first seconds (its ``import torch``) printed a
+    KeyboardInterrupt traceback; one that torch swallowed let it train on. Both are now
+    'train: interrupted', exit 130."""
+    wrap = tmp_path / "wrap.py"
+    wrap.write_text(CTRL_C_IN_IMPORT)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, str(wrap), how, str(ROOT / "examples" / "train.py"),
+                        "--model", "gpt-tiny", "--batch", "2", "--seq", "16", "--steps", "1"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 130, (r.returncode, r.stderr[-800:])
+    assert r.stderr.strip() == "train: interrupted" and "step 1" not in r.stdout
+
+
 def _train_plan(tmp_path):
     nvme = tmp_path / "nvme"
     plan = tmp_path / "p.json"
