@@ -574,3 +574,35 @@ def test_issue_27_paths_exit_2_with_one_line(files, case, tmp_path):
     err = _one_line_no_traceback(run(*argv, cwd=t), 2)
     assert needle in err, err
     assert not os.path.exists(out)
+
+
+@pytest.mark.parametrize("verb, folder, work", [
+    ("solve", "plans", "planner.solve.command.solve"),
+    ("search", "plans", "planner.cli.search._profiler"),
+    ("profile", "profiles", "planner.profile.cli.profile_model"),
+])
+def test_a_default_output_that_cannot_be_written_is_refused_before_the_work(
+        verb, folder, work, tmp_path, monkeypatch, capsys):
+    """Without -o, ``plans/...`` or ``profiles/...`` under the working directory: a regular
+    file named ``plans`` made ``plan solve`` solve for seconds and then fail. Default outputs
+    are now checked up front, as -o is (docs/reliability.md, "Outputs")."""
+    from planner.cli import main
+    import importlib
+    mod, name = work.rsplit(".", 1)
+
+    def worked(*a, **k):
+        raise AssertionError("the work ran before the output was checked")
+    monkeypatch.setattr(importlib.import_module(mod), name, worked)
+    prof = write_json_atomic(tmp_path / "prof.json",
+                             uniform_profile(3, load_hardware("h100-80g")).to_dict())
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / folder).write_text("not a folder")
+    argv = {"solve": ["solve", str(prof), "--gpu-mem", "80G"],
+            "search": ["search", "gpt-tiny", "--seq", "32", "--tokens-per-step", "64",
+                       "--gpu-mem", "80G", "--hardware", "h100-80g"],
+            "profile": ["profile", "gpt-tiny", "--batch", "2", "--seq", "16", "--device",
+                        "cpu", "--timing", "estimate"]}[verb]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"default output (-o gives another) '{folder}/" in err
+    assert "a folder on its path is a file" in err

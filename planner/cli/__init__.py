@@ -25,6 +25,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from planner.errors import CAUGHT_SIGNALS, UserError
 
@@ -332,6 +333,24 @@ def check_outputs(args) -> None:
         v = getattr(args, attr, None)
         if v is not None:
             check_output(v, inputs=inputs, what=f"{flag} output", make_parents=True)
+    if getattr(args, "output", "") is None:      # the verb's default output, as -o would be
+        for path in _default_outputs(args):
+            check_output(path, inputs=inputs, make_parents=True,
+                         what="default output (-o gives another)")
+
+
+def _default_outputs(args) -> list:
+    """What a verb writes without ``-o``: ``plan solve``'s exact path; ``plan profile`` and
+    ``plan search`` name theirs after the model, known only once it is built, so a name in
+    their folder stands for it (the folder is what can be wrong: a file named ``plans``)."""
+    if args.verb == "solve" and isinstance(getattr(args, "profile", None), str):
+        from planner.solve.command import default_plan_path
+        return [default_plan_path(args)]
+    if args.verb == "profile":
+        return [Path("profiles") / "MODEL.json"]
+    if args.verb == "search":
+        return [Path("plans") / "MODEL.json"]
+    return []
 
 
 # ----------------------------------------------------------------------------- signals
