@@ -606,3 +606,23 @@ def test_a_default_output_that_cannot_be_written_is_refused_before_the_work(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"default output (-o gives another) '{folder}/" in err
     assert "a folder on its path is a file" in err
+
+
+@pytest.mark.parametrize("verb", ["inspect", "sweep"])
+def test_a_plot_name_not_ending_in_png_is_refused_before_any_output(verb, files, tmp_path,
+                                                                     capsys, monkeypatch):
+    """``plan inspect PLAN --plot x.yaml`` printed the whole report, then exit 2: the
+    extension is now checked with the other outputs, before anything is printed or run."""
+    from planner.cli import main
+    import planner.plans.simulate
+
+    def worked(*a, **k):
+        raise AssertionError("the work ran before the --plot name was checked")
+    monkeypatch.setattr(planner.plans.simulate, "simulate", worked)
+    _, prof, plan = files
+    argv = {"inspect": ["inspect", str(plan)],
+            "sweep": ["sweep", str(prof), "--gpu-mem", "30G:80G:10G"]}[verb]
+    assert main(argv + ["--plot", str(tmp_path / "x.yaml")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "give a file name ending in .png" in err
+    assert list(tmp_path.iterdir()) == []

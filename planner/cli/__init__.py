@@ -333,6 +333,10 @@ def check_outputs(args) -> None:
         v = getattr(args, attr, None)
         if v is not None:
             check_output(v, inputs=inputs, what=f"{flag} output", make_parents=True)
+    plot = getattr(args, "plot", None)
+    if plot is not None and Path(plot).suffix.lower() != ".png":   # before the report prints
+        from planner.formats.fileio import _shown
+        raise UserError(f"--plot '{_shown(plot)}': give a file name ending in .png")
     if getattr(args, "output", "") is None:      # the verb's default output, as -o would be
         for path in _default_outputs(args):
             check_output(path, inputs=inputs, make_parents=True,
