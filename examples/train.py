@@ -29,8 +29,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout
 
 from planner.errors import UserError  # noqa: E402
@@ -40,16 +38,47 @@ from planner.sizes import fmt_seconds  # noqa: E402
 EXIT_RUNTIME = 4
 
 
+torch = None     # imported in main's try (_import_torch): seconds in which Ctrl-C is handled
+
+
 class _Terminated(KeyboardInterrupt):
     """SIGTERM: unwound like Ctrl-C, so the runtime's files go with the training loop."""
 
 
+_caught: list = []      # the signals whose exceptions were raised, in case one is swallowed
+
+
 def _on_sigterm(signum, frame):
-    raise _Terminated()
+    _caught.append(_Terminated())
+    raise _caught[-1]
+
+
+def _on_sigint(signum, frame):
+    _caught.append(KeyboardInterrupt())
+    raise _caught[-1]
+
+
+def _import_torch() -> None:
+    """``import torch`` inside main's try, so that Ctrl-C (or SIGTERM) in its seconds is the
+    one-line exit, not a traceback. torch's C code can discard the exception a handler
+    raises: the handler records it, and it is raised again once the import returns."""
+    global torch
+    prev = None
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        prev = signal.signal(signal.SIGINT, _on_sigint)
+    try:
+        import torch as _torch
+    finally:
+        if prev is not None:
+            signal.signal(signal.SIGINT, prev)
+    if _caught:
+        raise _caught[0]
+    torch = _torch
 
 
 def _runtime_errors() -> tuple:
     """The errors a user can cause that stop training (exit 4)."""
+    import torch
     from runtime.files import OffloadError
     from runtime.recompute import RecomputeMismatch
     return (OffloadError, RecomputeMismatch, torch.OutOfMemoryError, MemoryError)
@@ -142,7 +171,9 @@ def main(argv=None) -> int:
     previous, finished = None, False
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    _caught.clear()
     try:
+        _import_torch()
         if engine:
             args.device = _start_ranks(engine, args.device)
             import torch.distributed as dist

@@ -20,3 +20,10 @@ class NoFitError(UserError):
         super().__init__(message)
         self.budget = budget
         self.needed_bytes = needed_bytes
+
+
+# The signals ``plan`` caught in this command, as the exceptions its handlers raised
+# (``planner.cli``): a C extension can swallow one (Ctrl-C during ``import torch``), so the
+# command's end and ``write_atomic`` look here too. Cleared as each ``plan`` command starts and
+# ends; only the CLI's handlers fill it.
+CAUGHT_SIGNALS: list = []

@@ -364,7 +364,8 @@ class _Runner:
             predicted=plan.predicted.to_dict(), predicted_moved=self.predicted_moved,
             predicted_static_bytes=int(static_pred), rank=engines.rank(),
             world_size=plan.world_size, engine=plan.engine,
-            units=[u.name for u in plan.units], structure_hash=plan.model.get("structure_hash"))
+            units=[u.name for u in plan.units], structure_hash=plan.model.get("structure_hash"),
+            dtype=str(plan.model.get("dtype") or ""))
         self.clock = StageClock([u.name for u in plan.units], self.device)
         if self.phase is not None:
             self.phase.clock = self.clock     # times the updates (plan calibrate's optimizer_s)

@@ -247,6 +247,10 @@ def _mismatch(tmp_path, trained, change):
     (lambda d: d.update(structure_hash="deadbeef"), "structure hash deadbeef"),
     (lambda d: d.update(units=[]), "has no per-unit times"),
     (lambda d: d["plan"].update(batch=B + 1), "ran --batch 3"),
+    # another machine or dtype: its times would be written into a profile claiming this one
+    (lambda d: d.update(device="cuda"), "ran on device cuda but profile"),
+    (lambda d: d["plan"].update(hardware="h100-80g"), "ran on hardware 'h100-80g'"),
+    (lambda d: d.update(dtype="bf16"), "ran in bf16 but profile"),
     (lambda d: d["steps"][0]["units"]["head"].update(fwd_s=-1), "fwd_s must be"),
     (lambda d: d["steps"][0]["units"]["head"].update(zap=1.0), "'zap' is not one of"),
 ])
@@ -258,6 +262,17 @@ def test_a_report_of_another_profile_is_one_line_exit_2(tmp_path, trained, capsy
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
     assert not out.exists()
+
+
+def test_the_report_records_the_dtype_and_a_run_of_the_same_machine_calibrates(tmp_path,
+                                                                              trained, capsys):
+    pp, rp, rep = _profile_and_report(tmp_path, trained)
+    assert rep.dtype == "fp32" and load_report(rp).dtype == "fp32"
+    # a CPU profile (not only an estimated one) calibrated from a CPU run of it
+    d = json.loads(pp.read_text())
+    d["device"] = "cpu"
+    pp.write_text(json.dumps(d))
+    assert main(["calibrate", str(pp), "--report", str(rp), "-o", str(tmp_path / "c.json")]) == 0
 
 
 def test_calibrate_never_overwrites_its_input(tmp_path, trained, capsys):

@@ -391,6 +391,37 @@ def test_a_signal_whose_exception_an_extension_swallows_is_still_reported_as_the
         cli.main(["inspect", "nothing.json"])
 
 
+@pytest.mark.parametrize("sig,code,says", [(signal.SIGINT, 130, "plan: interrupted"),
+                                           (signal.SIGTERM, 143, "plan: terminated by SIGTERM")])
+def test_a_signal_swallowed_before_a_verb_succeeds_still_ends_it_and_writes_nothing(
+        monkeypatch, capsys, tmp_path, sig, code, says):
+    """Ctrl-C during ``import torch``: torch's C code can discard the KeyboardInterrupt and
+    the verb goes on to its end. It wrote its output and exited 0; now the writer refuses to
+    publish once a signal was caught, and ``main`` ends with the signal's line and code."""
+    from planner import cli
+    from planner.errors import CAUGHT_SIGNALS
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT is not Python's default handler here")
+    prof = write_json_atomic(tmp_path / "prof.json",
+                             uniform_profile(3, load_hardware("h100-80g")).to_dict())
+    real = cli._dispatch
+
+    def swallowing(args):
+        import contextlib
+        with contextlib.suppress(KeyboardInterrupt):     # as torch's import can
+            os.kill(os.getpid(), sig)
+            time.sleep(5)                  # the handler raises here
+        return real(args)
+    monkeypatch.setattr(cli, "_dispatch", swallowing)
+    out = tmp_path / "plan.json"
+    assert cli.main(["solve", str(prof), "--gpu-mem", "80G", "-o", str(out)]) == code
+    assert capsys.readouterr().err.strip() == says
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prof.json"]   # no output, no temp
+    assert CAUGHT_SIGNALS == []            # cleared: a later command in this process writes
+    monkeypatch.setattr(cli, "_dispatch", real)
+    assert cli.main(["solve", str(prof), "--gpu-mem", "80G", "-o", str(out)]) == 0
+
+
 def test_ctrl_c_in_the_training_example_is_one_line_and_leaves_no_file(tmp_path):
     """examples/train.py under an offload plan, interrupted in its third step: one line
     ('train: interrupted'), exit 130, no traceback, no offload file left (it printed a
@@ -410,6 +441,43 @@ def test_ctrl_c_in_the_training_example_is_one_line_and_leaves_no_file(tmp_path)
     assert proc.returncode == 130, err[-800:]
     assert err.strip().splitlines()[-1] == "train: interrupted" and "Traceback" not in err
     assert not any(p.is_file() for p in nvme.rglob("*"))
+
+
+CTRL_C_IN_IMPORT = """
+import os, runpy, signal, sys, time
+class Hook:          # Ctrl-C as torch's import reaches torch.nn: seconds in, deep inside it
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch.nn":
+            sys.meta_path.remove(self)
+            if sys.argv[1] == "swallowed":        # as torch's C code can discard it
+                try:
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(5)
+                except KeyboardInterrupt:
+                    pass
+            else:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)
+        return None
+sys.meta_path.insert(0, Hook())
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("how", ["raised", "swallowed"])
+def test_ctrl_c_while_the_training_example_imports_torch_is_one_line(tmp_path, how):
+    """Ctrl-C in the training example's first seconds (its ``import torch``) printed a
+    KeyboardInterrupt traceback; one that torch swallowed let it train on. Both are now
+    'train: interrupted', exit 130."""
+    wrap = tmp_path / "wrap.py"
+    wrap.write_text(CTRL_C_IN_IMPORT)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, str(wrap), how, str(ROOT / "examples" / "train.py"),
+                        "--model", "gpt-tiny", "--batch", "2", "--seq", "16", "--steps", "1"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 130, (r.returncode, r.stderr[-800:])
+    assert r.stderr.strip() == "train: interrupted" and "step 1" not in r.stdout
 
 
 def _train_plan(tmp_path):
@@ -506,3 +574,55 @@ def test_issue_27_paths_exit_2_with_one_line(files, case, tmp_path):
     err = _one_line_no_traceback(run(*argv, cwd=t), 2)
     assert needle in err, err
     assert not os.path.exists(out)
+
+
+@pytest.mark.parametrize("verb, folder, work", [
+    ("solve", "plans", "planner.solve.command.solve"),
+    ("search", "plans", "planner.cli.search._profiler"),
+    ("profile", "profiles", "planner.profile.cli.profile_model"),
+])
+def test_a_default_output_that_cannot_be_written_is_refused_before_the_work(
+        verb, folder, work, tmp_path, monkeypatch, capsys):
+    """Without -o, ``plans/...`` or ``profiles/...`` under the working directory: a regular
+    file named ``plans`` made ``plan solve`` solve for seconds and then fail. Default outputs
+    are now checked up front, as -o is (docs/reliability.md, "Outputs")."""
+    from planner.cli import main
+    import importlib
+    mod, name = work.rsplit(".", 1)
+
+    def worked(*a, **k):
+        raise AssertionError("the work ran before the output was checked")
+    monkeypatch.setattr(importlib.import_module(mod), name, worked)
+    prof = write_json_atomic(tmp_path / "prof.json",
+                             uniform_profile(3, load_hardware("h100-80g")).to_dict())
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / folder).write_text("not a folder")
+    argv = {"solve": ["solve", str(prof), "--gpu-mem", "80G"],
+            "search": ["search", "gpt-tiny", "--seq", "32", "--tokens-per-step", "64",
+                       "--gpu-mem", "80G", "--hardware", "h100-80g"],
+            "profile": ["profile", "gpt-tiny", "--batch", "2", "--seq", "16", "--device",
+                        "cpu", "--timing", "estimate"]}[verb]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"default output (-o gives another) '{folder}/" in err
+    assert "a folder on its path is a file" in err
+
+
+@pytest.mark.parametrize("verb", ["inspect", "sweep"])
+def test_a_plot_name_not_ending_in_png_is_refused_before_any_output(verb, files, tmp_path,
+                                                                     capsys, monkeypatch):
+    """``plan inspect PLAN --plot x.yaml`` printed the whole report, then exit 2: the
+    extension is now checked with the other outputs, before anything is printed or run."""
+    from planner.cli import main
+    import planner.plans.simulate
+
+    def worked(*a, **k):
+        raise AssertionError("the work ran before the --plot name was checked")
+    monkeypatch.setattr(planner.plans.simulate, "simulate", worked)
+    _, prof, plan = files
+    argv = {"inspect": ["inspect", str(plan)],
+            "sweep": ["sweep", str(prof), "--gpu-mem", "30G:80G:10G"]}[verb]
+    assert main(argv + ["--plot", str(tmp_path / "x.yaml")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "give a file name ending in .png" in err
+    assert list(tmp_path.iterdir()) == []

@@ -171,3 +171,149 @@ def test_solve_output_directory_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "is a directory; give a file name" in err
     assert list((tmp_path / "out").iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- reports
+
+def _report_dict():
+    """A three-step report of a synthetic run, with per-unit times and disk links."""
+    from planner.formats.report import Report, StepRecord
+    units = {"embedding": {"fwd_s": 0.001, "bwd_s": 0.002, "stall_s": 0.0},
+             "blocks.0": {"fwd_s": 0.01, "bwd_s": 0.02, "recompute_s": 0.0, "stall_s": 0.0}}
+    step = StepRecord(step_s=0.1, passes=1, peak_gpu_bytes=1 << 20, peak_cpu_bytes=0,
+                      peak_nvme_bytes=4096, peak_activation_bytes=1024, static_bytes=2048,
+                      base_bytes=1 << 28, moved={"nvme_read": 4096, "nvme_write": 4096},
+                      stall_s=0.01, units=units, after_backward_s=0.003,
+                      links={"nvme_read": {"bytes": 4096, "busy_s": 0.001},
+                             "nvme_write": {"bytes": 4096, "busy_s": 0.002}})
+    rep = Report(plan_path="p.json", policy="offload-all", device="cpu", hardware="cpu-host",
+                 batch=4, seq=128, micro_batches=1, predicted=_plan_dict()["predicted"],
+                 predicted_moved={"nvme_read": 4096}, steps=[step, step, step],
+                 units=list(units), structure_hash="b537f365520957cb")
+    return json.loads(json.dumps(rep.to_dict()))
+
+
+LINK = ("steps", 1, "links", "nvme_read")
+REPORT_BAD = [
+    (LINK, {"bytes": 4096}, "links nvme_read lacks 'busy_s'"),
+    (LINK, {"busy_s": 0.1}, "links nvme_read lacks 'bytes'"),
+    (LINK, True, "links nvme_read must be a JSON object"),
+    (LINK, None, "links nvme_read must be a JSON object"),
+    (LINK, 7, "links nvme_read must be a JSON object"),
+    (LINK, 1.5, "links nvme_read must be a JSON object"),
+    (LINK, "", "links nvme_read must be a JSON object"),
+    (LINK, [1], "links nvme_read must be a JSON object"),
+]
+
+
+@pytest.mark.parametrize("path, value, needle", REPORT_BAD)
+def test_bad_report_links_are_one_line(path, value, needle, tmp_path, capsys):
+    from planner.formats.report import load_report
+    d = _report_dict()
+    _set(d, path, value)
+    f = tmp_path / "rep.json"
+    f.write_text(json.dumps(d))
+    with pytest.raises(UserError) as e:
+        load_report(f)
+    _one_line(e, "step 1", needle, "handle.report().save")
+    # the verbs that read reports: one line, exit 2, nothing written
+    prof = write_json_atomic(tmp_path / "prof.json", _profile_dict())
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", str(prof), "--report", str(f), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err and not out.exists()
+
+
+@pytest.mark.parametrize("field", ["peak_gpu_bytes", "base_bytes"])
+def test_a_step_without_a_required_field_is_one_line(field, tmp_path):
+    from planner.formats.report import load_report
+    d = _report_dict()
+    del d["steps"][2][field]
+    f = tmp_path / "rep.json"
+    f.write_text(json.dumps(d))
+    with pytest.raises(UserError) as e:
+        load_report(f)
+    _one_line(e, "step 2", f"lacks '{field}'")
+    d["steps"][2][field] = None             # null is allowed: no figure was measured
+    f.write_text(json.dumps(d))
+    assert load_report(f).steps[2].to_dict()[field] is None
+
+
+def _paths(o, pre=()):
+    if pre:
+        yield pre
+    if isinstance(o, dict):
+        for k, v in o.items():
+            yield from _paths(v, pre + (k,))
+    elif isinstance(o, list):
+        for i, v in enumerate(o[:2]):
+            yield from _paths(v, pre + (i,))
+
+
+def test_report_mutations_load_or_give_one_line(tmp_path):
+    """Every field of a step set to each odd JSON value, or deleted: the report either loads
+    and every figure calibrate and inspect read can be computed, or one UserError line."""
+    from planner.formats.report import load_report_dict
+    base = _report_dict()
+    odd = [None, True, -1, 0, 1.5, -0.0, 2**70, "", "x\n", [], [1], {}, {"a": 1}, KeyError]
+    for path in _paths(base["steps"][1], ("steps", 1)):
+        for v in odd:
+            d = copy.deepcopy(base)
+            if v is KeyError:
+                obj = d
+                for k in path[:-1]:
+                    obj = obj[k]
+                del obj[path[-1]]
+            else:
+                _set(d, path, v)
+            try:
+                rep = load_report_dict(d, "r.json")
+            except UserError as e:
+                assert "\n" not in str(e), (path, v)
+                continue
+            rep.link_rates(), rep.unit_times(), rep.stage_peaks(), str(rep)
+            rep.optimizer_seconds_per_element(), rep.after_backward_s(), rep.to_dict()
+
+
+# ----------------------------------------------------------------------------- duplicate keys
+
+def _with_duplicate(text: str, key: str, value: str) -> str:
+    """``text`` (indented JSON) with ``key`` given a second time in the object it opens."""
+    at = text.index(f'"{key}": ')
+    return text[:at] + f'"{key}": {value}, ' + text[at:]
+
+
+@pytest.mark.parametrize("kind", ["plan", "profile", "report"])
+def test_a_key_given_twice_in_a_json_file_is_one_line(kind, tmp_path, capsys):
+    from planner.formats.report import load_report
+    text, key, load = {
+        "plan": (GOLDEN.read_text(), "gpu_bytes", load_plan),
+        "profile": (json.dumps(_profile_dict(), indent=1), "optimizer_s", load_profile),
+        "report": (json.dumps(_report_dict(), indent=1), "device", load_report)}[kind]
+    f = tmp_path / f"{kind}.json"
+    f.write_text(_with_duplicate(text, key, '"80G"' if kind != "report" else '"cuda"'))
+    with pytest.raises(UserError) as e:
+        load(f)
+    _one_line(e, str(f), f"'{key}' twice")
+    if kind == "plan":
+        assert main(["inspect", str(f)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"'{key}' twice" in err
+
+
+def test_a_key_given_twice_in_a_yaml_spec_is_one_line(tmp_path, capsys):
+    from planner.hardware import HARDWARE_DIR
+    text = (HARDWARE_DIR / "a100-80g.yaml").read_text()
+    f = tmp_path / "hw.yaml"
+    f.write_text(text + "memory_bytes: 1000\n")
+    with pytest.raises(UserError) as e:
+        load_hardware(str(f))
+    _one_line(e, str(f), "'memory_bytes' given twice")
+    prof = write_json_atomic(tmp_path / "prof.json", _profile_dict())
+    assert main(["solve", str(prof), "--gpu-mem", "80G", "--hardware", str(f),
+                 "-o", str(tmp_path / "o.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "given twice" in err and not (tmp_path / "o.json").exists()
+    # a merge may still be overridden by the mapping's own key: not a duplicate
+    f.write_text(text.replace("efficiency: 0.55", "<<: {efficiency: 0.3}\nefficiency: 0.55"))
+    assert load_hardware(str(f)).efficiency == 0.55

@@ -153,3 +153,13 @@ def test_a_measured_tier_figure_replaces_the_array():
     assert "calibrated" in s.sources["nvme_drives"] and "12 drives" in s.sources["nvme_drives"]
     plain = load_hardware("a100-80g").to_dict()
     assert without_nvme_array(plain, "x") == plain
+
+
+@pytest.mark.parametrize("extra", [0, 1, 10**15])
+def test_reserved_bytes_at_or_above_the_devices_memory_is_one_line(extra):
+    """A spec reserving all of the device's memory (or more) was loaded, and every solve then
+    said "raise --gpu-mem to 909.50 TiB": the spec is now refused naming reserved_bytes."""
+    d = _base(nvme_read_bandwidth=7e9, nvme_write_bandwidth=5e9)
+    _one_line(dict(d, reserved_bytes=d["memory_bytes"] + extra), "reserved_bytes",
+              "is not below memory_bytes", "lower reserved_bytes")
+    assert _load(dict(d, reserved_bytes=d["memory_bytes"] - 1)).reserved_bytes > 0

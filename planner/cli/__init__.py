@@ -25,8 +25,9 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
-from planner.errors import UserError
+from planner.errors import CAUGHT_SIGNALS, UserError
 
 EPILOG = {
     "profile": "example: plan profile gpt2-small --batch 8 --seq 1024 --device meta --hardware a100-80g",
@@ -332,6 +333,28 @@ def check_outputs(args) -> None:
         v = getattr(args, attr, None)
         if v is not None:
             check_output(v, inputs=inputs, what=f"{flag} output", make_parents=True)
+    plot = getattr(args, "plot", None)
+    if plot is not None and Path(plot).suffix.lower() != ".png":   # before the report prints
+        from planner.formats.fileio import _shown
+        raise UserError(f"--plot '{_shown(plot)}': give a file name ending in .png")
+    if getattr(args, "output", "") is None:      # the verb's default output, as -o would be
+        for path in _default_outputs(args):
+            check_output(path, inputs=inputs, make_parents=True,
+                         what="default output (-o gives another)")
+
+
+def _default_outputs(args) -> list:
+    """What a verb writes without ``-o``: ``plan solve``'s exact path; ``plan profile`` and
+    ``plan search`` name theirs after the model, known only once it is built, so a name in
+    their folder stands for it (the folder is what can be wrong: a file named ``plans``)."""
+    if args.verb == "solve" and isinstance(getattr(args, "profile", None), str):
+        from planner.solve.command import default_plan_path
+        return [default_plan_path(args)]
+    if args.verb == "profile":
+        return [Path("profiles") / "MODEL.json"]
+    if args.verb == "search":
+        return [Path("plans") / "MODEL.json"]
+    return []
 
 
 # ----------------------------------------------------------------------------- signals
@@ -354,7 +377,7 @@ class OutOfTime(KeyboardInterrupt):
 # handler raises and raise its own instead (highspy's pybind11 layer, interrupted while it
 # converts an argument, raises "TypeError: ... incompatible function arguments"), so ``main``
 # reports an error that follows a signal as the signal.
-_caught: list = []
+_caught: list = CAUGHT_SIGNALS      # one list: write_atomic refuses to publish after one
 
 
 def _raise_interrupted(signum, frame):
@@ -442,7 +465,10 @@ def main(argv=None) -> int:
             return 2
         with _signals(args):
             check_outputs(args)
-            return _dispatch(args)
+            rc = _dispatch(args)
+        if _caught:        # swallowed on its way up (a C extension): still the signal's end
+            return _stopped(_caught[0], args)
+        return rc
     except UserError as e:
         if _caught:
             return _stopped(_caught[0], args)
@@ -460,6 +486,8 @@ def main(argv=None) -> int:
         if _caught:             # the signal's own exception was swallowed on its way up
             return _stopped(_caught[0], args)
         raise
+    finally:
+        _caught.clear()
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import unicodedata
 from pathlib import Path
 from typing import Any, Iterable
 
-from planner.errors import UserError
+from planner.errors import CAUGHT_SIGNALS, UserError
 
 # The largest file a loader reads. A 10,000-unit plan is ~60 MB of JSON; 256 MiB leaves room
 # while bounding memory (json.loads takes ~10x the text size in objects).
@@ -257,16 +257,36 @@ def _check_strings(obj, where: str, fix: str) -> None:
             stack.extend(o)
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicates(pairs: list) -> dict:
+    """An object's members as a dict; a key given twice raises (``json`` keeps the last one
+    silently, so an edit that adds a field beside the old one would load either)."""
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _DuplicateKey(k)
+            seen.add(k)
+    return d
+
+
 def parse_json_text(text: str, where: str, fix: str) -> Any:
-    """Strict JSON: no NaN/Infinity (refused naming the field that holds one), bounded
-    depth, no lone surrogates."""
+    """Strict JSON: no NaN/Infinity (refused naming the field that holds one), no key twice
+    in one object, bounded depth, no lone surrogates."""
     seen = []
 
     def constant(name):
         seen.append(name)
         return _NONFINITE[name]
     try:
-        obj = json.loads(text, parse_constant=constant)
+        obj = json.loads(text, parse_constant=constant, object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as e:
+        raise UserError(f"{where} gives the key {_shown(e.args[0])[:80]!r} twice in one "
+                        f"object (which one counts is ambiguous); remove one, or {fix}") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{where} is not valid JSON (line {e.lineno} column {e.colno}: "
                         f"{e.msg}); {fix}") from None
@@ -392,6 +412,8 @@ def write_atomic(path: str | os.PathLike, write, binary: bool = False, *, inputs
         # Checked again just before the rename: the target may have become a device or an
         # input since the first check (the rename itself replaces only the name).
         check_output(path, inputs=inputs, what=what)
+        if CAUGHT_SIGNALS:     # a signal swallowed on its way up: the command is ending
+            raise CAUGHT_SIGNALS[0]
         os.replace(tmp, path)
     except BaseException as e:
         with contextlib.suppress(OSError):

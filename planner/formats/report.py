@@ -61,16 +61,13 @@ class StepRecord:
 
     @classmethod
     def from_dict(cls, d, where: str) -> "StepRecord":
-        require(d, ("step_s", "passes", "peak_cpu_bytes", "peak_nvme_bytes",
-                     "peak_activation_bytes", "static_bytes"), where, _FIX)
+        # every field without a default is required (peak_gpu_bytes and base_bytes may be null)
+        require(d, ("step_s", "passes", "peak_gpu_bytes", "peak_cpu_bytes", "peak_nvme_bytes",
+                     "peak_activation_bytes", "static_bytes", "base_bytes"), where, _FIX)
         check_fields(d, _STEP_FIELDS, where, _FIX)
         _check_moved(d.get("moved", {}), f"{where} moved")
         _check_unit_times(d.get("units", {}), f"{where} units")
-        for k, v in d.get("links", {}).items():
-            if k not in LINKS:
-                raise UserError(f"{where} links: {str(k)[:40]!r} is not one of "
-                                f"{', '.join(LINKS)}; {_FIX}")
-            check_fields(v, {"bytes": "bytes", "busy_s": "seconds"}, f"{where} links {k}", _FIX)
+        _check_links(d.get("links", {}), f"{where} links")
         for k in ("after_backward_s", "optimizer_compute_s"):
             if d.get(k) is not None:
                 check_fields(d, {k: "seconds"}, where, _FIX)
@@ -89,6 +86,18 @@ def _check_moved(moved: dict, where: str) -> None:
             raise UserError(f"{where}: link {str(k)[:40]!r} is not one of {', '.join(LINKS)}; "
                             f"{_FIX}")
     check_fields(moved, {k: "bytes" for k in LINKS}, where, _FIX)
+
+
+def _check_links(links: dict, where: str) -> None:
+    """Per disk link, a record of the bytes it moved and the seconds it was busy, both there."""
+    for k, v in links.items():
+        if k not in LINKS:
+            raise UserError(f"{where}: {str(k)[:40]!r} is not one of {', '.join(LINKS)}; {_FIX}")
+        if not isinstance(v, dict):
+            raise UserError(f"{where} {k} must be a JSON object with bytes and busy_s, got "
+                            f"{short_repr(v)}; {_FIX}")
+        require(v, ("bytes", "busy_s"), f"{where} {k}", _FIX)
+        check_fields(v, {"bytes": "bytes", "busy_s": "seconds"}, f"{where} {k}", _FIX)
 
 
 UNIT_TIMES = ("fwd_s", "bwd_s", "recompute_s", "stall_s")
@@ -167,6 +176,7 @@ class Report:
     structure_hash: str | None = None           # the plan's (its profile's) structure hash
     compute_threads: int = 0          # CPU: torch's intra-op threads under the plan (0: left)
     nvme_io: str = ""                 # how the NVMe files were read and written ("": none)
+    dtype: str = ""                   # the plan's (its profile's) dtype ("": an older report)
 
     @property
     def measured(self) -> Measured | None:
@@ -293,6 +303,7 @@ class Report:
                 "world_size": self.world_size, "engine": self.engine,
                 "units": list(self.units), "structure_hash": self.structure_hash,
                 "compute_threads": self.compute_threads, "nvme_io": self.nvme_io or None,
+                "dtype": self.dtype or None,
                 "measured_units": self.unit_times(), "measured_links": self.link_rates()}
 
     def _time_rows(self) -> tuple[list, list]:
@@ -378,7 +389,8 @@ def load_report_dict(d: dict, source: str = "report") -> Report:
                       "predicted_moved": "dict", "predicted_static_bytes": "bytes",
                       "rank": "count", "world_size": "count", "engine": "str",
                       "units": "list", "structure_hash": "str?",
-                      "compute_threads": "count", "nvme_io": "str?"}, where, _FIX)
+                      "compute_threads": "count", "nvme_io": "str?", "dtype": "name?"},
+                 where, _FIX)
     if not all(isinstance(n, str) for n in d.get("units", [])):
         raise UserError(f"{where}: units must be a list of unit names; {_FIX}")
     p = d["plan"]
@@ -401,7 +413,7 @@ def load_report_dict(d: dict, source: str = "report") -> Report:
                   engine=str(d.get("engine", "none")), units=list(d.get("units", [])),
                   structure_hash=d.get("structure_hash"),
                   compute_threads=int(d.get("compute_threads", 0)),
-                  nvme_io=str(d.get("nvme_io") or ""))
+                  nvme_io=str(d.get("nvme_io") or ""), dtype=str(d.get("dtype") or ""))
 
 
 def load_report(path) -> Report:

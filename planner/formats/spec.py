@@ -130,6 +130,10 @@ class HardwareSpec:
             raise UserError(f"{where}: memory_bandwidth must be positive; {fix}")
         if spec.memory_bytes <= 0:
             raise UserError(f"{where}: memory_bytes must be positive (the device's memory); {fix}")
+        if spec.reserved_bytes >= spec.memory_bytes:
+            raise UserError(f"{where}: reserved_bytes {spec.reserved_bytes} is not below "
+                            f"memory_bytes {spec.memory_bytes} (it is the part of the device's "
+                            "memory plans leave unused); lower reserved_bytes; " + fix)
         if not 1 <= spec.staging_buffers <= 64:
             raise UserError(f"{where}: staging_buffers must be 1 to 64; {fix}")
         if spec.sources and not all(isinstance(k, str) and isinstance(v, str)

@@ -53,6 +53,21 @@ class _PlainLoader(yaml.SafeLoader):
                                               ev.start_mark)
         return super().compose_node(parent, index)
 
+    def construct_mapping(self, node, deep=False):
+        """A key given twice in one mapping is refused (PyYAML keeps the last one silently);
+        a merge (``<<``) may still be overridden by the mapping's own keys."""
+        seen: set = set()
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+                continue
+            key = self.construct_object(key_node)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {str(key)[:80]!r} given twice",
+                    key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
 
 def read_yaml_mapping(source: Path, what: str, example: str, label: str | None = None,
                       names: str = "") -> dict:

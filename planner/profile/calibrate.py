@@ -14,7 +14,8 @@ Everything else (bytes, FLOPs, structure) is unchanged. Provenance goes into the
 calibration time) and the hardware's ``sources`` for each bandwidth replaced.
 
 The report must be of this profile: the same unit names in the same order and the same
-structure hash; otherwise exit 2 in one line. The input is never overwritten: ``-o`` names
+structure hash, run on the profile's device and hardware spec in its dtype; otherwise exit 2
+in one line. The input is never overwritten: ``-o`` names
 the output (default ``<profile>-calibrated.json`` beside it).
 """
 from __future__ import annotations
@@ -58,12 +59,35 @@ def check_match(profile: Profile, report: Report, ppath: str, rpath: str) -> Non
         raise UserError(f"report '{rpath}' is not of profile '{ppath}': structure hash "
                         f"{report.structure_hash} against {h}; give the profile the run's plan "
                         "was solved from")
+    _check_machine(profile, report, ppath, rpath)
     for k in ("batch", "seq"):
         want = int(profile.model.get(k) or 0)
         got = getattr(report, k)
         if want and got and got != want:
             raise UserError(f"report '{rpath}' ran --{k} {got} but profile '{ppath}' is "
                             f"--{k} {want}; calibrate a profile of the shape that ran")
+
+
+def _check_machine(profile: Profile, report: Report, ppath: str, rpath: str) -> None:
+    """The run computed on the profile's hardware (device and spec name) in its dtype: times
+    measured elsewhere would be written into a profile that claims this machine."""
+    hw = profile.hardware or {}
+    fix = ("profile the model on the machine the run used (plan profile ... --hardware SPEC) "
+           "and calibrate that profile")
+    devices = {hw.get("device"), profile.device} - {None, "", "meta"}
+    for dev in sorted(devices):
+        if report.device != dev:
+            raise UserError(f"report '{rpath}' ran on device {report.device} but profile "
+                            f"'{ppath}' is of device {dev} (hardware {hw.get('name')}); {fix}")
+    name = hw.get("name")
+    if name and report.hardware not in ("", "None") and report.hardware != name:
+        raise UserError(f"report '{rpath}' ran on hardware {report.hardware!r} but profile "
+                        f"'{ppath}' is of hardware {name!r}; {fix}")
+    dtype = profile.model.get("dtype")
+    if dtype and report.dtype and report.dtype != dtype:
+        raise UserError(f"report '{rpath}' ran in {report.dtype} but profile '{ppath}' is "
+                        f"{dtype}; calibrate a profile of the dtype that ran (plan profile ... "
+                        f"--dtype {report.dtype})")
 
 
 def calibrate(profile: Profile, report: Report, ppath: str, rpath: str) -> tuple[Profile, dict]:

@@ -117,6 +117,11 @@ def solve_options(args, profile: Profile) -> tuple:
                     shard_homes=getattr(args, "shard_homes", "runnable"))
 
 
+def default_plan_path(args) -> Path:
+    """Where ``plan solve`` writes without ``-o``: ``plans/<profile>-<gpu-mem>.json``."""
+    return Path("plans") / f"{Path(args.profile).stem}-{str(args.gpu_mem).strip()}.json"
+
+
 def cli_solve(args) -> int:
     t_start = time.perf_counter()     # --time-limit bounds the whole command, loading included
     check_nvme_dir(args)
@@ -128,8 +133,7 @@ def cli_solve(args) -> int:
         kw["time_limit"] = max(0.5, kw["time_limit"] - (time.perf_counter() - t_start)
                                - WRITE_S_PER_UNIT * len(profile.layers))
     out = solve(profile, args.profile, SolveConfig.build(hw, budgets, **kw))
-    path = Path(args.output) if args.output else (
-        Path("plans") / f"{Path(args.profile).stem}-{str(args.gpu_mem).strip()}.json")
+    path = Path(args.output) if args.output else default_plan_path(args)
     write_json_atomic(path, out.plan.to_dict())
     print(path)
     print(summary_line(out.plan))
