@@ -117,3 +117,29 @@ def test_the_home_is_offered_only_where_the_static_state_is_over_the_device_budg
     assert simulate(plan).step_s == pytest.approx(r.step_s, rel=1e-12)
     plain, _ = plan_and_sim(prof, None, hw, roomy, "keep-all", cm_base_layers(prof, hw))
     assert not any(UP in hs for hs in cost_model_of(plain).homes)
+
+
+def test_where_the_host_steps_far_slower_the_home_is_offered_at_every_budget():
+    """A budget just above the static state gave a plan many times slower than one just below
+    it where the host's Adam is slow (57x on a Mixtral with CPU Adam at 1e6 params/s): below,
+    the home was offered; above, only the host's step. Where the host's step takes more than
+    ``STATE_UP_CLEAR`` times the home's, it is no near-tie and is offered at every budget; on
+    the stock spec (0.71 s against 0.44 s a block) nothing changes. (The Mixtral: 8 GiB
+    33.19 s against 6 GiB 0.576 s before; 0.444 s against 0.576 s after.)"""
+    import dataclasses
+
+    from planner.costmodel.options import STATE_UP_CLEAR
+    hw = load_hardware("h200")
+    slow = dataclasses.replace(hw, cpu_adam_params_per_s=1e8)
+    prof = _profile(slow)
+    static = sum(u.param_bytes + u.grad_bytes + u.optimizer_bytes for u in prof.layers)
+    below, above = Budgets(static - 4 * GiB, 512 * GiB, 0), Budgets(static + 4 * GiB, 512 * GiB, 0)
+    cm = cost_model(prof, slow, above)
+    assert not cm.static_over
+    blocks = [j for j, u in enumerate(prof.layers) if u.kind == "block"]
+    assert all(UP in cm.homes[j] for j in blocks)
+    assert not any(UP in hs for hs in cost_model(_profile(hw), hw, above).homes)
+    assert STATE_UP_CLEAR > 1
+    # the homes offered do not shrink as the budget grows past the static state
+    assert cost_model(prof, slow, below).static_over
+    assert all(set(a) <= set(b) for a, b in zip(cost_model(prof, slow, below).homes, cm.homes))

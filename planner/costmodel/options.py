@@ -10,6 +10,11 @@ from planner.costmodel.layout import KINDS, Lin, View, Windows
 from planner.formats import Home, Tier, UnitKind
 
 
+# a host step this many times slower than the state-up step is no near-tie: state-up is offered
+# at every budget (``_offers_state_up``)
+STATE_UP_CLEAR = 2.0
+
+
 class OptionRules:
     """Homes, choices and windows of a ``CostModel`` (which holds the data they read)."""
 
@@ -97,14 +102,10 @@ class OptionRules:
         # The state on the host, stepped on the device (weights and gradients stay there): it
         # comes up over H2D for the step and goes back over D2H (``state_up``; the runtime's
         # ``StagedUnit.step_device``). Offered where the static state cannot all stay on the
-        # device: where it can, a plan moves a few units' state off to make room for
-        # activations, the host steps those few beside the device's work, and the near-tie
-        # between the two homes only slowed the search (gpt2-xl at half its activations: 3.4
-        # -> 45 s for no faster plan; docs/streaming.md, "Homes"); a given plan that takes it
-        # is checked with it offered (``state_up_homes_for``). The same with the state on
-        # NVMe is priced alike but not offered: it runs nowhere yet, and its columns slowed
-        # the 175B solves
-        if self.has_cpu and (self.static_over or self.state_up_homes == "all"):
+        # device, or where the host's step is far slower (``_offers_state_up``). The same with
+        # the state on NVMe is priced alike but not offered: it runs nowhere yet, and its
+        # columns slowed the 175B solves
+        if self.has_cpu and self._offers_state_up(i):
             out.append(Home(G_, G_, C_, G_))
         if not self.has_cpu or self.hw.cpu_adam_params_per_s <= 0:
             return out
@@ -125,6 +126,28 @@ class OptionRules:
                         continue
                     out.append(Home(w, g, o, C_))
         return out
+
+    def _offers_state_up(self, i: int) -> bool:
+        """Whether unit i is offered the state-up home: where the static state exceeds the
+        device budget (some state must leave), for a given plan's check
+        (``state_up_homes_for``), or where a host step of the unit takes more than
+        ``STATE_UP_CLEAR`` times the state-up step's link and device time. Where the state fits,
+        a plan moves a few units' state off to make room for activations, and a near-tie
+        between the host's step and the state-up one only slowed the search (gpt2-xl at half
+        its activations: 3.4 -> 45 s for no faster plan; docs/streaming.md, "Homes"). But
+        offered below the static state and not above, a budget just above it was slower than
+        one just below wherever the host steps slowly (57x on a spec with CPU Adam at 1e6
+        params/s): the clear case is offered at every budget."""
+        if self.static_over or self.state_up_homes == "all":
+            return True
+        hw = self.hw
+        link = min(hw.h2d_bandwidth, hw.d2h_bandwidth)
+        if link <= 0:
+            return False
+        up = 2 * self.O[i] / link + self.t_dev_opt[i]
+        rate = hw.cpu_adam_params_per_s
+        host = (self.N[i] / rate if rate > 0 else math.inf) + (self.G[i] + self.P[i]) / link
+        return host > STATE_UP_CLEAR * up
 
     def _choices(self, i: int) -> list[str]:
         x = self.units[i]
