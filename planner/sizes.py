@@ -50,7 +50,15 @@ def parse_size(text, what: str = "size") -> int:
         raise UserError(
             f"{what}: '{shown}' is not a size; use a number with K, M, G, T (powers of 1024), "
             "KB, MB, GB, TB (powers of 1000) or KiB..TiB, e.g. 80G")
-    value = Fraction(m.group(1)) * _UNITS[m.group(2).upper()]
+    unit = m.group(2)
+    if len(unit) == 2 and unit[0] in "KMGT" and unit[1] == "b":
+        # "Gb" is gigabits in the usual notation: which was meant is not ours to guess
+        raise UserError(f"{what}: '{shown}' reads as {unit[0]}bits ('b' is a bit); write "
+                        f"{unit[0]}B or {unit[0]}iB for bytes, e.g. 80GB or 80G")
+    value = Fraction(m.group(1)) * _UNITS[unit.upper()]
+    if _UNITS[unit.upper()] == 1 and value.denominator != 1:
+        raise UserError(f"{what}: '{shown}' is a fraction of a byte; give whole bytes or a "
+                        "unit, e.g. 80G or 0.5G")
     n = round(value)
     if n > MAX_BYTES:
         raise UserError(f"{what}: '{shown}' is more than 1 EiB; give a smaller size, e.g. 80G")

@@ -16,12 +16,18 @@ from synthetic import uniform_profile
     ("80G", 80 * 1024**3), ("80GiB", 80 * 1024**3), ("80GB", 80 * 10**9),
     ("1.5T", int(1.5 * 1024**4)), ("512MiB", 512 * 1024**2), ("512MB", 512 * 10**6),
     ("123", 123), ("0", 0), ("4k", 4096), (" 2 G ", 2 * 1024**3), (7, 7),
+    ("80gb", 80 * 10**9), ("2.0", 2), ("0.5K", 512), ("1.5B", None),
 ])
 def test_parse_size(text, expected):
+    if expected is None:               # a fraction of a byte, below
+        with pytest.raises(UserError, match="fraction of a byte"):
+            parse_size(text)
+        return
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["80X", "-1G", "G", "", "1.2.3G", "80 GBs", -5])
+@pytest.mark.parametrize("text", ["80X", "-1G", "G", "", "1.2.3G", "80 GBs", -5,
+                                  "0.1", "80Gb", "1Tb"])   # a tenth of a byte; gigabits
 def test_parse_size_rejects(text):
     with pytest.raises(UserError) as e:
         parse_size(text, "--gpu-mem")
