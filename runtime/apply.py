@@ -895,10 +895,11 @@ class _Runner:
             # the prediction is for K passes a step: with more, memory and time are not it
             # (found running a --micro-batches 1 plan with two passes: 6.6% above its peak)
             self.passes_warned = True
-            warnings.warn(f"tierplan: this optimizer step ran {self.step_passes} forward/backward "
-                          f"pass(es) but the plan was solved for --micro-batches {K}; its "
-                          f"memory and time predictions assume {K}: solve with --micro-batches "
-                          f"{self.step_passes}", stacklevel=2)
+            warnings.warn(f"tierplan: this optimizer step ran {self.step_passes} forward "
+                          f"pass(es) with gradients but the plan was solved for --micro-batches "
+                          f"{K}; its memory and time predictions assume {K}: solve with "
+                          f"--micro-batches {self.step_passes} (a forward that needs no backward, "
+                          "an evaluation, belongs under torch.no_grad())", stacklevel=2)
 
     def close(self):
         self.closed = True

@@ -550,7 +550,7 @@ def test_more_passes_a_step_than_the_plan_was_solved_for_is_said_once(tmp_path):
             opt.zero_grad()
     said = [x for x in got if "micro-batches" in str(x.message)]
     h.remove()
-    assert len(said) == 1 and "ran 2 forward/backward pass(es)" in str(said[0].message)
+    assert len(said) == 1 and "ran 2 forward pass(es) with gradients" in str(said[0].message)
     assert [s.passes for s in h.report().steps] == [1, 2, 2]
 
 
