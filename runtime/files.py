@@ -713,6 +713,12 @@ class NvmeStore:
                 raise
             self._leave_base()
         else:
+            if self.root is not None and Path(self.root).is_dir():
+                # there all along, yet no directory could be made in it: a file system that
+                # answers "no such file" to mkdir (/proc), not another process removing it
+                raise NvmeDirError(f"{self._where()}: no directory can be created in it (its "
+                                   "file system answers 'no such file or directory'); give a "
+                                   "directory on a local disk")
             raise NvmeDirError(f"{self._where()}: it kept disappearing while being created (20 "
                                "tries); give a directory no other process removes")
         self.pool = ThreadPoolExecutor(1, thread_name_prefix=IO_THREAD_PREFIX)

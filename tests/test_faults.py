@@ -287,6 +287,18 @@ def test_unwritable_nvme_dir_is_refused_up_front(tmp_path):
         assert str(ro) in msg and ("not writable" in msg or "cannot create" in msg)
 
 
+def test_a_directory_whose_file_system_refuses_new_directories_is_named_so(tmp_path):
+    """/proc/self exists but answers mkdir with 'no such file or directory': the store retried
+    as if another process kept removing it, then said so; it says what the directory is."""
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc here")
+    m = _model()
+    with pytest.raises(NvmeDirError) as e:
+        apply_plan(m, plan_for(m, "offload-all", B, S, nvme_dir="/proc/self"))
+    msg = _one_line(str(e.value))
+    assert "no directory can be created in it" in msg and "disappearing" not in msg
+
+
 def test_too_little_room_is_refused_up_front(tmp_path):
     """A disk without room for the plan's NVMe peak: refused by apply_plan, before a forward
     that would fill the disk and fail only at the backward."""
