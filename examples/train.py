@@ -269,6 +269,13 @@ def main(argv=None) -> int:
         print("train: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
+        if _caught:
+            # an error that followed a signal torch's C code swallowed (during its import):
+            # the signal's end, without importing torch again to classify the error
+            terminated = isinstance(_caught[0], _Terminated)
+            print("train: terminated by SIGTERM" if terminated else "train: interrupted",
+                  file=sys.stderr)
+            return 128 + signal.SIGTERM if terminated else 130
         if not isinstance(e, _runtime_errors()):
             raise
         line = " ".join(str(e).split()) or type(e).__name__

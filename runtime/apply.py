@@ -410,10 +410,14 @@ class _Runner:
         if self.overlap is not None:
             self.overlap.backward_ended()     # its compute is over (what waits is transfers)
         self.driver.finish()
+        self.steps_done()
+
+    def steps_done(self) -> None:
+        """At a backward's end (batch-major, or a layer-major run): under clip none the steps
+        beside it read the gradients they were handed, so they end before the loop gets the
+        gradients back (a clip scaled a unit's gradient while its paced step ran, and
+        remove() then raised that in place of the clip's refusal)."""
         if self.overlap is not None and self.overlap.clip == "none":
-            # the steps beside the backward read the gradients they were handed: they end
-            # before the loop gets the gradients back (a clip scaled a unit's gradient while
-            # its paced step ran, and remove() then raised that in place of the clip's refusal)
             self.overlap.quiesce()
 
     def quiesce(self) -> None:
@@ -1282,21 +1286,6 @@ def _executor(plan: Plan, src: str) -> Executor:
     return plan.executor
 
 
-def _check_threads(model, executor: Executor, src: str) -> None:
-    """Refuse, before anything is made, a CPU model's plan whose ``compute_threads`` exceeds
-    the cores this process may use (an edited plan set 100000: torch's thread pool crashed
-    the process, leaving its offload folder)."""
-    n = executor.compute_threads
-    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
-    if not n or dev.type != "cpu":
-        return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if cores and n > cores:
-        raise PlanMismatchError(f"{src}: executor.compute_threads is {n}, more than the {cores} "
-                                "cores this process may use; profile the model on this machine "
-                                "(plan profile --device cpu) and solve again")
-
-
 def _compute_threads(runner: _Runner, executor: Executor) -> list:
     """On a CPU device, torch's intra-op threads at the count the plan's profile was timed
     with (``executor.compute_threads``), as they were again at ``remove()``; the undo list.
@@ -1307,6 +1296,15 @@ def _compute_threads(runner: _Runner, executor: Executor) -> list:
     n = executor.compute_threads
     if runner.device.type != "cpu" or not n:
         return []
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if cores and n > cores:
+        # a profile from a larger host, or an edited plan (100000 threads crashed the process
+        # in torch's pool, leaving its offload folder): the cores there are
+        warnings.warn(f"tierplan: the plan's profile computed with {n} threads, but this "
+                      f"process may use {cores} cores: computing with {cores}, where the plan's "
+                      "times do not hold (profile the model on this machine with plan profile "
+                      "--device cpu, and solve again)", stacklevel=3)
+        n = cores
     was = torch.get_num_threads()
     runner.report.compute_threads = n
     if n == was:
@@ -1367,7 +1365,6 @@ def apply_plan(model: torch.nn.Module, plan: Plan | str | Path, *,
                         "which this runtime does not run; re-solve with --optimizer-overlap "
                         "off")
     executor = _executor(plan, src)
-    _check_threads(model, executor, src)
     blocks = bind(model, plan, src)      # runtime/binding.py: exact names, shapes, identity
     engines.check(plan, engine, model, blocks, src)
     if engine == "fsdp2":

@@ -323,6 +323,7 @@ class Run:
         finally:
             if r.driver.ctx is not None and r.driver.ctx() is self:
                 r.driver.finish()
+        r.steps_done()                   # clip none: no step beside the backward still runs
         out = list(self.losses)
         self._discard(keep_counts=True)
         return out

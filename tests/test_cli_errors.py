@@ -445,16 +445,18 @@ def test_ctrl_c_in_the_training_example_is_one_line_and_leaves_no_file(tmp_path)
 
 CTRL_C_IN_IMPORT = """
 import os, runpy, signal, sys, time
+MODE = sys.argv[1]   # (sys.argv is the example's by the time the hook runs)
 class Hook:          # Ctrl-C as torch's import reaches torch.nn: seconds in, deep inside it
     def find_spec(self, name, path=None, target=None):
         if name == "torch.nn":
             sys.meta_path.remove(self)
-            if sys.argv[1] == "swallowed":        # as torch's C code can discard it
+            if MODE in ("swallowed", "replaced"):   # as torch's C code can discard it
                 try:
                     os.kill(os.getpid(), signal.SIGINT)
                     time.sleep(5)
                 except KeyboardInterrupt:
-                    pass
+                    if MODE == "replaced":          # ... or raise its own in its place
+                        raise TypeError("incompatible function arguments")
             else:
                 os.kill(os.getpid(), signal.SIGINT)
                 time.sleep(5)
@@ -465,11 +467,12 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-@pytest.mark.parametrize("how", ["raised", "swallowed"])
+@pytest.mark.parametrize("how", ["raised", "swallowed", "replaced"])
 def test_ctrl_c_while_the_training_example_imports_torch_is_one_line(tmp_path, how):
     """Ctrl-C in the training example's first seconds (its ``import torch``) printed a
-    KeyboardInterrupt traceback; one that torch swallowed let it train on. Both are now
-    'train: interrupted', exit 130."""
+    KeyboardInterrupt traceback; one that torch swallowed let it train on; one replaced by
+    another error gave chained tracebacks (the error's handling imported torch again). All are
+    now 'train: interrupted', exit 130."""
     wrap = tmp_path / "wrap.py"
     wrap.write_text(CTRL_C_IN_IMPORT)
     env = dict(os.environ, PYTHONPATH=str(ROOT))

@@ -177,6 +177,26 @@ def test_a_step_split_over_two_runs_hands_units_over_in_the_last(family, tmp_pat
 
 
 @pytest.mark.parametrize("family", ["overlapped-none", "paced"])
+def test_a_run_returns_with_every_step_beside_its_backward_done(family, tmp_path):
+    """Under clip none ``run_micro_batches`` returns, as a batch-major backward does, once the
+    steps beside its backward have run: none still reads a gradient the loop gets back (the
+    embedding's paced step, five units' overlapped ones, were still running)."""
+    model, data, plan = _setup("llama", family, tmp_path / "nvme")
+    opt, _ = _optimizer(model)
+    handle = apply_plan(model, plan, optimizer=opt)
+    try:
+        handle.run_micro_batches(data[:K], _loss)
+        jobs = list(handle._r.overlap.jobs)
+        assert jobs and all(j.future.done() for j in jobs), \
+            [j.unit.name for j in jobs if not j.future.done()]
+        opt.step()
+        opt.zero_grad()
+    finally:
+        handle.remove()
+    assert _files(tmp_path / "nvme") == [] and _workers() == []
+
+
+@pytest.mark.parametrize("family", ["overlapped-none", "paced"])
 def test_a_second_run_before_opt_step_is_refused_in_one_line(family, tmp_path):
     """The units were stepped beside the first run's backward: more micro-batches before
     ``opt.step()`` cannot reach those steps, so the second run is refused before it starts."""

@@ -716,15 +716,19 @@ def test_a_cpu_plan_computes_with_the_threads_its_profile_was_timed_with(tmp_pat
         assert main(["solve", str(meta), "--gpu-mem", "1G", "-o", str(mplan)]) == 0
         with apply_plan(build_model("gpt-tiny", "fp32", "cpu"), str(mplan)):
             assert torch.get_num_threads() == 2
-        # an edited count beyond this machine's cores is refused in one line before anything
-        # is made (torch's pool at 100000 threads crashed the process)
+        # a count beyond the cores this process may use (an edited plan, or a profile from a
+        # larger host) computes with those cores, said once (torch's pool at 100000 threads
+        # crashed the process); so does a model built on the meta device and loaded from a
+        # checkpoint, whose device is known only inside apply_plan
+        cores = len(os.sched_getaffinity(0))
         d = json.loads(plan.read_text())
         d["executor"]["compute_threads"] = 100000
         bad = tmp_path / "bad.json"
         bad.write_text(json.dumps(d))
-        with pytest.raises(PlanMismatchError, match="compute_threads is 100000") as e:
-            apply_plan(build_model("gpt-tiny", "fp32", "cpu"), str(bad))
-        assert "\n" not in str(e.value) and torch.get_num_threads() == 2
+        with pytest.warns(UserWarning, match=f"computed with 100000 threads.*computing with {cores}"):
+            with apply_plan(build_model("gpt-tiny", "fp32", "cpu"), str(bad)) as h:
+                assert torch.get_num_threads() == cores and h.report().compute_threads == cores
+        assert torch.get_num_threads() == 2
         # and disk requests whose bounce buffers would pass 1 GiB are refused when read
         d["executor"].update(compute_threads=1, io_request_bytes=2**30, io_in_flight=1024)
         bad.write_text(json.dumps(d))

@@ -124,7 +124,7 @@ def test_where_the_host_steps_far_slower_the_home_is_offered_at_every_budget():
     it where the host's Adam is slow (57x on a Mixtral with CPU Adam at 1e6 params/s): below,
     the home was offered; above, only the host's step. Where the host's step takes more than
     ``STATE_UP_CLEAR`` times the home's, it is no near-tie and is offered at every budget; on
-    the stock spec (0.71 s against 0.44 s a block) nothing changes. (The Mixtral: 8 GiB
+    the stock h200 spec with this bf16 profile (0.71 s against 0.44 s a block) it is not. (The Mixtral: 8 GiB
     33.19 s against 6 GiB 0.576 s before; 0.444 s against 0.576 s after.)"""
     import dataclasses
 

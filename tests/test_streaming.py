@@ -297,6 +297,34 @@ def test_a_model_built_on_meta_is_filled_from_a_checkpoint_into_its_homes(refere
     assert _files(nvme) == []
 
 
+def test_a_meta_models_plan_with_more_threads_than_cores_computes_with_the_cores(reference,
+                                                                                tmp_path):
+    """The threads a plan computes with are checked on the device the model ends up on: a
+    model built on meta and filled from a checkpoint is a CPU model only inside apply_plan."""
+    import dataclasses
+    import os
+
+    from runtime import meta_parameters
+    cfg, model0, data, ref, ref_opt = reference
+    ck = tmp_path / "model.safetensors"
+    _save(model0, ck)
+    with meta_parameters():
+        model = build_model(cfg, dtype="fp32")
+    plan = plan_for(model0, "keep-all", B, S, nvme_dir=tmp_path / "nvme", micro_batches=K,
+                    homes={"blocks": HOMES["all-on-disk"]})
+    plan = dataclasses.replace(plan, executor=dataclasses.replace(plan.executor,
+                                                                  compute_threads=100000))
+    cores, was = len(os.sched_getaffinity(0)), torch.get_num_threads()
+    opt, _ = _optimizer(model)
+    with pytest.warns(UserWarning, match=f"computing with {cores}"):
+        handle = apply_plan(model, plan, optimizer=opt, checkpoint=ck)
+    try:
+        assert torch.get_num_threads() == cores
+    finally:
+        handle.remove()
+    assert torch.get_num_threads() == was and _files(tmp_path / "nvme") == []
+
+
 def test_a_checkpoint_that_does_not_match_is_one_line_and_leaves_no_file(reference, tmp_path):
     from planner.errors import UserError
     from runtime import PlanMismatchError, meta_parameters
