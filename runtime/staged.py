@@ -738,6 +738,8 @@ class StagedUnit(UnitStatic):
         """A loaded optimizer state to its home (``opt.load_state_dict``): on the host, the
         optimizer's own host tensors; on NVMe, its file."""
         self._state_to_host(opt_state)
+        if self.home.optimizer is Tier.CPU:
+            self._count_state(opt_state)     # host bytes from now, not from the first step
         if self.home.optimizer is Tier.NVME and state:
             UnitStatic.write_back(self, opt_state, weights=False)
         if weights and self.weights_out:

@@ -262,6 +262,41 @@ def test_state_dicts_and_gradients_through_the_staged_path(home, tmp_path):
     assert be.slab.in_use == 0
 
 
+@pytest.mark.parametrize("home", ["host", "nvme", "state-up"])
+def test_an_optimizer_with_state_before_apply_plan_through_the_staged_path(home, tmp_path):
+    """The state an optimizer holds when the plan is applied (a step taken before it) goes to
+    its homes on the staged path too: training goes on as plain PyTorch's, every copy waits
+    for its producer, and state at home on the host counts as host bytes from the start."""
+    model, data = MODELS["gpt"]()
+    ref = copy.deepcopy(model)
+    plan, opt, ropt, be = _keep_all_setup(model, ref, data, home, tmp_path)
+    for m, o in ((model, opt), (ref, ropt)):
+        torch.manual_seed(123)
+        for k in range(K):
+            (m(**data[k]).loss / K).backward()
+        o.step()
+        o.zero_grad()
+    with using(be):
+        handle = apply_plan(model, plan, optimizer=opt)
+        try:
+            if HOMES[home][1].optimizer is T.CPU:
+                state = sum(v.numel() * v.element_size() for s in handle._r.statics.values()
+                            for _, p in s.params for v in opt.state[p].values()
+                            if isinstance(v, torch.Tensor) and v.numel() > 1)
+                assert state and handle._r.counters.host >= state
+            for m, o in ((model, opt), (ref, ropt)):
+                torch.manual_seed(7)
+                for step in range(1, STEPS):
+                    for k in range(K):
+                        (m(**data[step * K + k]).loss / K).backward()
+                    o.step()
+                    o.zero_grad()
+            _assert_as_plain(model, ref, opt, ropt, be)
+        finally:
+            handle.remove()
+    assert _files(tmp_path / "nvme") == []
+
+
 def test_a_model_built_on_meta_fills_its_staged_homes_from_a_checkpoint(tmp_path):
     from safetensors.torch import save_model
 
