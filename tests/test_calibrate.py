@@ -341,8 +341,13 @@ def test_a_step_whose_rss_mark_lags_its_base_records_no_negative_rise(tmp_path, 
     # few pages below the VmRSS read at its start (seen: -268 KiB on this host); the report's
     # loader rejects a negative byte count, so such a report could not be read back.
     import runtime.apply
-    monkeypatch.setattr(runtime.apply, "read_status",
-                        lambda: {"VmRSS": 1 << 30, "VmHWM": (1 << 30) - 274432})
+    import runtime.report
+    # both readers: the step's base (apply) and its peak (report.read_peak); with the peak's
+    # read left real, the test failed once the process's own RSS passed the 1 GiB base (late
+    # in a long pytest run)
+    fake = lambda: {"VmRSS": 1 << 30, "VmHWM": (1 << 30) - 274432}  # noqa: E731
+    monkeypatch.setattr(runtime.apply, "read_status", fake)
+    monkeypatch.setattr(runtime.report, "read_status", fake)
     cfg = dict(load_config("gpt-tiny"), dtype="fp32", n_layers=2)
     model = build_model(cfg, dtype="fp32")
     rep = _train(plan_for(model, "keep-all", B, S), model, cfg, steps=2)
