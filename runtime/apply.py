@@ -1203,19 +1203,15 @@ def _state_home(runner: _Runner, opt) -> None:
     """The per-element optimizer state ``opt`` holds for units whose state is homed off the
     device, written to those homes and freed on the device (the step reads it from there)."""
     for s in runner.statics.values():
-        if s.state_out:
+        tens = s.state_tensors(opt.state) if s.state_out else []
+        if tens:
             # the optimizer may hold the caller's own tensors (``load_state_dict`` keeps those
             # already of the right dtype and device): the home gets copies, and freeing them
             # on the device leaves the caller's dict as it was
-            for _, p in s.params:
-                st = opt.state.get(p, {})
-                for key, v in list(st.items()):
-                    if isinstance(v, torch.Tensor) and v.numel() == p.numel() > 1:
-                        st[key] = v.clone()
-            tens = s.state_tensors(opt.state)
-            if tens:
-                s.state_layout = None            # rewritten from the values held
-                s.write_back(opt.state, weights=False)
+            for k, key, v in tens:
+                opt.state[s.params[k][1]][key] = v.clone()
+            s.state_layout = None                # rewritten from the values held
+            s.write_back(opt.state, weights=False)
 
 
 def _install_state_dict_hooks(runner: _Runner) -> list:

@@ -9,6 +9,7 @@ from functools import cached_property
 import networkx as nx
 
 from planner.costmodel.layout import KINDS, REC, TIERS, View
+from planner.costmodel.options import state_class_bytes
 from planner.formats import Home, Tier
 
 # The piece sizes the plan's shares and transients refer to (the runtime steps and accumulates
@@ -27,9 +28,7 @@ class MemoryRules:
         """Bytes of unit i's optimizer-state class: master and moments, plus, where the step
         runs on the host, has no fp32 master and the weights stay on the device, the host's
         own copy of the weights the step updates."""
-        extra = self.P[i] if (h.step is Tier.CPU and self.M[i] == 0
-                              and h.weights is Tier.GPU) else 0
-        return self.O[i] + extra
+        return state_class_bytes(self.O[i], self.P[i], self.M[i], h)
 
     def resident(self, i: int, h: Home) -> dict:
         """Bytes unit i holds on each tier for the whole step under home h (on a spec without

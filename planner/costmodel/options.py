@@ -41,10 +41,15 @@ class OptionRules:
     # -- what each unit may do --------------------------------------------------------------
 
     @cached_property
+    def static_bytes(self) -> int:
+        """The weights, gradients and optimizer state of every unit (one rank's share)."""
+        return sum(self.P[i] + self.G[i] + self.O[i] for i in range(self.U))
+
+    @cached_property
     def static_over(self) -> bool:
         """Whether the weights, gradients and optimizer state alone exceed the device budget:
         some state must then leave the device whatever the activations do."""
-        return sum(self.P[i] + self.G[i] + self.O[i] for i in range(self.U)) > self.budget["gpu"]
+        return self.static_bytes > self.budget["gpu"]
 
     def _homes(self, i: int, allow_streaming: bool) -> list[Home]:
         """``_all_homes``; paced, those whose gradient stays on the device: its step runs in the
@@ -296,15 +301,21 @@ def home_is_moot(h: Home, p: int, g: int, o: int) -> bool:
     return o == 0 and h.optimizer is not Tier.GPU and not streamed
 
 
+def state_class_bytes(o: int, p: int, m: int, h: Home) -> int:
+    """Bytes of a unit's optimizer-state class under home h (``MemoryRules.opt_copy``): master
+    and moments (``o``), plus, where the step runs on the host, has no fp32 master (``m`` 0) and
+    the weights stay on the device, the host's own copy of the ``p`` bytes of weights it
+    updates."""
+    return o + (p if (h.step is Tier.CPU and m == 0 and h.weights is Tier.GPU) else 0)
+
+
 def moot_homes_for(units, layers) -> str:
     """The cost model's ``moot_homes`` for given decisions: "keep" where one of them takes a
     moot home (``home_is_moot``; a plan written before solves dropped them still checks),
     else "drop". The state class's bytes are ``opt_copy``'s."""
     for u, d in zip(units, layers):
-        h = d.home
-        o = u.optimizer_bytes + (u.param_bytes if h.step is Tier.CPU and u.master_bytes == 0
-                                 and h.weights is Tier.GPU else 0)
-        if home_is_moot(h, u.param_bytes, u.grad_bytes, o):
+        o = state_class_bytes(u.optimizer_bytes, u.param_bytes, u.master_bytes, d.home)
+        if home_is_moot(d.home, u.param_bytes, u.grad_bytes, o):
             return "keep"
     return "drop"
 

@@ -258,7 +258,7 @@ def _check_strings(obj, where: str, fix: str) -> None:
 
 
 class _DuplicateKey(Exception):
-    pass
+    """A key given twice in one JSON object (``args[0]``), raised out of ``json.loads``."""
 
 
 def _no_duplicates(pairs: list) -> dict:

@@ -301,8 +301,7 @@ def _state_up_may_pay(cm: CostModel) -> bool:
     the host's step that slows their search."""
     if cm.unified or not cm.has_cpu or cm.static_over or cm.state_up_homes == "all":
         return False
-    static = sum(cm.P[i] + cm.G[i] + cm.O[i] for i in range(cm.U))
-    return static + sum(cm.A) + max(cm.W, default=0) > cm.budget["gpu"]
+    return cm.static_bytes + sum(cm.A) + max(cm.W, default=0) > cm.budget["gpu"]
 
 
 def _paced_too(cfg: SolveConfig, main: CostModel) -> bool:
