@@ -55,8 +55,9 @@ def parse_size(text, what: str = "size") -> int:
         # "Gb" is gigabits in the usual notation: which was meant is not ours to guess
         raise UserError(f"{what}: '{shown}' reads as {unit[0]}bits ('b' is a bit); write "
                         f"{unit[0]}B or {unit[0]}iB for bytes, e.g. 80GB or 80G")
-    value = Fraction(m.group(1)) * _UNITS[unit.upper()]
-    if _UNITS[unit.upper()] == 1 and value.denominator != 1:
+    scale = _UNITS[unit.upper()]
+    value = Fraction(m.group(1)) * scale
+    if scale == 1 and value.denominator != 1:
         raise UserError(f"{what}: '{shown}' is a fraction of a byte; give whole bytes or a "
                         "unit, e.g. 80G or 0.5G")
     n = round(value)
